@@ -1,0 +1,54 @@
+"""Defaults and the only reader of ``CLOUDSHARDS_*`` environment variables.
+
+Explicit arguments always win over the environment; the environment wins over the defaults.
+"""
+
+from __future__ import annotations
+
+import os
+
+from cloudshards.errors import ConfigError
+
+__all__ = [
+    "DEFAULT_BLOCK_BYTES",
+    "DEFAULT_MAX_MEMBER_BYTES",
+    "env_bool",
+    "env_int",
+    "env_str",
+]
+
+#: Read size for streaming shards; large blocks amortise Python overhead per read.
+DEFAULT_BLOCK_BYTES = 4 << 20
+
+#: Largest single tar member accepted; guards memory against hostile or corrupt headers.
+DEFAULT_MAX_MEMBER_BYTES = 1 << 30
+
+
+def env_str(name: str) -> str | None:
+    """Return ``CLOUDSHARDS_<name>`` or None when unset or empty."""
+    value = os.environ.get("CLOUDSHARDS_" + name)
+    return value if value else None
+
+
+def env_int(name: str, default: int) -> int:
+    """Return ``CLOUDSHARDS_<name>`` as an int, else ``default``."""
+    value = env_str(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"CLOUDSHARDS_{name}={value!r} is not an integer") from None
+
+
+def env_bool(name: str, default: bool = False) -> bool:
+    """Return ``CLOUDSHARDS_<name>`` as a boolean (1/true/yes/on), else ``default``."""
+    value = env_str(name)
+    if value is None:
+        return default
+    lowered = value.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"CLOUDSHARDS_{name}={value!r} is not a boolean (use 1 or 0)")

@@ -1,0 +1,159 @@
+"""The whole cloudshards exception hierarchy.
+
+::
+
+    CloudShardsError
+    ├── ConfigError(CloudShardsError, ValueError)
+    ├── ShardError                                  .url, .shard_index, .offset, .member
+    │   ├── ShardOpenError(ShardError, OSError)     open/read failed (missing object, auth, network)
+    │   ├── ShardFormatError(ShardError, ValueError) truncated tar, bad header, duplicate field
+    │   └── DecodeError(ShardError, ValueError)     .key, .field
+    ├── CacheError(CloudShardsError, OSError)
+    └── StateMismatchError(CloudShardsError, ValueError)
+
+Every message that contains a URL shows it redacted (no credentials, no query string).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cloudshards.redact import redact_url
+
+__all__ = [
+    "CacheError",
+    "CloudShardsError",
+    "ConfigError",
+    "DecodeError",
+    "ShardError",
+    "ShardFormatError",
+    "ShardOpenError",
+    "StateMismatchError",
+]
+
+
+class CloudShardsError(Exception):
+    """Base class of every error cloudshards raises on purpose."""
+
+
+class ConfigError(CloudShardsError, ValueError):
+    """An argument, URL or environment setting is invalid; the message says which and why."""
+
+
+class ShardError(CloudShardsError):
+    """A problem with one shard.
+
+    Attributes:
+        url: The shard URL, redacted (no credentials, no query string).
+        shard_index: Position of the shard in the epoch's shard list, when known.
+        offset: Byte offset in the (uncompressed) shard stream, when known.
+        member: Name of the tar member involved, when known.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        url: str | None = None,
+        shard_index: int | None = None,
+        offset: int | None = None,
+        member: str | None = None,
+    ) -> None:
+        self.url = redact_url(url) if url is not None else None
+        self.shard_index = shard_index
+        self.offset = offset
+        self.member = member
+        self.reason = message
+        super().__init__(self._format())
+
+    def _format(self) -> str:
+        parts = [self.reason]
+        where = []
+        if self.url is not None:
+            where.append(f"shard {self.url}")
+        if self.member is not None:
+            where.append(f"member {self.member!r}")
+        if self.offset is not None:
+            where.append(f"byte offset {self.offset}")
+        if where:
+            parts.append("(" + ", ".join(where) + ")")
+        return " ".join(parts)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Keep errors picklable across DataLoader worker boundaries with all their fields.
+        return (
+            _rebuild_shard_error,
+            (
+                type(self),
+                self.reason,
+                self.url,
+                self.shard_index,
+                self.offset,
+                self.member,
+                self.__dict__,
+            ),
+        )
+
+
+def _rebuild_shard_error(
+    cls: type[ShardError],
+    message: str,
+    url: str | None,
+    shard_index: int | None,
+    offset: int | None,
+    member: str | None,
+    state: dict[str, Any],
+) -> ShardError:
+    exc = cls.__new__(cls)
+    exc.__dict__.update(state)
+    Exception.__init__(exc, exc._format())
+    return exc
+
+
+class ShardOpenError(ShardError, OSError):
+    """A shard could not be opened or read: missing object, bad credentials, network failure."""
+
+
+class ShardFormatError(ShardError, ValueError):
+    """A shard is not a valid tar stream: truncated, corrupt header, bad gzip, duplicate field."""
+
+
+class DecodeError(ShardError, ValueError):
+    """A field of a sample could not be decoded.
+
+    Attributes:
+        key: The sample's ``__key__``.
+        field: The field (extension) that failed, e.g. ``"jpg"``.
+    """
+
+    def __init__(
+        self,
+        message: str = "decoding failed",
+        *,
+        url: str | None = None,
+        key: str | None = None,
+        field: str | None = None,
+        shard_index: int | None = None,
+    ) -> None:
+        self.key = key
+        self.field = field
+        super().__init__(message, url=url, shard_index=shard_index, member=_member(key, field))
+
+    @property
+    def k(self) -> str | None:
+        """The failing field, under webdataset's ``DecodingError.k`` name."""
+        return self.field
+
+
+def _member(key: str | None, field: str | None) -> str | None:
+    if key is None:
+        return None
+    return f"{key}.{field}" if field else key
+
+
+class CacheError(CloudShardsError, OSError):
+    """The node cache could not be used (bad directory, lock failure)."""
+
+
+class StateMismatchError(CloudShardsError, ValueError):
+    """A saved state does not belong to this dataset or configuration."""

@@ -1,0 +1,398 @@
+"""Field decoding: webdataset's handler chain (``Decoder``), the extension registry, media decoders.
+
+Safe by default: pickle and unrestricted ``torch.load`` run only after
+:func:`allow_unsafe_decoders` or with ``CLOUDSHARDS_ALLOW_PICKLE=1``.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib
+import io
+import json
+import logging
+import pickle
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+
+from cloudshards import config
+from cloudshards.errors import ConfigError, DecodeError, ShardError
+from cloudshards.imagedecode import (
+    AUDIO_EXTENSIONS,
+    IMAGE_EXTENSIONS,
+    IMAGE_SPECS,
+    VIDEO_EXTENSIONS,
+    ImageHandler,
+    imagehandler,
+    import_optional,
+    torch_audio,
+    torch_video,
+)
+from cloudshards.types import DecodeFn, Sample
+
+__all__ = [
+    "AUDIO_EXTENSIONS",
+    "IMAGE_EXTENSIONS",
+    "IMAGE_SPECS",
+    "UNSAFE",
+    "VIDEO_EXTENSIONS",
+    "Continue",
+    "Decoder",
+    "DecodingError",
+    "Handler",
+    "ImageHandler",
+    "allow_unsafe_decoders",
+    "basichandlers",
+    "cbor_loads",
+    "default_decoder",
+    "default_post_handlers",
+    "default_pre_handlers",
+    "gzfilter",
+    "handle_extension",
+    "imagehandler",
+    "make_decoder",
+    "msgpack_loads",
+    "npy_loads",
+    "npz_loads",
+    "register_decoder",
+    "tenbin_loads",
+    "torch_audio",
+    "torch_loads",
+    "torch_video",
+    "unpickle_loads",
+]
+
+logger = logging.getLogger(__name__)
+
+#: webdataset's name for the error a failed field raises; here it is :class:`DecodeError`.
+DecodingError = DecodeError
+
+#: A handler: ``(".field", data) -> decoded value``, a :class:`Continue`, or None to pass.
+Handler = Callable[[str, bytes], Any]
+
+#: Extensions whose decoders can run arbitrary code; refused unless unsafe decoding is on.
+UNSAFE: frozenset[str] = frozenset({"pkl", "pickle", "pyd"})
+
+_OPT_IN = (
+    "if you trust the data, call cloudshards.decoders.allow_unsafe_decoders() "
+    "or set CLOUDSHARDS_ALLOW_PICKLE=1"
+)
+_unsafe_enabled = False
+
+
+def allow_unsafe_decoders(enable: bool = True) -> None:
+    """Turn on (or off) decoders that can run arbitrary code: pickle and full ``torch.load``.
+
+    The switch is per process. DataLoader workers started with ``spawn`` do not see a call made
+    inside ``main()``; set ``CLOUDSHARDS_ALLOW_PICKLE=1`` instead, which they inherit.
+
+    Args:
+        enable: True to allow ``pkl``/``pickle``/``pyd`` and ``torch.load(weights_only=False)``.
+    """
+    global _unsafe_enabled
+    _unsafe_enabled = enable
+    if enable:
+        logger.warning("unsafe decoders enabled: pickle and torch.load can run arbitrary code")
+
+
+def _unsafe_allowed() -> bool:
+    return _unsafe_enabled or config.env_bool("ALLOW_PICKLE")
+
+
+def unpickle_loads(data: bytes) -> Any:
+    """Unpickle ``data``, only when unsafe decoding is allowed.
+
+    Raises:
+        DecodeError: Unsafe decoding is off; the message says how to turn it on.
+    """
+    if not _unsafe_allowed():
+        raise DecodeError(f"refusing to unpickle: pickle can run arbitrary code; {_OPT_IN}")
+    return pickle.loads(data)  # noqa: S301 - the user opted in explicitly
+
+
+def torch_loads(data: bytes) -> Any:
+    """Load a ``torch.save`` payload on the CPU, with ``weights_only=True`` unless unsafe.
+
+    Raises:
+        DecodeError: The payload holds objects ``weights_only`` refuses.
+    """
+    import torch
+
+    unsafe = _unsafe_allowed()
+    try:
+        return torch.load(io.BytesIO(data), weights_only=not unsafe, map_location="cpu")
+    except pickle.UnpicklingError as exc:
+        if unsafe:
+            raise
+        raise DecodeError(f"torch.load(weights_only=True) refused: {_why(exc)}; {_OPT_IN}") from exc
+
+
+def _why(exc: BaseException) -> str:
+    # torch's weights-only message is a page long; keep its one informative sentence.
+    text = str(exc)
+    marker = "WeightsUnpickler error: "
+    if marker in text:
+        text = text.split(marker, 1)[1]
+    return text.strip().split("\n", 1)[0].split(". ", 1)[0] or type(exc).__name__
+
+
+def npy_loads(data: bytes) -> Any:
+    """Load a ``.npy`` array (object arrays refused: they need pickle)."""
+    return np.lib.format.read_array(io.BytesIO(data), allow_pickle=False)
+
+
+def npz_loads(data: bytes) -> dict[str, Any]:
+    """Load a ``.npz`` archive into a dict of arrays (object arrays refused)."""
+    loaded = np.load(io.BytesIO(data), allow_pickle=False)
+    if isinstance(loaded, np.ndarray):
+        raise ValueError("expected an .npz archive, found a single .npy array")
+    with loaded:
+        return dict(loaded)
+
+
+def msgpack_loads(data: bytes) -> Any:
+    """Load msgpack data; needs the ``msgpack`` package."""
+    return import_optional("msgpack", "decoding .mp/.msg").unpackb(data)
+
+
+def cbor_loads(data: bytes) -> Any:
+    """Load CBOR data with ``cbor`` (webdataset's choice) or else ``cbor2``."""
+    try:
+        module = importlib.import_module("cbor")
+    except ImportError:
+        module = import_optional("cbor2", "decoding .cbor")
+    return module.loads(data)
+
+
+def tenbin_loads(data: bytes) -> Any:
+    """Refuse webdataset's tenbin format, which cloudshards does not implement."""
+    raise DecodeError("tenbin (.ten, .tb) is not supported, decode it yourself with .map")
+
+
+def _decode_text(data: bytes) -> str:
+    return data.decode("utf-8")
+
+
+def _decode_int(data: bytes) -> int:
+    return int(data)
+
+
+_registry: dict[str, DecodeFn] = {
+    **dict.fromkeys(["txt", "text", "transcript"], _decode_text),
+    **dict.fromkeys(["cls", "cls2", "index", "inx", "id"], _decode_int),
+    **dict.fromkeys(["json", "jsn"], json.loads),
+    **dict.fromkeys(sorted(UNSAFE), unpickle_loads),
+    "pth": torch_loads,
+    **dict.fromkeys(["ten", "tb"], tenbin_loads),
+    **dict.fromkeys(["mp", "msg"], msgpack_loads),
+    "npy": npy_loads,
+    "npz": npz_loads,
+    "cbor": cbor_loads,
+}
+
+
+def register_decoder(ext: str, fn: DecodeFn, *, overwrite: bool = False) -> None:
+    """Decode fields whose last extension is ``ext`` with ``fn`` in :func:`basichandlers`.
+
+    Args:
+        ext: A single extension without dot, matched case-sensitively (``"jpg"``, ``"seg"``).
+        fn: Called with the field's bytes; returns the decoded value.
+        overwrite: Replace an existing decoder for ``ext`` (built-in ones included).
+
+    Raises:
+        ConfigError: ``ext`` is malformed, ``fn`` is not callable, or ``ext`` is taken.
+    """
+    if not isinstance(ext, str) or not ext or "." in ext or ext.split() != [ext]:
+        raise ConfigError(f"extension {ext!r} must be one word without dots, e.g. 'jpg'")
+    if not callable(fn):
+        raise ConfigError(f"decoder for {ext!r} must be callable, got {type(fn).__name__}")
+    if ext in _registry and not overwrite:
+        taken = getattr(_registry[ext], "__qualname__", repr(_registry[ext]))
+        raise ConfigError(f"{ext!r} is taken by {taken}; pass overwrite=True to replace it")
+    _registry[ext] = fn
+    logger.debug("registered decoder %r for .%s", fn, ext)
+
+
+def basichandlers(key: str, data: bytes) -> Any:
+    """Decode by the last extension of ``key`` with the registered decoders, else None.
+
+    Built in: txt text transcript -> str; cls cls2 index inx id -> int; json jsn -> JSON;
+    npy -> array; npz -> dict; pth -> ``torch.load``; mp msg -> msgpack; cbor -> CBOR;
+    pkl pickle pyd -> unpickle (unsafe, see :func:`allow_unsafe_decoders`).
+    """
+    decode = _registry.get(key.rpartition(".")[2])
+    return None if decode is None else decode(data)
+
+
+class _ExtensionHandler:
+    """Calls ``f(data)`` when the key ends with one of the dotted extension targets."""
+
+    def __init__(self, extensions: str | Iterable[str], f: DecodeFn) -> None:
+        words = extensions.split() if isinstance(extensions, str) else list(extensions)
+        self.targets = [word.lower().split(".") for word in words]
+        self.f = f
+
+    def __call__(self, key: str, data: bytes) -> Any:
+        parts = key.lower().split(".")
+        for target in self.targets:
+            if len(target) <= len(parts) and parts[len(parts) - len(target) :] == target:
+                return self.f(data)
+        return None
+
+
+def handle_extension(extensions: str | Iterable[str], f: DecodeFn) -> Handler:
+    """Make a handler that applies ``f`` to fields with the given extensions.
+
+    Args:
+        extensions: Space-separated extensions, case-insensitive. A dotted one (``"seg.jpg"``)
+            needs that many trailing components (``x.seg.jpg`` matches, ``x.jpg`` does not).
+        f: Called with the field's bytes.
+
+    Returns:
+        A handler for :class:`Decoder`.
+    """
+    return _ExtensionHandler(extensions, f)
+
+
+class Continue:
+    """Returned by a handler to re-dispatch new data under a new key to the later handlers.
+
+    Args:
+        key: The new key, with its leading dot (``".jpg"`` for a decompressed ``".jpg.gz"``).
+        data: The new data.
+    """
+
+    def __init__(self, key: str, data: bytes) -> None:
+        self.key, self.data = key, data
+
+
+def gzfilter(key: str, data: bytes) -> Continue | None:
+    """Gunzip ``.gz`` fields and continue decoding them under the key without ``.gz``."""
+    if not key.endswith(".gz"):
+        return None
+    return Continue(key[:-3], gzip.decompress(data))
+
+
+default_pre_handlers: list[Handler] = [gzfilter]
+default_post_handlers: list[Handler] = [basichandlers]
+
+
+class Decoder:
+    """Decode every field of a sample with a chain of handlers (webdataset's ``Decoder``).
+
+    Each field ``k`` goes as ``("." + k, data)`` through ``pre + handlers + post``; the first
+    non-None result wins, a :class:`Continue` hands new key and data to the later handlers, and
+    undecoded fields stay bytes. ``__``-prefixed fields pass through (bytes become UTF-8 text).
+
+    Args:
+        handlers: Handlers tried after ``pre`` and before ``post``.
+        pre: Handlers tried first; default ``[gzfilter]``.
+        post: Handlers tried last; default ``[basichandlers]``.
+        only: Fields to decode (a list or a space-separated string); the rest pass through.
+        partial: Pass fields that are not bytes through instead of raising.
+
+    Raises:
+        ConfigError: A handler is not callable.
+    """
+
+    def __init__(
+        self,
+        handlers: Iterable[Handler],
+        pre: Iterable[Handler] | None = None,
+        post: Iterable[Handler] | None = None,
+        only: str | Iterable[str] | None = None,
+        partial: bool = False,
+    ) -> None:
+        if isinstance(handlers, str):
+            raise ConfigError("handlers must be a list; for imagespecs use make_decoder()")
+        pre = default_pre_handlers if pre is None else pre
+        post = default_post_handlers if post is None else post
+        self.handlers: list[Handler] = [*pre, *handlers, *post]
+        for handler in self.handlers:
+            if not callable(handler):
+                raise ConfigError(f"decoder handler {handler!r} is not callable")
+        self.only = None if only is None else set(only.split() if isinstance(only, str) else only)
+        self.partial = partial
+
+    def decode1(self, key: str, data: bytes) -> Any:
+        """Decode one field's ``data``; ``key`` is the field name without the leading dot."""
+        key = "." + key
+        for handler in self.handlers:
+            result = handler(key, data)
+            if isinstance(result, Continue):
+                key, data = result.key, result.data
+                continue
+            if result is not None:
+                return result
+        return data
+
+    def decode(self, sample: Sample) -> Sample:
+        """Return a new sample with its fields decoded.
+
+        Raises:
+            DecodeError: A field failed; names the URL, key, field and the underlying reason.
+            ImportError: A decoder needs a package that is not installed.
+        """
+        if not isinstance(sample, dict):
+            raise TypeError(f"a sample must be a dict, got {type(sample).__name__}")
+        result: Sample = {}
+        for k, v in sample.items():
+            if k[:2] == "__":
+                if isinstance(v, bytes):
+                    try:
+                        v = v.decode("utf-8")
+                    except UnicodeDecodeError:
+                        logger.debug("kept %s as bytes: not UTF-8", k)
+                result[k] = v
+            elif self.only is not None and k not in self.only:
+                result[k] = v
+            elif isinstance(v, bytes):
+                try:
+                    result[k] = self.decode1(k, v)
+                except ImportError:
+                    raise  # a missing package is a setup error, not a bad sample to skip
+                except Exception as exn:
+                    reason = exn.reason if isinstance(exn, ShardError) else str(exn)
+                    raise _error(sample, k, reason or type(exn).__name__) from exn
+            elif self.partial and v is not None:
+                result[k] = v
+            else:
+                hint = "" if self.partial else " (partial=True passes such fields through)"
+                raise _error(sample, k, f"expected bytes, got {type(v).__name__}{hint}")
+        return result
+
+    def __call__(self, sample: Sample) -> Sample:
+        """Same as :meth:`decode`."""
+        return self.decode(sample)
+
+
+def _error(sample: Sample, field: str, reason: str) -> DecodeError:
+    url, key = sample.get("__url__"), sample.get("__key__")
+    return DecodeError(
+        f"cannot decode field {field!r}: {reason}",
+        url=url if isinstance(url, str) else None,
+        key=key if isinstance(key, str) else None,
+        field=field,
+    )
+
+
+def make_decoder(
+    *args: str | Handler,
+    pre: Iterable[Handler] | None = None,
+    post: Iterable[Handler] | None = None,
+    only: str | Iterable[str] | None = None,
+    partial: bool = False,
+) -> Decoder:
+    """Build the :class:`Decoder` for ``.decode(*args)``: strings are imagespecs.
+
+    Raises:
+        ConfigError: An imagespec is unknown (the message lists the valid ones).
+    """
+    handlers = [ImageHandler(arg) if isinstance(arg, str) else arg for arg in args]
+    return Decoder(handlers, pre=pre, post=post, only=only, partial=partial)
+
+
+#: webdataset's ``default_decoder``: gunzip plus the basic handlers, no images.
+default_decoder = Decoder([])

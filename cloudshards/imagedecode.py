@@ -1,0 +1,320 @@
+"""Media decoding: images under webdataset's imagespecs (Pillow), video and audio (PyAV, wave).
+
+Image outputs equal webdataset 1.0.2's bit for bit: type, dtype, shape, value range, CHW for torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import logging
+import wave
+from collections.abc import Iterable, Mapping
+from types import MappingProxyType, ModuleType
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+
+from cloudshards.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "AUDIO_EXTENSIONS",
+    "IMAGE_EXTENSIONS",
+    "IMAGE_SPECS",
+    "VIDEO_EXTENSIONS",
+    "ImageHandler",
+    "decode_image",
+    "imagehandler",
+    "import_optional",
+    "torch_audio",
+    "torch_video",
+]
+
+logger = logging.getLogger(__name__)
+
+_IMAGE_EXTENSION_WORDS = (
+    "blp bmp dib bufr cur pcx dcx dds ps eps fit fits fli flc ftc ftu gbr gif grib h5 hdf png "
+    "apng jp2 j2k jpc jpf jpx j2c icns ico im iim tif tiff jfif jpe jpg jpeg mpg mpeg msp pcd "
+    "pxr pbm pgm ppm pnm psd bw rgb rgba sgi ras tga icb vda vst webp wmf emf xbm xpm"
+)
+#: Extensions the image handler decodes: every format Pillow can open (webdataset's list).
+#: A list, as in webdataset, so ``IMAGE_EXTENSIONS + ["xyz"]`` keeps working; do not mutate it.
+IMAGE_EXTENSIONS: list[str] = _IMAGE_EXTENSION_WORDS.split()
+#: Extensions :func:`torch_video` and :func:`torch_audio` handle (webdataset's, case-sensitive).
+VIDEO_EXTENSIONS = frozenset(["mp4", "ogv", "mjpeg", "avi", "mov", "h264", "mpg", "webm", "wmv"])
+AUDIO_EXTENSIONS = frozenset(["flac", "mp3", "sox", "wav", "m4a", "ogg", "wma"])
+
+ArrayType = Literal["numpy", "torch", "pil"]
+ElementType = Literal["uint8", "float"]
+Mode = Literal["l", "rgb", "rgba"]
+
+#: imagespec -> (array type, element type, mode), exactly webdataset's ``imagespecs``.
+IMAGE_SPECS: Mapping[str, tuple[ArrayType, ElementType | None, Mode]] = MappingProxyType(
+    {
+        "l8": ("numpy", "uint8", "l"),
+        "rgb8": ("numpy", "uint8", "rgb"),
+        "rgba8": ("numpy", "uint8", "rgba"),
+        "l": ("numpy", "float", "l"),
+        "rgb": ("numpy", "float", "rgb"),
+        "rgba": ("numpy", "float", "rgba"),
+        "torchl8": ("torch", "uint8", "l"),
+        "torchrgb8": ("torch", "uint8", "rgb"),
+        "torchrgba8": ("torch", "uint8", "rgba"),
+        "torchl": ("torch", "float", "l"),
+        "torchrgb": ("torch", "float", "rgb"),
+        "torch": ("torch", "float", "rgb"),
+        "torchrgba": ("torch", "float", "rgba"),
+        "pill": ("pil", None, "l"),
+        "pil": ("pil", None, "rgb"),
+        "pilrgb": ("pil", None, "rgb"),
+        "pilrgba": ("pil", None, "rgba"),
+    }
+)
+
+# webdataset computes ``astype(float32) / 255.0``; one float32 ufunc pass with the same float32
+# operands rounds identically (tested over all 256 inputs) and skips an intermediate array.
+_MAX_UINT8 = np.float32(255.0)
+
+
+def import_optional(name: str, what: str) -> ModuleType:
+    """Import an optional package, or raise an ImportError naming what needs it and the fix."""
+    # import_module also keeps optional packages without type stubs out of mypy's view.
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        install = 'pip install "cloudshards[video]"' if name == "av" else f"pip install {name}"
+        raise ImportError(f"{what} needs the {name} package: {install}") from exc
+
+
+def decode_image(data: bytes, imagespec: str) -> Any:
+    """Decode encoded image bytes the way webdataset's ``ImageHandler(imagespec)`` does.
+
+    Args:
+        data: Encoded image (any format Pillow opens).
+        imagespec: One of :data:`IMAGE_SPECS`.
+
+    Returns:
+        A ``PIL.Image.Image``, an HWC (or HW) numpy array, or a CHW (or HW) torch tensor;
+        floats are float32 in [0, 1], integers uint8.
+
+    Raises:
+        ImportError: Pillow is not installed.
+        KeyError: ``imagespec`` is unknown (:class:`ImageHandler` validates it up front).
+    """
+    try:
+        import PIL.Image
+    except ImportError as exc:
+        raise ImportError('decoding images needs Pillow: pip install "cloudshards[image]"') from exc
+
+    atype, etype, mode = IMAGE_SPECS[imagespec]
+    with io.BytesIO(data) as stream, PIL.Image.open(stream) as opened:
+        opened.load()
+        img = opened.convert(mode.upper())
+    if atype == "pil":
+        # webdataset converts a second time to the same mode; that only copies.
+        return img
+
+    # After convert() the array is HW (L) or HWC with 3 or 4 channels, so webdataset's channel
+    # fix-ups (mean, repeat, concatenate) never run. np.asarray wraps Pillow's bytes read-only.
+    array: np.ndarray[Any, np.dtype[np.uint8]] = np.asarray(img)
+    if atype == "numpy":
+        if etype == "float":
+            return np.divide(array, _MAX_UINT8, dtype=np.float32)
+        return array
+
+    import torch
+
+    if array.ndim == 3:
+        array = array.transpose(2, 0, 1)
+    if etype == "float":
+        # Transpose and convert in one pass straight into a contiguous CHW float32 array.
+        return torch.from_numpy(np.divide(array, _MAX_UINT8, dtype=np.float32, order="C"))
+    # A writable contiguous copy: torch warns on read-only arrays and wants CHW contiguous.
+    return torch.from_numpy(np.array(array, order="C"))
+
+
+class ImageHandler:
+    """Decode image fields to the form an imagespec names (webdataset's ``ImageHandler``).
+
+    ``l8 rgb8 rgba8`` give numpy uint8, ``l rgb rgba`` numpy float32 in [0, 1] (HW or HWC);
+    ``torchl8 torchrgb8 torchrgba8`` torch uint8, ``torchl torchrgb torch torchrgba`` torch
+    float32 (HW or CHW); ``pill pil pilrgb pilrgba`` PIL images in mode L, RGB, RGB, RGBA.
+
+    Args:
+        imagespec: One of :data:`IMAGE_SPECS`.
+        extensions: Extensions to decode (case-insensitive); default :data:`IMAGE_EXTENSIONS`.
+
+    Raises:
+        ConfigError: ``imagespec`` is unknown; the message lists the valid ones.
+    """
+
+    def __init__(self, imagespec: str, extensions: Iterable[str] | None = None) -> None:
+        if imagespec not in IMAGE_SPECS:
+            valid = " ".join(IMAGE_SPECS)
+            raise ConfigError(f"unknown imagespec {imagespec!r}; valid imagespecs: {valid}")
+        self.imagespec = imagespec
+        chosen = IMAGE_EXTENSIONS if extensions is None else extensions
+        self.extensions = frozenset(extension.lower() for extension in chosen)
+
+    def __call__(self, key: str, data: bytes) -> Any:
+        """Decode ``data`` if the last extension of ``key`` is an image extension, else None.
+
+        Args:
+            key: The field name with a leading dot, e.g. ``".jpg"`` or ``".seg.png"``.
+            data: Encoded image bytes.
+
+        Returns:
+            The decoded image, or None when ``key`` is not an image extension.
+        """
+        if key.rpartition(".")[2].lower() not in self.extensions:
+            return None
+        return decode_image(data, self.imagespec)
+
+    def __repr__(self) -> str:
+        return f"ImageHandler({self.imagespec!r})"
+
+
+def imagehandler(imagespec: str, extensions: Iterable[str] | None = None) -> ImageHandler:
+    """Create an :class:`ImageHandler` (webdataset's lower-case alias).
+
+    Args:
+        imagespec: One of :data:`IMAGE_SPECS`.
+        extensions: Extensions to decode; default :data:`IMAGE_EXTENSIONS`.
+
+    Returns:
+        The handler.
+    """
+    return ImageHandler(imagespec, extensions)
+
+
+def torch_video(key: str, data: bytes) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]] | None:
+    """Decode a video like ``torchvision.io.read_video(path, pts_unit="sec")``, with PyAV.
+
+    Args:
+        key: The field with a leading dot; handles mp4 ogv mjpeg avi mov h264 mpg webm wmv.
+        data: The encoded video.
+
+    Returns:
+        ``(video, audio, info)``: uint8 frames THWC (RGB), audio ``[channels, samples]`` in the
+        stream's sample format, and ``{"video_fps": float, "audio_fps": int}`` for the streams
+        present; None for other extensions.
+
+    Raises:
+        ImportError: PyAV is missing (``pip install "cloudshards[video]"``).
+    """
+    if key.rpartition(".")[2] not in VIDEO_EXTENSIONS:
+        return None
+    av = import_optional("av", "decoding video")
+    import torch
+
+    frames: list[np.ndarray[Any, Any]] = []
+    chunks: list[np.ndarray[Any, Any]] = []
+    info: dict[str, Any] = {}
+    with av.open(io.BytesIO(data)) as container:
+        streams = [*container.streams.video[:1], *container.streams.audio[:1]]
+        for stream in streams:
+            if stream.type == "video" and stream.average_rate is not None:
+                info["video_fps"] = float(stream.average_rate)
+            elif stream.type == "audio":
+                info["audio_fps"] = stream.rate
+        # demux() without streams would demux every stream, so skip it when there are none.
+        for packet in container.demux(*streams) if streams else ():
+            for frame in packet.decode():
+                if packet.stream.type == "video":
+                    frames.append(frame.to_ndarray(format="rgb24"))
+                else:
+                    chunks.append(_planar(frame))
+    video = (
+        torch.from_numpy(np.stack(frames))
+        if frames
+        else torch.empty((0, 1, 1, 3), dtype=torch.uint8)
+    )
+    audio = (
+        torch.from_numpy(np.concatenate(chunks, axis=1))
+        if chunks
+        else torch.empty((1, 0), dtype=torch.float32)
+    )
+    return video, audio, info
+
+
+def _planar(frame: Any) -> np.ndarray[Any, Any]:
+    array: np.ndarray[Any, Any] = frame.to_ndarray()
+    if frame.format.is_planar:
+        return array
+    # Packed audio comes back as (1, samples * channels), interleaved.
+    return array.reshape(-1, len(frame.layout.channels)).T
+
+
+def torch_audio(key: str, data: bytes) -> tuple[torch.Tensor, int] | None:
+    """Decode audio like ``torchaudio.load``: PCM WAV with the stdlib, other formats with PyAV.
+
+    Args:
+        key: The field with a leading dot; handles flac mp3 sox wav m4a ogg wma.
+        data: The encoded audio.
+
+    Returns:
+        ``(waveform, sample_rate)`` with a float32 ``[channels, samples]`` waveform in [-1, 1],
+        or None for other extensions.
+
+    Raises:
+        ImportError: The format needs PyAV and it is missing (``pip install "cloudshards[video]"``).
+    """
+    extension = key.rpartition(".")[2]
+    if extension not in AUDIO_EXTENSIONS:
+        return None
+    import torch
+
+    if extension == "wav":
+        try:
+            waveform, rate = _read_pcm_wav(data)
+        except wave.Error as exc:
+            if data[:4] != b"RIFF" or data[8:12] != b"WAVE":
+                raise  # corrupt data: a decode error, not a reason to ask for PyAV
+            # The stdlib reads integer PCM only; float or extensible WAVs go through PyAV.
+            waveform, rate = _read_av_audio(data, f"decoding this WAV ({exc})")
+    else:
+        waveform, rate = _read_av_audio(data, f"decoding .{extension} audio")
+    return torch.from_numpy(waveform), rate
+
+
+def _read_pcm_wav(data: bytes) -> tuple[np.ndarray[Any, np.dtype[np.float32]], int]:
+    with wave.open(io.BytesIO(data), "rb") as reader:
+        channels, width = reader.getnchannels(), reader.getsampwidth()
+        rate, raw = reader.getframerate(), reader.readframes(reader.getnframes())
+    samples: np.ndarray[Any, Any]
+    if width == 1:  # 8-bit WAV is unsigned, centred on 128
+        samples = (np.frombuffer(raw, np.uint8).astype(np.float32) - 128) / 128
+    elif width == 3:
+        # Put each 24-bit sample in the top of an int32, then shift back to sign-extend it.
+        padded = np.zeros((len(raw) // 3, 4), np.uint8)
+        padded[:, 1:] = np.frombuffer(raw, np.uint8).reshape(-1, 3)
+        samples = (padded.view("<i4").ravel() >> 8).astype(np.float32) / np.float32(1 << 23)
+    elif width in (2, 4):
+        ints = np.frombuffer(raw, f"<i{width}")
+        samples = ints.astype(np.float32) / np.float32(1 << (8 * width - 1))
+    else:
+        raise wave.Error(f"unsupported sample width {width}")
+    return np.ascontiguousarray(samples.reshape(-1, channels).T), rate
+
+
+def _read_av_audio(data: bytes, what: str) -> tuple[np.ndarray[Any, np.dtype[np.float32]], int]:
+    av = import_optional("av", what)
+    with av.open(io.BytesIO(data)) as container:
+        if not container.streams.audio:
+            raise ValueError("no audio stream found")
+        stream = container.streams.audio[0]
+        # Float planar at the stream's own layout and rate: torchaudio's normalised output.
+        resampler = av.AudioResampler(format="fltp")
+        chunks = [
+            out.to_ndarray()
+            for frame in [*container.decode(stream), None]
+            for out in resampler.resample(frame)
+        ]
+        rate = int(stream.rate)
+        channels = len(stream.layout.channels)
+    if not chunks:
+        return np.zeros((channels, 0), np.float32), rate
+    return np.concatenate(chunks, axis=1), rate

@@ -7,6 +7,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 __all__ = ["redact_text", "redact_url"]
 
+_URL_START = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 _URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>]+")
 
 
@@ -16,8 +17,9 @@ def redact_url(url: str) -> str:
     Signed URLs (S3 presigned, GCS signed) carry their secrets in the query string, so the
     whole query is replaced by ``?<redacted>``; the fragment is dropped for the same reason.
     """
-    if "://" not in url:
-        return url
+    if _URL_START.match(url) is None:
+        # Not a URL itself (a local path or a pipe: command): redact URLs embedded in it.
+        return redact_text(url)
     try:
         parts = urlsplit(url)
     except ValueError:

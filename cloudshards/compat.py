@@ -1,0 +1,223 @@
+"""``WebDataset`` and ``WebLoader`` with webdataset 1.0.2's arguments, over cloudshards' stages.
+
+``import cloudshards as wds`` runs code written for webdataset. Differences on purpose: shards
+open through fsspec (``s3://``, ``gs://``, ``http(s)://`` and more work natively), ``pipe:``
+needs ``allow_pipe=True``, shard shuffling is a seeded permutation that changes every epoch
+(identical on all ranks), the default node splitter splits by rank instead of refusing
+multi-node runs, and fluent methods return new pipelines instead of modifying their receiver.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+from torch.utils.data import DataLoader
+
+from cloudshards import config
+from cloudshards.dist import WorkerInfo
+from cloudshards.errors import ConfigError
+from cloudshards.grouping import make_name_filter
+from cloudshards.handlers import as_handler, reraise_exception
+from cloudshards.io import OpenOptions
+from cloudshards.pipeline import DataPipeline, FluidInterface
+from cloudshards.shards import (
+    ResampledShards,
+    ShardList,
+    single_node_only,
+    split_by_node,
+    split_by_worker,
+)
+from cloudshards.stages.read import read_shards
+from cloudshards.types import ExceptionHandler
+
+__all__ = ["WebDataset", "WebLoader", "check_empty"]
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT_SPLITTERS = (split_by_node, split_by_worker, single_node_only)
+
+
+class _EmptyCheck:
+    """Raise when this worker's whole epoch produced no sample, with a message saying why."""
+
+    def __init__(self, num_shards: int) -> None:
+        self.num_shards = num_shards
+
+    def __call__(self, source: Iterable[Any]) -> Iterator[Any]:
+        return self._run(source)
+
+    def _run(self, source: Iterable[Any]) -> Iterator[Any]:
+        count = 0
+        for sample in source:
+            count += 1
+            yield sample
+        if count == 0:
+            info = WorkerInfo.detect()
+            raise ValueError(
+                f"No samples found in dataset (rank {info.rank}/{info.world_size}, worker "
+                f"{info.worker}/{info.num_workers}, {self.num_shards} shards for "
+                f"{info.num_consumers} consumers); perhaps you have fewer shards than workers. "
+                "Use more shards or fewer workers, resampled=True, or turn this check off "
+                "with empty_check=False."
+            )
+
+
+def check_empty(source: Iterable[Any]) -> Iterator[Any]:
+    """Pass samples through; raise ValueError if there were none (webdataset's check)."""
+    return _EmptyCheck(-1)(source)
+
+
+class _ShardReader:
+    """Stage: shard dicts in, samples out (open + tar + group), with the error handler."""
+
+    def __init__(
+        self,
+        handler: ExceptionHandler,
+        options: OpenOptions,
+        select_files: Callable[[str], bool] | None,
+        rename_files: Callable[[str], str] | None,
+    ) -> None:
+        self.handler = handler
+        self.options = options
+        self.select_files = select_files
+        self.rename_files = rename_files
+
+    def __call__(self, src: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        name_filter = make_name_filter(self.select_files, self.rename_files)
+        return read_shards(src, handler=self.handler, options=self.options, name_filter=name_filter)
+
+
+class WebDataset(DataPipeline, FluidInterface):
+    """Stream samples from WebDataset tar shards at any fsspec URL.
+
+    Args:
+        urls: Shard spec: braces (``s3://b/train-{000000..000999}.tar``), ``::``-joined specs,
+            globs, or a list of URLs. Local paths, ``file://``, ``s3://``, ``gs://``,
+            ``http(s)://`` and any fsspec protocol.
+        handler: What a bad shard or sample does: a webdataset handler function
+            (``reraise_exception``, ``warn_and_continue``...) or ``"raise"``/``"warn"``/``"skip"``.
+        mode: ``"resampled"`` is the same as ``resampled=True``.
+        resampled: Draw shards with replacement, endlessly (use ``with_epoch`` to cut epochs).
+        repeat: Accepted for compatibility; ignored, as in webdataset 1.0.2.
+        shardshuffle: Shuffle the shard order each epoch (True or a positive int; the int is
+            webdataset's buffer size and any positive value gives a full permutation here).
+        cache_size: Node cache budget in bytes (the cache is not available yet; see docs).
+        cache_dir: Node cache directory (not available yet: shards are streamed).
+        url_to_name: Accepted for compatibility; ignored.
+        detshuffle: Accepted for compatibility; shard shuffling is always deterministic.
+        nodesplitter: Splits shards across ranks (default :func:`split_by_node`; None for none).
+        workersplitter: Splits shards across DataLoader workers (default
+            :func:`split_by_worker`; None for none).
+        select_files: Keep only tar members whose (renamed) name passes this predicate.
+        rename_files: Rename tar members before grouping.
+        empty_check: Raise if a worker gets no samples at all in an epoch.
+        verbose: Log the shard count at INFO level.
+        seed: Base seed for shard order and shuffles (default ``CLOUDSHARDS_SEED``/``WDS_SEED``
+            or 0); the same on every rank.
+        storage_options: fsspec options per protocol, e.g. ``{"s3": {"endpoint_url": ...}}``,
+            or one flat mapping for all; when absent the backends read their usual environment.
+        allow_pipe: Allow ``pipe:CMD`` shard URLs, which run shell commands (off by default).
+        block_bytes: Read size for streaming shards.
+
+    Raises:
+        ConfigError: Bad URLs or options (unknown protocol, missing backend, empty expansion).
+    """
+
+    def __init__(
+        self,
+        urls: str | Iterable[str],
+        handler: ExceptionHandler | str = reraise_exception,
+        mode: str | None = None,
+        resampled: bool = False,
+        repeat: bool = False,
+        shardshuffle: bool | int | None = None,
+        cache_size: int = -1,
+        cache_dir: str | None = None,
+        url_to_name: Callable[[str], str] | None = None,
+        detshuffle: bool = False,
+        nodesplitter: Callable[..., Any] | None = split_by_node,
+        workersplitter: Callable[..., Any] | None = split_by_worker,
+        select_files: Callable[[str], bool] | None = None,
+        rename_files: Callable[[str], str] | None = None,
+        empty_check: bool = True,
+        verbose: bool = False,
+        seed: int | None = None,
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        allow_pipe: bool | None = None,
+        block_bytes: int | None = None,
+    ) -> None:
+        super().__init__(seed=seed)
+        handler = as_handler(handler)
+        if mode not in (None, "resampled"):
+            raise ConfigError(f"mode={mode!r} is not supported; use resampled=True or None")
+        resampled = resampled or mode == "resampled"
+        _check_urls(urls)
+        if cache_dir is not None or config.env_str("CACHE_DIR") is not None:
+            logger.warning(
+                "cache_dir: the per-node shard cache is not available in this version; "
+                "shards are streamed without caching"
+            )
+        if resampled:
+            source: Any = ResampledShards(urls, seed=self.seed)
+            shuffled = False
+        else:
+            source = ShardList(urls, shuffle=bool(shardshuffle), storage_options=storage_options)
+            shuffled = bool(shardshuffle)
+        self.append(source)
+        self.num_shards = len(source)
+        for splitter in (nodesplitter, workersplitter):
+            if splitter is None or (resampled and splitter in _DEFAULT_SPLITTERS):
+                # Resampled workers draw from independent seeds; splitting would only waste draws.
+                continue
+            self.append(splitter)
+        options = OpenOptions(
+            storage_options=storage_options,
+            allow_pipe=allow_pipe,
+            block_bytes=block_bytes or config.DEFAULT_BLOCK_BYTES,
+        )
+        self.append(_ShardReader(handler, options, select_files, rename_files))
+        if empty_check:
+            self.append(_EmptyCheck(self.num_shards))
+        log = logger.info if verbose else logger.debug
+        log(
+            "WebDataset: %d shards, resampled=%s, shard shuffle=%s, seed=%d",
+            self.num_shards,
+            resampled,
+            shuffled,
+            self.seed,
+        )
+
+    def __enter__(self) -> WebDataset:
+        return self
+
+    def __exit__(self, *args: object) -> None:
+        self.close()
+
+
+def _check_urls(urls: Any) -> None:
+    if isinstance(urls, Mapping) or (
+        isinstance(urls, str) and urls.endswith((".yaml", ".yml", ".json"))
+    ):
+        raise ConfigError(
+            "dataset spec files (yaml/json) are not supported; pass a brace spec or URL list"
+        )
+    if isinstance(urls, str) and urls.endswith("/"):
+        raise ConfigError(
+            f"{urls!r} looks like a directory; pass a glob such as {urls + '*.tar'!r} instead"
+        )
+    if not isinstance(urls, (str, Iterable)):
+        raise ConfigError(f"cannot handle urls of type {type(urls).__name__}")
+
+
+class WebLoader(DataPipeline, FluidInterface):
+    """A torch DataLoader with the fluent methods: ``WebLoader(ds, batch_size=None, ...)``.
+
+    Iterating it advances the wrapped dataset's epoch, so shards reshuffle every epoch even
+    with non-persistent workers.
+    """
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(DataLoader(*args, **kw))

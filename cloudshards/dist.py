@@ -1,0 +1,118 @@
+"""Who am I: rank, world size, local rank and DataLoader worker of the current process.
+
+The only reader of torch.distributed, torchrun's and SLURM's variables and DataLoader worker info.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["WorkerInfo", "derive_seed", "pytorch_worker_info", "pytorch_worker_seed"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """Position of this process in the job.
+
+    Attributes:
+        rank: Global rank (0 when not distributed).
+        world_size: Number of ranks.
+        local_rank: Rank within the node.
+        worker: DataLoader worker id within this rank (0 in the main process).
+        num_workers: DataLoader workers of this rank (1 in the main process).
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    worker: int = 0
+    num_workers: int = 1
+
+    @classmethod
+    def detect(cls, group: Any = None) -> WorkerInfo:
+        """Detect rank and worker: torch.distributed when initialised, else torchrun's
+        ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``, else SLURM's ``SLURM_PROCID``/``SLURM_NTASKS``;
+        the worker from ``torch.utils.data.get_worker_info()``, else webdataset's
+        ``WORKER``/``NUM_WORKERS`` variables."""
+        rank, world_size = _detect_rank(group)
+        local_rank = _env_int("LOCAL_RANK", _env_int("SLURM_LOCALID", 0))
+        worker, num_workers = _detect_worker()
+        return cls(rank, world_size, local_rank, worker, num_workers)
+
+    @property
+    def global_worker(self) -> int:
+        """Index of this worker among all ``world_size * num_workers`` consumers."""
+        return self.rank * self.num_workers + self.worker
+
+    @property
+    def num_consumers(self) -> int:
+        """Total number of data consumers (ranks x workers)."""
+        return self.world_size * self.num_workers
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        return default
+
+
+def _detect_rank(group: Any) -> tuple[int, int]:
+    try:
+        import torch.distributed as torch_dist
+
+        if torch_dist.is_available() and torch_dist.is_initialized():
+            group = group if group is not None else torch_dist.group.WORLD
+            return torch_dist.get_rank(group=group), torch_dist.get_world_size(group=group)
+    except ImportError:
+        pass
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    if "SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ:
+        return _env_int("SLURM_PROCID", 0), _env_int("SLURM_NTASKS", 1)
+    return 0, 1
+
+
+def _detect_worker() -> tuple[int, int]:
+    try:
+        import torch.utils.data
+
+        info = torch.utils.data.get_worker_info()
+        if info is not None:
+            return info.id, info.num_workers
+    except ImportError:
+        pass
+    if "WORKER" in os.environ and "NUM_WORKERS" in os.environ:
+        return _env_int("WORKER", 0), _env_int("NUM_WORKERS", 1)
+    return 0, 1
+
+
+def pytorch_worker_info(group: Any = None) -> tuple[int, int, int, int]:
+    """Return ``(rank, world_size, worker, num_workers)`` like webdataset's function."""
+    info = WorkerInfo.detect(group)
+    return info.rank, info.world_size, info.worker, info.num_workers
+
+
+def pytorch_worker_seed(group: Any = None) -> int:
+    """Return webdataset's per-worker seed, ``rank * 1000 + worker``."""
+    rank, _, worker, _ = pytorch_worker_info(group)
+    return rank * 1000 + worker
+
+
+def derive_seed(*parts: object) -> int:
+    """Derive a 63-bit seed from parts (seed, epoch, rank, ...), stable across processes.
+
+    Python's ``hash`` is salted per process for strings, so a cryptographic digest of the
+    parts' reprs is used instead: every rank computes the same value.
+    """
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1

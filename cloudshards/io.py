@@ -1,0 +1,223 @@
+"""Opening shards as byte streams: the only caller of ``fs.open`` in cloudshards.
+
+Maps every backend failure (missing object, denied access, network errors, a failing ``pipe:``
+command) to :class:`~cloudshards.errors.ShardOpenError` naming the redacted URL and offset.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import IO, Any
+
+from cloudshards import config
+from cloudshards.errors import CloudShardsError, ConfigError, ShardOpenError
+from cloudshards.redact import redact_text, redact_url
+from cloudshards.urls import PIPE_PREFIX, protocol_of, resolve
+
+__all__ = ["OpenOptions", "ShardStream", "open_shard"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OpenOptions:
+    """How shards are opened.
+
+    Attributes:
+        storage_options: Per-protocol fsspec options (``{"s3": {...}}``) or one flat mapping.
+        allow_pipe: Allow ``pipe:CMD`` URLs, which run ``CMD`` in a shell. Off by default;
+            ``CLOUDSHARDS_ALLOW_PIPE=1`` turns it on when this is None.
+        block_bytes: Size of each read from the store.
+    """
+
+    storage_options: Mapping[str, Any] | None = None
+    allow_pipe: bool | None = None
+    block_bytes: int = config.DEFAULT_BLOCK_BYTES
+
+    def pipe_allowed(self) -> bool:
+        """Whether ``pipe:`` URLs may run, after the environment default."""
+        if self.allow_pipe is not None:
+            return self.allow_pipe
+        return config.env_bool("ALLOW_PIPE", False)
+
+
+class ShardStream:
+    """A read-only byte stream over one shard that tracks its offset and maps errors.
+
+    Every exception from the backend becomes a :class:`ShardOpenError` carrying the redacted
+    URL and the byte offset reached, so callers never see a raw botocore/aiohttp error.
+    """
+
+    def __init__(self, raw: IO[bytes], url: str, *, shard_index: int | None = None) -> None:
+        self._raw = raw
+        self.url = url
+        self.shard_index = shard_index
+        self.offset = 0
+        self.closed = False
+        self._readinto = getattr(raw, "readinto", None)
+
+    def read(self, size: int = -1) -> bytes:
+        """Read up to ``size`` bytes (all remaining when negative); ``b""`` at the end."""
+        try:
+            data = self._raw.read(size)
+        except CloudShardsError:
+            raise
+        except Exception as exc:
+            raise self._error(exc) from exc
+        self.offset += len(data)
+        return data
+
+    def readinto(self, buffer: bytearray | memoryview) -> int:
+        """Read into ``buffer``; returns the number of bytes read (0 at the end)."""
+        if self._readinto is None:
+            data = self.read(len(buffer))
+            buffer[: len(data)] = data
+            return len(data)
+        try:
+            count: int = self._readinto(buffer) or 0
+        except CloudShardsError:
+            raise
+        except Exception as exc:
+            raise self._error(exc) from exc
+        self.offset += count
+        return count
+
+    def _error(self, exc: BaseException) -> ShardOpenError:
+        return ShardOpenError(
+            f"read failed: {_describe(exc)}",
+            url=self.url,
+            shard_index=self.shard_index,
+            offset=self.offset,
+        )
+
+    def close(self) -> None:
+        """Close the underlying stream; safe to call twice."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._raw.close()
+        except Exception as exc:
+            # A close failure (e.g. a pipe command's exit status) after a full read is an error.
+            raise self._error(exc) from exc
+
+    def __enter__(self) -> ShardStream:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    return f"{type(exc).__name__}: {redact_text(text)}"
+
+
+def open_shard(
+    url: str, options: OpenOptions | None = None, *, shard_index: int | None = None
+) -> ShardStream:
+    """Open a shard URL for streaming reads.
+
+    Args:
+        url: A local path, ``file://``, any fsspec URL, or (opt-in) ``pipe:CMD``.
+        options: Storage options and switches; defaults when None.
+        shard_index: Position of the shard in the epoch, for error messages.
+
+    Returns:
+        A :class:`ShardStream`; close it when done.
+
+    Raises:
+        ShardOpenError: The object is missing, access is denied, or the store failed.
+        ConfigError: The URL's protocol is unknown, its backend is missing, or ``pipe:`` is
+            not allowed.
+    """
+    options = options or OpenOptions()
+    start = time.perf_counter()
+    if url.startswith(PIPE_PREFIX):
+        raw = _open_pipe(url, options)
+    else:
+        raw = _open_fsspec(url, options, shard_index)
+    logger.debug("opened %s in %.3fs", redact_url(url), time.perf_counter() - start)
+    return ShardStream(raw, url, shard_index=shard_index)
+
+
+def _open_fsspec(url: str, options: OpenOptions, shard_index: int | None) -> IO[bytes]:
+    protocol = protocol_of(url)
+    fs, path = resolve(url, options.storage_options)
+    try:
+        if protocol == "file":
+            # Unbuffered: the tar reader already reads in large blocks.
+            return open(path, "rb", buffering=0)
+        if protocol in ("http", "https"):
+            # block_size=0 gives one streaming GET instead of many small ranged ones.
+            return fs.open(path, "rb", block_size=0)  # type: ignore[no-any-return]
+        return fs.open(  # type: ignore[no-any-return]
+            path, "rb", block_size=options.block_bytes, cache_type="none"
+        )
+    except FileNotFoundError as exc:
+        raise ShardOpenError("object not found", url=url, shard_index=shard_index) from exc
+    except IsADirectoryError as exc:
+        raise ShardOpenError(
+            "is a directory, not a shard", url=url, shard_index=shard_index
+        ) from exc
+    except PermissionError as exc:
+        raise ShardOpenError(
+            f"access denied (check credentials and permissions): {_describe(exc)}",
+            url=url,
+            shard_index=shard_index,
+        ) from exc
+    except (ConfigError, ShardOpenError):
+        raise
+    except Exception as exc:
+        raise ShardOpenError(
+            f"cannot open: {_describe(exc)}", url=url, shard_index=shard_index
+        ) from exc
+
+
+class _PipeReader:
+    """stdout of a shell command, raising on a non-zero exit when closed or exhausted."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+        self._proc = subprocess.Popen(  # noqa: S602 - opt-in pipe: URLs run a shell by design
+            command, shell=True, stdout=subprocess.PIPE, bufsize=0
+        )
+        assert self._proc.stdout is not None
+        self._stdout = self._proc.stdout
+
+    def read(self, size: int = -1) -> bytes:
+        data = self._stdout.read(size)
+        if not data:
+            self._check()
+        return data
+
+    def readinto(self, buffer: bytearray | memoryview) -> int:
+        count: int = self._stdout.readinto(buffer)  # type: ignore[attr-defined]
+        if not count:
+            self._check()
+        return count
+
+    def _check(self) -> None:
+        status = self._proc.wait()
+        # 141 = SIGPIPE when the reader stops early, as webdataset also tolerates.
+        if status not in (0, 141, -13):
+            raise OSError(f"pipe command exited with status {status}")
+
+    def close(self) -> None:
+        self._stdout.close()
+        if self._proc.poll() is None:
+            self._proc.terminate()
+        self._proc.wait()
+
+
+def _open_pipe(url: str, options: OpenOptions) -> IO[bytes]:
+    if not options.pipe_allowed():
+        raise ConfigError(
+            f"{redact_url(url)[:80]!r}: pipe: URLs run shell commands and are off by default; "
+            "pass allow_pipe=True or set CLOUDSHARDS_ALLOW_PIPE=1 to allow them"
+        )
+    return _PipeReader(url[len(PIPE_PREFIX) :])  # type: ignore[return-value]

@@ -1,0 +1,342 @@
+"""DataPipeline: a chain of stages that is a torch IterableDataset, plus the fluent methods.
+
+Each ``iter()`` is one epoch: the pipeline detects rank and worker, makes the (seed, epoch)
+context current while its stages run (so shard order and shuffles are deterministic and
+change per epoch), and builds a fresh iterator chain. Fluent methods return a new pipeline and
+never modify the one they are called on.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import logging
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from torch.utils.data import DataLoader, IterableDataset
+
+from cloudshards import config
+from cloudshards.dist import WorkerInfo, derive_seed
+from cloudshards.handlers import reraise_exception
+from cloudshards.stages import base, batch, fields, shuffle, transform
+from cloudshards.stages.base import IterationContext, PipelineStage
+from cloudshards.stages.epoch import _slice
+from cloudshards.types import ExceptionHandler
+
+__all__ = ["DataPipeline", "FluidInterface", "FluidWrapper", "default_seed"]
+
+logger = logging.getLogger(__name__)
+
+
+def default_seed() -> int:
+    """The base seed when none is given: ``CLOUDSHARDS_SEED``, else ``WDS_SEED``, else 0.
+
+    A fixed default keeps every rank on the same shard order without coordination, the way
+    ``DistributedSampler(seed=0)`` does; epochs still differ through the epoch number.
+    """
+    import os
+
+    value = config.env_str("SEED") or os.environ.get("WDS_SEED")
+    return int(value) if value else 0
+
+
+def _torch_base_seed() -> int | None:
+    import torch.utils.data
+
+    info = torch.utils.data.get_worker_info()
+    return None if info is None else int(info.seed - info.id)
+
+
+class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
+    """A source followed by stages: ``DataPipeline(source, stage, stage, ...)``.
+
+    Stages are webdataset-style: iterables or datasets (sources), callables ``f(src) -> it``,
+    :class:`PipelineStage` objects, or lists of those.
+
+    Args:
+        *args: The source and the stages, in order.
+        seed: Base seed for shard order and shuffles (default :func:`default_seed`).
+    """
+
+    def __init__(self, *args: Any, seed: int | None = None, **kwargs: Any) -> None:
+        super().__init__()
+        self.pipeline: list[Any] = []
+        self.repetitions = 1
+        self.nsamples = -1
+        self.seed = default_seed() if seed is None else int(seed)
+        self._epoch = 0
+        self._epoch_set = False
+        self._length: int | None = None
+        for arg in args:
+            if arg is None:
+                continue
+            if isinstance(arg, list):
+                self.pipeline.extend(arg)
+            else:
+                self.pipeline.append(arg)
+
+    # --- epochs ------------------------------------------------------------------------------
+
+    def set_epoch(self, epoch: int) -> None:
+        """Set the epoch of the next ``iter()``; later iterations count up from it.
+
+        Call it with the same value on every rank (as with ``DistributedSampler``) so that all
+        ranks agree on the shard order; DataLoader workers receive it with the dataset.
+        """
+        self._epoch = int(epoch)
+        self._epoch_set = True
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next ``iter()`` will run."""
+        return self._epoch
+
+    def _context(self) -> IterationContext:
+        info = WorkerInfo.detect()
+        seed = self.seed
+        if not self._epoch_set and info.world_size == 1:
+            # Without set_epoch, non-persistent DataLoader workers get a fresh copy of the
+            # dataset each epoch, so their epoch counter never moves. Mixing in the DataLoader's
+            # per-epoch base seed (equal for all workers of one epoch) still reshuffles. Only
+            # on one rank: ranks must agree, and their torch seeds may differ.
+            base_seed = _torch_base_seed()
+            if base_seed is not None:
+                seed = derive_seed(seed, base_seed)
+        return IterationContext(seed=seed, epoch=self._epoch, info=info)
+
+    # --- iteration ---------------------------------------------------------------------------
+
+    def invoke(self, f: Any, *args: Any, **kwargs: Any) -> Any:
+        """Apply one stage to the output of the previous one (or start a source)."""
+        if not args and isinstance(f, (IterableDataset, DataLoader)):
+            return iter(f)
+        if isinstance(f, PipelineStage):
+            return f.run(*args, **kwargs)
+        if isinstance(f, list):
+            return iter(f)
+        if callable(f):
+            return f(*args, **kwargs)
+        if not args and hasattr(f, "__iter__"):
+            return iter(f)
+        raise ValueError(f"{f!r}: not a valid pipeline stage")
+
+    def iterator1(self) -> Iterator[Any]:
+        """Build the iterator chain for one pass over the data."""
+        if not self.pipeline:
+            raise ValueError("DataPipeline has no source")
+        source = self.invoke(self.pipeline[0])
+        for step in self.pipeline[1:]:
+            source = self.invoke(step, source)
+        return iter(source)
+
+    def iterator(self) -> Iterator[Any]:
+        """Run ``repetitions`` passes (stopping early if a pass yields nothing)."""
+        context = self._context()
+        for repetition in range(self.repetitions):
+            context.repetition = repetition
+            count = 0
+            for sample in _with_context(context, self.iterator1):
+                count += 1
+                yield sample
+            if count == 0:
+                break
+
+    def __iter__(self) -> Iterator[Any]:
+        for stage in self.pipeline:
+            # WebLoader: keep the wrapped dataset's epoch in step with ours.
+            dataset = getattr(stage, "dataset", None) if isinstance(stage, DataLoader) else None
+            if dataset is not None and hasattr(dataset, "set_epoch"):
+                dataset.set_epoch(self._epoch)
+        it = self.iterator()
+        self._epoch += 1
+        if self.nsamples > 0:
+            return itertools.islice(it, self.nsamples)
+        return it
+
+    def __len__(self) -> int:
+        if self._length is None:
+            raise TypeError(
+                f"{type(self).__name__} has no length (it streams); use .with_length(n) if a "
+                "framework needs one"
+            )
+        return self._length
+
+    # --- building ----------------------------------------------------------------------------
+
+    def stage(self, i: int) -> Any:
+        """Return stage ``i``."""
+        return self.pipeline[i]
+
+    def append(self, f: Any) -> None:
+        """Append a stage to this pipeline in place (used while constructing it)."""
+        self.pipeline.append(f)
+
+    def compose(self, *args: Any) -> Any:
+        """Return a copy of this pipeline with ``args`` appended as stages."""
+        result = copy.copy(self)
+        result.pipeline = list(self.pipeline)
+        for arg in args:
+            result.append(arg)
+        return result
+
+    def with_length(self, n: int, silent: bool = False) -> Any:
+        """Return a copy whose ``len()`` is ``n`` (it does not change what is iterated)."""
+        result = self.compose()
+        result._length = int(n)
+        if not silent:
+            logger.info("with_length(%d) sets __len__ only; the epoch is unchanged", n)
+        return result
+
+    def with_epoch(self, nsamples: int = -1, nbatches: int = -1) -> Any:
+        """Return a copy whose epochs are exactly ``max(nsamples, nbatches)`` items long.
+
+        The data is repeated (restarting its passes) as often as needed to fill the epoch,
+        so every worker of every rank yields the same count: the fix for DDP hangs.
+        """
+        result = self.compose()
+        result.repetitions = sys.maxsize
+        result.nsamples = max(nsamples, nbatches)
+        return result
+
+    def repeat(self, nepochs: int = -1, nbatches: int = -1) -> Any:
+        """Return a copy that makes ``nepochs`` passes (forever if < 1), capped at ``nbatches``."""
+        result = self.compose()
+        result.repetitions = nepochs if nepochs > 0 else sys.maxsize
+        result.nsamples = nbatches
+        return result
+
+    def close(self) -> None:
+        """Close every stage that has a ``close`` method."""
+        for step in self.pipeline:
+            close = getattr(step, "close", None)
+            if callable(close) and not isinstance(step, DataLoader):
+                close()
+
+
+def _with_context(context: IterationContext, build: Callable[[], Iterator[Any]]) -> Iterator[Any]:
+    # Keep the context current whenever the chain's generators run (they start lazily, on
+    # the first next()), and only then, so that interleaved pipelines never see each other's.
+    local = base._local
+    previous = getattr(local, "context", None)
+    local.context = context
+    try:
+        it = build()
+    finally:
+        local.context = previous
+    while True:
+        previous = getattr(local, "context", None)
+        local.context = context
+        try:
+            sample = next(it)
+        except StopIteration:
+            return
+        finally:
+            local.context = previous
+        yield sample
+
+
+class FluidInterface:
+    """webdataset's fluent methods; each returns a new pipeline with one more stage."""
+
+    def compose(self, *args: Any) -> Any:  # provided by DataPipeline
+        raise NotImplementedError
+
+    def batched(
+        self,
+        batchsize: int,
+        collation_fn: Callable[[list[Any]], Any] | None = batch.default_collation_fn,
+        partial: bool = True,
+    ) -> Any:
+        """Group samples into batches (tensors and arrays stacked by the default collation)."""
+        return self.compose(batch.batched(batchsize, collation_fn=collation_fn, partial=partial))
+
+    def unbatched(self) -> Any:
+        """Split batches back into samples."""
+        return self.compose(batch.unbatched())
+
+    def listed(self, batchsize: int, partial: bool = True) -> Any:
+        """Group samples into plain lists (no collation)."""
+        return self.compose(batch.batched(batchsize, collation_fn=None, partial=partial))
+
+    def unlisted(self) -> Any:
+        """Flatten lists of samples."""
+        return self.compose(batch.unlisted())
+
+    def log_keys(self, logfile: str | None = None) -> Any:
+        """Append sample keys to ``logfile``."""
+        return self.compose(transform.log_keys(logfile))
+
+    def shuffle(self, size: int, **kw: Any) -> Any:
+        """Shuffle samples through a buffer of ``size`` (no-op when ``size < 1``)."""
+        if size < 1:
+            return self
+        return self.compose(shuffle.shuffle(size, **kw))
+
+    def map(self, f: Callable[[Any], Any], handler: ExceptionHandler = reraise_exception) -> Any:
+        """Apply ``f`` to every sample."""
+        return self.compose(transform.map(f, handler=handler))
+
+    def decode(
+        self,
+        *args: Any,
+        pre: Any = None,
+        post: Any = None,
+        only: Any = None,
+        partial: bool = False,
+        handler: ExceptionHandler = reraise_exception,
+    ) -> Any:
+        """Decode fields with imagespecs (``"rgb"``, ``"torchrgb"``, ``"pil"``...) or handlers."""
+        from cloudshards.decoders import make_decoder
+
+        decoder = make_decoder(*args, pre=pre, post=post, only=only, partial=partial)
+        return self.map(decoder, handler=handler)
+
+    def map_dict(self, handler: ExceptionHandler = reraise_exception, **kw: Any) -> Any:
+        """Apply ``kw[field]`` to each sample's field."""
+        return self.compose(transform.map_dict(handler=handler, **kw))
+
+    def select(self, predicate: Callable[[Any], bool], **kw: Any) -> Any:
+        """Keep samples for which ``predicate`` is true."""
+        return self.compose(transform.select(predicate, **kw))
+
+    def to_tuple(self, *args: Any, **kw: Any) -> Any:
+        """Turn dict samples into tuples of fields (``"jpg;png"`` takes the first present)."""
+        return self.compose(fields.to_tuple(*args, **kw))
+
+    def map_tuple(self, *args: Any, handler: ExceptionHandler = reraise_exception) -> Any:
+        """Apply one function per tuple element."""
+        return self.compose(transform.map_tuple(*args, handler=handler))
+
+    def slice(self, *args: int | None) -> Any:
+        """Take ``islice(stream, *args)`` of each epoch (per worker)."""
+        return self.compose(base.FilterFunction(_slice, *args))
+
+    def rename(self, **kw: Any) -> Any:
+        """Rename fields, e.g. ``rename(image="jpg;png", label="cls")``."""
+        return self.compose(fields.rename(**kw))
+
+    def rsample(self, p: float = 0.5) -> Any:
+        """Keep each sample with probability ``p``."""
+        return self.compose(transform.rsample(p))
+
+    def rename_keys(self, *args: Any, **kw: Any) -> Any:
+        """Rename fields by glob patterns."""
+        return self.compose(fields.rename_keys(*args, **kw))
+
+    def extract_keys(self, *args: Any, **kw: Any) -> Any:
+        """Turn samples into tuples of fields matched by glob patterns."""
+        return self.compose(fields.extract_keys(*args, **kw))
+
+    def xdecode(self, *args: Any, **kw: Any) -> Any:
+        """Decode fields by glob patterns (decoders receive a stream)."""
+        return self.compose(fields.xdecode(*args, **kw))
+
+
+class FluidWrapper(DataPipeline, FluidInterface):
+    """A fluent pipeline over any initial source or dataset."""
+
+    def __init__(self, initial: Any) -> None:
+        super().__init__()
+        self.append(initial)

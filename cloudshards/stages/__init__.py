@@ -1,0 +1,1 @@
+"""Pipeline stages: webdataset-compatible filters built on plain Python iterators."""

@@ -1,0 +1,226 @@
+"""Shards to samples: open each shard, stream its tar members, group them into samples.
+
+Also provides webdataset's lower-level building blocks (``url_opener``, ``tar_file_expander``,
+``group_by_keys``, ``tarfile_samples``) backed by the same resolver and fast tar reader.
+Resumption: exact at shard granularity (position = shard, samples delivered from it).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from cloudshards.errors import ConfigError
+from cloudshards.grouping import group_members, make_name_filter, split_key
+from cloudshards.handlers import reraise_exception
+from cloudshards.io import OpenOptions, open_shard
+from cloudshards.redact import redact_url
+from cloudshards.stages.base import pipelinefilter
+from cloudshards.tar import iter_members
+from cloudshards.types import ExceptionHandler, NameFilter, Sample
+
+__all__ = [
+    "base_plus_ext",
+    "group_by_keys",
+    "read_shards",
+    "tar_file_expander",
+    "tar_file_iterator",
+    "tarfile_samples",
+    "tarfile_to_samples",
+    "url_opener",
+    "valid_sample",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def read_shards(
+    src: Iterable[dict[str, Any]],
+    *,
+    handler: ExceptionHandler = reraise_exception,
+    options: OpenOptions | None = None,
+    name_filter: NameFilter | None = None,
+) -> Iterator[Sample]:
+    """Yield the samples of each shard in ``src`` (dicts with a ``url``), in order.
+
+    A shard that fails to open or parse goes to ``handler``: it raises, returns True to skip
+    the rest of that shard and continue with the next, or False to stop. Samples already
+    delivered from a failing shard stay delivered; the incomplete sample at the failure point
+    is dropped. Configuration errors (unknown protocol, missing backend) always raise.
+    """
+    options = options or OpenOptions()
+    for shard in src:
+        url = shard["url"]
+        index = shard.get("shard_index")
+        try:
+            stream = open_shard(url, options, shard_index=index)
+        except ConfigError:
+            raise
+        except Exception as exn:
+            if handler(exn):
+                logger.debug("skipped shard %s after open error", redact_url(url))
+                continue
+            return
+        try:
+            members = iter_members(
+                stream, url=url, name_filter=name_filter, block_bytes=options.block_bytes
+            )
+            yield from group_members(members, url=url, shard_index=index)
+        except ConfigError:
+            raise
+        except Exception as exn:
+            if not handler(exn):
+                return
+            logger.debug("skipped rest of shard %s after error", redact_url(url))
+        finally:
+            stream.close()
+
+
+# --- webdataset's building blocks -----------------------------------------------------------
+
+
+def base_plus_ext(path: str) -> tuple[str, str] | tuple[None, None]:
+    """Split a member name into (key, extension) by webdataset's rule, or (None, None)."""
+    result = split_key(path)
+    return result if result is not None else (None, None)
+
+
+def valid_sample(sample: Any) -> bool:
+    """True for a non-empty dict sample not marked ``__bad__``."""
+    return (
+        sample is not None
+        and isinstance(sample, dict)
+        and len(sample) > 0
+        and not sample.get("__bad__", False)
+    )
+
+
+def url_opener(
+    data: Iterable[dict[str, Any]], handler: ExceptionHandler = reraise_exception, **kw: Any
+) -> Iterator[dict[str, Any]]:
+    """Add an open ``stream`` to each ``{"url": ...}`` dict (through cloudshards' resolver).
+
+    Keyword arguments ``storage_options`` and ``allow_pipe`` are passed to the opener.
+    """
+    options = OpenOptions(
+        storage_options=kw.pop("storage_options", None), allow_pipe=kw.pop("allow_pipe", None)
+    )
+    for sample in data:
+        url = sample["url"]
+        try:
+            stream = open_shard(url, options, shard_index=sample.get("shard_index"))
+        except Exception as exn:
+            if handler(exn):
+                continue
+            break
+        sample.update(stream=stream)
+        yield sample
+
+
+def tar_file_iterator(
+    fileobj: Any,
+    skip_meta: str | None = r"__[^/]*__($|/)",
+    handler: ExceptionHandler = reraise_exception,
+    select_files: Callable[[str], bool] | None = None,
+    rename_files: Callable[[str], str] | None = None,
+) -> Iterator[dict[str, Any]]:
+    """Yield ``{"fname", "data"}`` for each regular file of an open tar stream."""
+    url = getattr(fileobj, "url", None)
+    name_filter = make_name_filter(select_files, rename_files)
+    try:
+        for member in iter_members(fileobj, url=url, name_filter=name_filter):
+            yield {"fname": member.name, "data": member.data}
+    except Exception as exn:
+        if not handler(exn):
+            return
+
+
+def tar_file_expander(
+    data: Iterable[dict[str, Any]],
+    handler: ExceptionHandler = reraise_exception,
+    select_files: Callable[[str], bool] | None = None,
+    rename_files: Callable[[str], str] | None = None,
+    eof_value: Any = None,
+) -> Iterator[dict[str, Any]]:
+    """Expand opened shards into ``{"fname", "data", "__url__"}`` file dicts.
+
+    ``eof_value`` defaults to None: webdataset 0.2.x's behaviour, which programs that group
+    files themselves rely on (1.0.2's ``{}`` end-of-shard marker breaks them). Pass ``{}`` to
+    get 1.0.2's marker.
+    """
+    for source in data:
+        url = source["url"]
+        stream = source["stream"]
+        try:
+            for sample in tar_file_iterator(
+                stream, handler=handler, select_files=select_files, rename_files=rename_files
+            ):
+                sample["__url__"] = url
+                yield sample
+            if eof_value is not None:
+                yield eof_value
+        except Exception as exn:
+            if handler(exn):
+                continue
+            break
+        finally:
+            close = getattr(stream, "close", None)
+            if close is not None:
+                close()
+
+
+def group_by_keys(
+    data: Iterable[dict[str, Any]],
+    keys: Callable[[str], tuple[str | None, str | None]] = base_plus_ext,
+    lcase: bool = True,
+    suffixes: set[str] | None = None,
+    handler: ExceptionHandler = reraise_exception,
+) -> Iterator[Sample]:
+    """Group consecutive file dicts with the same key (and shard) into samples."""
+    current: Sample | None = None
+    for filesample in data:
+        try:
+            if filesample == {}:
+                if valid_sample(current):
+                    yield current  # type: ignore[misc]
+                current = None
+                continue
+            fname, value = filesample["fname"], filesample["data"]
+            prefix, suffix = keys(fname)
+            if prefix is None or suffix is None:
+                continue
+            if lcase:
+                suffix = suffix.lower()
+            url = filesample.get("__url__")
+            if current is None or prefix != current["__key__"] or url != current["__url__"]:
+                if valid_sample(current):
+                    yield current  # type: ignore[misc]
+                current = {"__key__": prefix, "__url__": url}
+            if suffix in current:
+                raise ValueError(
+                    f"{fname}: duplicate file name in tar file {suffix} {list(current.keys())}"
+                )
+            if suffixes is None or suffix in suffixes:
+                current[suffix] = value
+        except Exception as exn:
+            if handler(exn):
+                continue
+            break
+    if valid_sample(current):
+        yield current  # type: ignore[misc]
+
+
+def tarfile_samples(
+    src: Iterable[dict[str, Any]],
+    handler: ExceptionHandler = reraise_exception,
+    select_files: Callable[[str], bool] | None = None,
+    rename_files: Callable[[str], str] | None = None,
+) -> Iterator[Sample]:
+    """Turn a stream of ``{"url": ...}`` dicts into samples (open, read tar, group)."""
+    return read_shards(
+        src, handler=handler, name_filter=make_name_filter(select_files, rename_files)
+    )
+
+
+tarfile_to_samples = pipelinefilter(tarfile_samples)

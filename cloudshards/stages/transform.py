@@ -1,0 +1,216 @@
+"""Per-sample transforms and filters: map, map_dict, map_tuple, select, rsample, decode.
+
+Each ``_name`` generator has webdataset 1.0.2's signature and behaviour; ``name`` is its
+curried filter factory. Resumption: exact (no buffered state).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from cloudshards.handlers import reraise_exception
+from cloudshards.stages.base import make_rng, pipelinefilter
+from cloudshards.types import ExceptionHandler, Sample
+
+__all__ = [
+    "_associate",
+    "_decode",
+    "_info",
+    "_log_keys",
+    "_map",
+    "_map_dict",
+    "_map_tuple",
+    "_rsample",
+    "_select",
+    "associate",
+    "decode",
+    "identity",
+    "info",
+    "log_keys",
+    "map",
+    "map_dict",
+    "map_tuple",
+    "rsample",
+    "select",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def identity(x: Any) -> Any:
+    """Return ``x`` unchanged."""
+    return x
+
+
+def _map(
+    data: Iterable[Any], f: Callable[[Any], Any], handler: ExceptionHandler = reraise_exception
+) -> Iterator[Any]:
+    """Apply ``f`` to each sample; a None result drops the sample; dict results keep ``__key__``."""
+    for sample in data:
+        try:
+            result = f(sample)
+        except Exception as exn:
+            if handler(exn):
+                continue
+            break
+        if result is None:
+            continue
+        if isinstance(sample, dict) and isinstance(result, dict):
+            result["__key__"] = sample.get("__key__")
+        yield result
+
+
+map = pipelinefilter(_map)
+
+
+def _map_dict(
+    data: Iterable[Sample],
+    handler: ExceptionHandler = reraise_exception,
+    **kw: Callable[[Any], Any],
+) -> Iterator[Sample]:
+    """Apply ``kw[field]`` to ``sample[field]`` for each given field."""
+    if not kw:
+        raise ValueError("map_dict needs at least one field=function argument")
+    for key, f in kw.items():
+        if not callable(f):
+            raise ValueError(f"map_dict: {key}={f!r} is not callable")
+    for sample in data:
+        try:
+            for k, f in kw.items():
+                sample[k] = f(sample[k])
+        except Exception as exn:
+            if handler(exn):
+                continue
+            break
+        yield sample
+
+
+map_dict = pipelinefilter(_map_dict)
+
+
+def _map_tuple(
+    data: Iterable[Any],
+    *args: Callable[[Any], Any] | None,
+    handler: ExceptionHandler = reraise_exception,
+) -> Iterator[tuple[Any, ...]]:
+    """Apply ``args[i]`` to element ``i`` of each tuple sample (None leaves it unchanged)."""
+    fns = [f if f is not None else identity for f in args]
+    for f in fns:
+        if not callable(f):
+            raise ValueError(f"map_tuple: {f!r} is not callable")
+    for sample in data:
+        if not isinstance(sample, (list, tuple)):
+            raise ValueError(f"map_tuple needs tuple samples, got {type(sample).__name__}")
+        values = list(sample)
+        n = min(len(fns), len(values))
+        try:
+            for i in range(n):
+                values[i] = fns[i](values[i])
+        except Exception as exn:
+            if handler(exn):
+                continue
+            break
+        yield tuple(values)
+
+
+map_tuple = pipelinefilter(_map_tuple)
+
+
+def _select(data: Iterable[Any], predicate: Callable[[Any], bool]) -> Iterator[Any]:
+    """Keep the samples for which ``predicate`` is true."""
+    for sample in data:
+        if predicate(sample):
+            yield sample
+
+
+select = pipelinefilter(_select)
+
+
+def _rsample(data: Iterable[Any], p: float = 0.5) -> Iterator[Any]:
+    """Keep each sample with probability ``p`` (seeded per epoch and worker)."""
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"rsample: p={p} must be in [0, 1]")
+    rng = make_rng("rsample")
+    for sample in data:
+        if rng.uniform(0.0, 1.0) < p:
+            yield sample
+
+
+rsample = pipelinefilter(_rsample)
+
+
+def _associate(data: Iterable[Sample], associator: Any, **kw: Any) -> Iterator[Sample]:
+    """Merge extra fields into each sample, from ``associator(key)`` or ``associator[key]``."""
+    for sample in data:
+        if callable(associator):
+            extra = associator(sample["__key__"])
+        else:
+            extra = associator.get(sample["__key__"], {})
+        sample.update(extra)
+        yield sample
+
+
+associate = pipelinefilter(_associate)
+
+
+def _info(
+    data: Iterable[Any],
+    fmt: str | None = None,
+    n: int = 3,
+    every: int = -1,
+    width: int = 50,
+    stream: Any = None,
+    name: str = "",
+) -> Iterator[Any]:
+    """Print the first ``n`` (and every ``every``-th) samples to ``stream`` (stderr)."""
+    stream = stream if stream is not None else sys.stderr
+    for i, sample in enumerate(data):
+        if i < n or (every > 0 and (i + 1) % every == 0):
+            if fmt is None:
+                print("---", name, file=stream)
+                for k, v in sample.items():
+                    print(k, repr(v)[:width], file=stream)
+            else:
+                print(fmt.format(**sample), file=stream)
+        yield sample
+
+
+info = pipelinefilter(_info)
+
+
+def _log_keys(data: Iterable[Any], logfile: str | None = None) -> Iterator[Any]:
+    """Append ``index, key`` lines to ``logfile`` (if given) for each sample."""
+    if not logfile:
+        yield from data
+        return
+    with open(logfile, "a") as out:
+        for i, sample in enumerate(data):
+            key = sample.get("__key__") if isinstance(sample, dict) else None
+            out.write(f"{i}\t{key}\n")
+            yield sample
+
+
+log_keys = pipelinefilter(_log_keys)
+
+
+def _decode(
+    data: Iterable[Sample], *args: Any, handler: ExceptionHandler = reraise_exception, **kw: Any
+) -> Iterator[Sample]:
+    """Decode each sample's fields with the given handlers (imagespec strings or functions)."""
+    from cloudshards.decoders import make_decoder
+
+    decoder = make_decoder(*args, **kw)
+    for sample in data:
+        try:
+            decoded = decoder(sample)
+        except Exception as exn:
+            if handler(exn):
+                continue
+            break
+        yield decoded
+
+
+decode = pipelinefilter(_decode)

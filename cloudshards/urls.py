@@ -1,0 +1,271 @@
+"""URL specs to shard lists, and shard URLs to fsspec filesystems.
+
+Owns brace/``::``/``${VAR}`` expansion, globbing on any filesystem, per-protocol storage
+options, and the mapping of backend failures (unknown protocol, missing package) to clear errors.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import braceexpand
+import fsspec
+import fsspec.core
+from fsspec.registry import known_implementations
+
+from cloudshards.errors import ConfigError
+from cloudshards.redact import redact_url
+
+__all__ = [
+    "PIPE_PREFIX",
+    "expand_urls",
+    "options_for",
+    "protocol_of",
+    "resolve",
+]
+
+logger = logging.getLogger(__name__)
+
+PIPE_PREFIX = "pipe:"
+
+#: Which ``pip install "cloudshards[EXTRA]"`` brings a protocol's fsspec backend.
+_EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "http": "http", "https": "http"}
+
+#: Protocol aliases that share one set of storage options.
+_OPTION_ALIASES = {"gcs": "gs", "s3a": "s3", "https": "http", "local": "file"}
+
+_ENV_REF = re.compile(r"\$\{(\w+)\}")
+_GLOB_CHARS = re.compile(r"[*?\[]")
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
+
+
+def protocol_of(url: str) -> str:
+    """Return the URL's protocol (``"file"`` for bare paths, ``"pipe"`` for ``pipe:`` URLs)."""
+    if url.startswith(PIPE_PREFIX):
+        return "pipe"
+    match = _SCHEME.match(url)
+    if match is None:
+        return "file"
+    # fsspec chains ("simplecache::s3://...") name their outermost protocol first.
+    return match.group(1).lower()
+
+
+def _substitute_env(url: str) -> str:
+    # webdataset 1.0.2 semantics: ${name} is replaced by the environment variable WDS_name.
+    def lookup(match: re.Match[str]) -> str:
+        name = "WDS_" + match.group(1)
+        if name not in os.environ:
+            raise ConfigError(
+                f"{redact_url(url)}: ${{{match.group(1)}}} needs the environment variable {name}"
+            )
+        return os.environ[name]
+
+    for _ in range(10):
+        substituted = _ENV_REF.sub(lookup, url)
+        if substituted == url:
+            break
+        url = substituted
+    return url
+
+
+def _has_glob(url: str) -> bool:
+    protocol = protocol_of(url)
+    if protocol == "pipe":
+        return False
+    if protocol in ("http", "https"):
+        # '?' starts a query string in HTTP URLs; only '*' means a glob there.
+        path = url.split("?", 1)[0]
+        return "*" in path
+    return _GLOB_CHARS.search(url) is not None
+
+
+def _glob(url: str, storage_options: Mapping[str, Any] | None) -> list[str]:
+    fs, path = resolve(url, storage_options)
+    try:
+        matches = sorted(fs.glob(path))
+    except FileNotFoundError:
+        matches = []
+    except Exception as exc:
+        raise ConfigError(f"cannot expand glob {redact_url(url)}: {exc}") from exc
+    protocol = protocol_of(url)
+    if protocol == "file":
+        return [str(m) for m in matches]
+    return [fs.unstrip_protocol(m) for m in matches]
+
+
+def expand_urls(
+    urls: str | Iterable[str],
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    glob: bool = True,
+) -> list[str]:
+    """Expand a shard spec into the list of shard URLs, in order.
+
+    Accepts a string with ``{000..999}`` / ``{a,b}`` braces (nested too), several specs joined
+    by ``::`` (webdataset's list syntax), ``${VAR}`` (read from ``WDS_VAR``), and globs
+    (``*``, ``?``, ``[...]``) expanded through the URL's own filesystem; or an iterable of such
+    strings.
+
+    Args:
+        urls: The spec.
+        storage_options: Per-protocol fsspec options, used to list the store for globs.
+        glob: Expand glob characters (turn off for names that really contain ``*``/``[``).
+
+    Returns:
+        The expanded URLs.
+
+    Raises:
+        ConfigError: The spec expands to nothing, a glob matches nothing, or a variable is unset.
+    """
+    specs: list[str]
+    if isinstance(urls, str):
+        specs = urls.split("::") if "::" in urls and not _is_fsspec_chain(urls) else [urls]
+    else:
+        specs = list(urls)
+        if not all(isinstance(u, str) for u in specs):
+            raise ConfigError("shard URLs must be strings")
+    result: list[str] = []
+    for spec in specs:
+        spec = _substitute_env(spec)
+        for url in braceexpand.braceexpand(spec):
+            if glob and _has_glob(url):
+                matches = _glob(url, storage_options)
+                if not matches:
+                    raise ConfigError(f"glob {redact_url(url)} matched no shards")
+                result.extend(matches)
+            else:
+                result.append(url)
+    if not result:
+        raise ConfigError(f"shard spec {_describe(urls)} expanded to no URLs")
+    return result
+
+
+def _is_fsspec_chain(url: str) -> bool:
+    # "simplecache::s3://b/k" is an fsspec chained URL, not a list of two specs.
+    first, _, rest = url.partition("::")
+    return "://" not in first and _SCHEME.match(rest) is not None and first.isidentifier()
+
+
+def _describe(urls: str | Iterable[str]) -> str:
+    if isinstance(urls, str):
+        return repr(redact_url(urls))
+    return "(empty list)"
+
+
+def options_for(protocol: str, storage_options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Pick the fsspec options for ``protocol`` from a user mapping.
+
+    ``storage_options`` is either per-protocol (``{"s3": {...}, "gs": {...}}``; ``gcs``/``gs``,
+    ``s3``/``s3a`` and ``http``/``https`` share options) or flat (no key is a protocol name), in
+    which case it applies to every protocol.
+    """
+    if not storage_options:
+        return {}
+    canonical = _OPTION_ALIASES.get(protocol, protocol)
+    per_protocol = {_OPTION_ALIASES.get(k, k): v for k, v in storage_options.items()}
+    if any(k in known_implementations or k == "file" for k in per_protocol):
+        value = per_protocol.get(canonical, per_protocol.get(protocol))
+        if value is None:
+            return {}
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"storage_options[{protocol!r}] must be a mapping of fsspec options")
+        return dict(value)
+    return dict(storage_options)
+
+
+_fs_lock = threading.Lock()
+_fs_cache: dict[tuple[int, str, str], fsspec.AbstractFileSystem] = {}
+
+
+def _make_key(protocol: str, options: Mapping[str, Any]) -> str:
+    # Options can hold unhashable values (dicts, credentials objects); repr is a stable-enough key
+    # within one process, and it never leaves memory.
+    return repr(sorted(options.items(), key=lambda kv: kv[0]))
+
+
+def _gcs_options(options: dict[str, Any]) -> dict[str, Any]:
+    emulator = os.environ.get("STORAGE_EMULATOR_HOST")
+    if emulator and "token" not in options:
+        # An emulator needs no credentials; without this gcsfs probes the GCE metadata server.
+        options = {**options, "token": "anon"}
+    return options
+
+
+def _filesystem(protocol: str, options: dict[str, Any]) -> fsspec.AbstractFileSystem:
+    if protocol in ("gs", "gcs"):
+        options = _gcs_options(options)
+    key = (os.getpid(), protocol, _make_key(protocol, options))
+    with _fs_lock:
+        fs = _fs_cache.get(key)
+        if fs is None:
+            fs = _new_filesystem(protocol, options)
+            _fs_cache[key] = fs
+        return fs
+
+
+def _new_filesystem(protocol: str, options: dict[str, Any]) -> fsspec.AbstractFileSystem:
+    if protocol in ("gs", "gcs") and (
+        options.get("endpoint_url") or os.environ.get("STORAGE_EMULATOR_HOST")
+    ):
+        # gcsfs's default class (ExtendedGcsFileSystem) probes every bucket over gRPC for
+        # zonal/HNS features; emulators do not answer and each probe stalls ~60 s. Custom
+        # endpoints are emulators or S3-like gateways, so use the plain HTTP implementation.
+        try:
+            from gcsfs.core import GCSFileSystem
+        except ImportError as exc:
+            raise _missing_backend(protocol, exc) from exc
+        return GCSFileSystem(**options)
+    try:
+        return fsspec.filesystem(protocol, **options)
+    except ImportError as exc:
+        raise _missing_backend(protocol, exc) from exc
+    except ValueError as exc:
+        if "Protocol not known" in str(exc):
+            raise ConfigError(
+                f"unknown protocol {protocol!r}; fsspec knows "
+                f"{', '.join(sorted(set(known_implementations) | {'file'}))}"
+            ) from exc
+        raise ConfigError(f"cannot set up {protocol}:// filesystem: {exc}") from exc
+    except TypeError as exc:
+        raise ConfigError(f"bad storage_options for {protocol}://: {exc}") from exc
+
+
+def _missing_backend(protocol: str, exc: ImportError) -> ConfigError:
+    extra = _EXTRAS.get(protocol)
+    if extra is not None:
+        return ConfigError(
+            f'{protocol}:// URLs need an optional package: pip install "cloudshards[{extra}]" '
+            f"({exc})"
+        )
+    return ConfigError(f"{protocol}:// URLs need an fsspec backend package that is missing: {exc}")
+
+
+def resolve(
+    url: str, storage_options: Mapping[str, Any] | None = None
+) -> tuple[fsspec.AbstractFileSystem, str]:
+    """Resolve a shard URL to ``(filesystem, path)``.
+
+    One filesystem instance is kept per protocol and options per process (and rebuilt after a
+    fork, since async backends cannot cross one).
+
+    Raises:
+        ConfigError: Unknown protocol, missing backend package, or invalid options.
+    """
+    protocol = protocol_of(url)
+    if protocol == "pipe":
+        raise ConfigError("pipe: URLs are not filesystem URLs; open them with open_shard")
+    if "::" in url:
+        # fsspec URL chains carry their own option routing; leave them to fsspec entirely.
+        try:
+            return fsspec.core.url_to_fs(url, **options_for(protocol, storage_options))  # type: ignore[no-any-return]
+        except ImportError as exc:
+            raise _missing_backend(protocol, exc) from exc
+    options = options_for(protocol, storage_options)
+    fs = _filesystem(protocol, options)
+    path = fs._strip_protocol(url)
+    return fs, path

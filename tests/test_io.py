@@ -1,0 +1,124 @@
+"""Opening shards: local and memory filesystems, error mapping, the pipe: opt-in."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pytest
+from fsspec.implementations.memory import MemoryFileSystem
+
+import cloudshards as wds
+from cloudshards.errors import ConfigError, ShardFormatError, ShardOpenError
+from cloudshards.io import OpenOptions, open_shard
+
+
+@pytest.fixture
+def memory_dir() -> Any:
+    fs = fsspec.filesystem("memory")
+    fs.mkdir("/iotest")
+    yield fs
+    fs.rm("/iotest", recursive=True)
+
+
+def test_open_local_reads_everything(tmp_path: Path) -> None:
+    path = tmp_path / "a.tar"
+    path.write_bytes(b"abc" * 1000)
+    with open_shard(str(path)) as stream:
+        assert stream.read(10) == b"abcabcabca"
+        buffer = bytearray(100)
+        assert stream.readinto(buffer) == 100
+        rest = stream.read()
+    assert len(rest) == 3000 - 110
+    assert stream.offset == 3000
+
+
+def test_open_file_url_and_memory(tmp_path: Path, memory_dir: MemoryFileSystem) -> None:
+    (tmp_path / "b.tar").write_bytes(b"xyz")
+    with open_shard(f"file://{tmp_path}/b.tar") as stream:
+        assert stream.read() == b"xyz"
+    memory_dir.pipe("/iotest/c.tar", b"hello")
+    with open_shard("memory://iotest/c.tar") as stream:
+        assert stream.read() == b"hello"
+
+
+def test_missing_object_names_the_url(tmp_path: Path, memory_dir: MemoryFileSystem) -> None:
+    for url in (str(tmp_path / "missing.tar"), "memory://iotest/missing.tar"):
+        with pytest.raises(ShardOpenError, match="object not found") as info:
+            open_shard(url, shard_index=3)
+        assert "missing.tar" in str(info.value)
+        assert info.value.shard_index == 3
+        assert isinstance(info.value, OSError)
+
+
+def test_directory_is_not_a_shard(tmp_path: Path) -> None:
+    with pytest.raises(ShardOpenError):
+        open_shard(str(tmp_path))
+
+
+class _FailingFile:
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def read(self, size: int = -1) -> bytes:
+        self.reads += 1
+        if self.reads > 1:
+            raise ConnectionResetError("connection reset by peer")
+        return b"x" * 10
+
+    def close(self) -> None:
+        pass
+
+
+def test_read_errors_become_shard_open_errors_with_offset() -> None:
+    from cloudshards.io import ShardStream
+
+    stream = ShardStream(_FailingFile(), "s3://bucket/a.tar?X-Amz-Signature=SECRET")  # type: ignore[arg-type]
+    assert stream.read(10) == b"x" * 10
+    with pytest.raises(ShardOpenError) as info:
+        stream.read(10)
+    message = str(info.value)
+    assert "connection reset" in message
+    assert "byte offset 10" in message
+    assert "SECRET" not in message
+    assert info.value.offset == 10
+
+
+def test_pipe_urls_need_opt_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "p.tar"
+    path.write_bytes(b"piped")
+    url = f"pipe:cat {path}"
+    with pytest.raises(ConfigError, match="allow_pipe=True"):
+        open_shard(url)
+    with open_shard(url, OpenOptions(allow_pipe=True)) as stream:
+        assert stream.read() == b"piped"
+    monkeypatch.setenv("CLOUDSHARDS_ALLOW_PIPE", "1")
+    with open_shard(url) as stream:
+        assert stream.read() == b"piped"
+
+
+def test_failing_pipe_command_is_an_open_error(tmp_path: Path) -> None:
+    with (
+        pytest.raises(ShardOpenError, match="status"),
+        open_shard("pipe:exit 3", OpenOptions(allow_pipe=True)) as stream,
+    ):
+        stream.read()
+
+
+def test_pipe_is_refused_by_webdataset_pipeline(make_shards: Any) -> None:
+    shards = make_shards([2])
+    ds = wds.WebDataset(f"pipe:cat {shards.paths[0]}", shardshuffle=False)
+    with pytest.raises(ConfigError, match="pipe"):
+        list(ds)
+    allowed = wds.WebDataset(f"pipe:cat {shards.paths[0]}", shardshuffle=False, allow_pipe=True)
+    assert [s["__key__"] for s in allowed] == shards.keys
+
+
+def test_errors_pickle_with_their_fields() -> None:
+    error = ShardFormatError("truncated", url="s3://b/a.tar?sig=1", offset=1024, member="k.jpg")
+    clone = pickle.loads(pickle.dumps(error))
+    assert type(clone) is ShardFormatError
+    assert str(clone) == str(error)
+    assert (clone.url, clone.offset, clone.member) == (error.url, 1024, "k.jpg")

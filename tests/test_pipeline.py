@@ -1,0 +1,244 @@
+"""WebDataset pipelines end to end on local shards: epochs, workers, errors, fluent API."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import cloudshards as wds
+from cloudshards.errors import ShardFormatError, ShardOpenError
+
+
+def keys_of(dataset: Any) -> list[str]:
+    return [sample["__key__"] for sample in dataset]
+
+
+def test_samples_are_webdataset_dicts(make_shards: Any) -> None:
+    shards = make_shards([3, 2])
+    samples = list(wds.WebDataset(shards.spec(), shardshuffle=False))
+    assert [s["__key__"] for s in samples] == shards.keys
+    for sample, (key, fields) in zip(samples, shards.samples, strict=True):
+        assert sample == {"__key__": key, "__url__": sample["__url__"], **fields}
+    assert samples[0]["__url__"] == str(shards.paths[0])
+    assert samples[-1]["__url__"] == str(shards.paths[1])
+
+
+def test_shard_shuffle_changes_per_epoch_and_repeats_per_seed(make_shards: Any) -> None:
+    shards = make_shards([2] * 12)
+    ds = wds.WebDataset(shards.spec(), shardshuffle=True, seed=5)
+    epoch0, epoch1 = keys_of(ds), keys_of(ds)
+    assert sorted(epoch0) == sorted(epoch1) == sorted(shards.keys)
+    assert epoch0 != epoch1
+    rerun = wds.WebDataset(shards.spec(), shardshuffle=True, seed=5)
+    assert keys_of(rerun) == epoch0
+    rerun.set_epoch(1)
+    assert keys_of(rerun) == epoch1
+    assert keys_of(wds.WebDataset(shards.spec(), shardshuffle=True, seed=6)) != epoch0
+
+
+def test_sample_shuffle_is_seeded_per_epoch(make_shards: Any) -> None:
+    shards = make_shards([10, 10])
+    ds = wds.WebDataset(shards.spec(), shardshuffle=False, seed=1).shuffle(8)
+    a, b = keys_of(ds), keys_of(ds)
+    assert sorted(a) == sorted(shards.keys)
+    assert a != b
+    again = wds.WebDataset(shards.spec(), shardshuffle=False, seed=1).shuffle(8)
+    assert keys_of(again) == a
+
+
+def test_ranks_get_disjoint_shards_covering_each_epoch(
+    make_shards: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shards = make_shards([3, 1, 4, 1, 5, 9, 2, 6])
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    for epoch in range(2):
+        seen: Counter[str] = Counter()
+        for rank in range(3):
+            monkeypatch.setenv("RANK", str(rank))
+            ds = wds.WebDataset(shards.spec(), shardshuffle=True, seed=9, empty_check=False)
+            ds.set_epoch(epoch)
+            seen.update(keys_of(ds))
+        assert seen == Counter(shards.keys)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_dataloader_workers_see_each_sample_once_and_reshuffle(
+    make_shards: Any, persistent: bool
+) -> None:
+    shards = make_shards([4] * 8)
+    ds = wds.WebDataset(shards.spec(), shardshuffle=True)
+    loader = torch.utils.data.DataLoader(
+        ds, num_workers=2, batch_size=None, persistent_workers=persistent
+    )
+    torch.manual_seed(0)
+    epochs = [keys_of(loader) for _ in range(2)]
+    for keys in epochs:
+        assert Counter(keys) == Counter(shards.keys)
+    assert epochs[0] != epochs[1]
+
+
+def test_webloader_sets_the_epoch(make_shards: Any) -> None:
+    shards = make_shards([3] * 6)
+    ds = wds.WebDataset(shards.spec(), shardshuffle=True, seed=2)
+    loader = wds.WebLoader(ds, num_workers=2, batch_size=None)
+    first, second = keys_of(loader), keys_of(loader)
+    assert Counter(first) == Counter(second) == Counter(shards.keys)
+    assert first != second
+    assert keys_of(wds.WebLoader(ds, num_workers=2, batch_size=None)) == first
+
+
+def test_with_epoch_gives_exact_counts_and_repeats(make_shards: Any) -> None:
+    shards = make_shards([3, 4])
+    ds = wds.WebDataset(shards.spec(), shardshuffle=False)
+    assert len(keys_of(ds.with_epoch(5))) == 5
+    long = keys_of(ds.with_epoch(17))
+    assert len(long) == 17
+    assert Counter(long[:7]) == Counter(shards.keys)
+    batches = list(ds.batched(2).with_epoch(nbatches=6))
+    assert len(batches) == 6
+
+
+def test_fluent_methods_do_not_mutate(make_shards: Any) -> None:
+    shards = make_shards([5])
+    ds = wds.WebDataset(shards.spec(), shardshuffle=False)
+    ds.with_epoch(2)
+    ds.to_tuple("cls")
+    ds.with_length(1, silent=True)
+    assert keys_of(ds) == shards.keys
+    with pytest.raises(TypeError, match="with_length"):
+        len(ds)
+    assert len(ds.with_length(42)) == 42
+
+
+def test_resampled_with_epoch(make_shards: Any) -> None:
+    shards = make_shards([2, 2, 2])
+    ds = wds.WebDataset(shards.spec(), resampled=True, seed=3).with_epoch(10)
+    first = keys_of(ds)
+    assert len(first) == 10
+    assert set(first) <= set(shards.keys)
+    assert keys_of(ds) != first
+    loader = torch.utils.data.DataLoader(ds, num_workers=2, batch_size=None)
+    assert len(keys_of(loader)) == 20
+
+
+def _corrupt_copy(path: Path, target: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[2048:2060] = b"\xff" * 12  # inside the second member's header
+    target.write_bytes(bytes(data))
+
+
+def test_bad_shard_raises_by_default_and_can_be_skipped(make_shards: Any, tmp_path: Path) -> None:
+    shards = make_shards([3, 3])
+    bad = tmp_path / "bad.tar"
+    _corrupt_copy(shards.paths[0], bad)
+    urls = [str(bad), str(shards.paths[1])]
+    with pytest.raises(ShardFormatError) as info:
+        list(wds.WebDataset(urls, shardshuffle=False))
+    assert str(bad) in str(info.value)
+    assert info.value.offset is not None
+    skipped = keys_of(wds.WebDataset(urls, shardshuffle=False, handler=wds.ignore_and_continue))
+    assert skipped[-3:] == shards.keys[3:]
+    assert set(skipped) <= set(shards.keys)
+    policy = keys_of(wds.WebDataset(urls, shardshuffle=False, handler="skip"))
+    assert policy == skipped
+
+
+def test_missing_shard_error_and_skip(make_shards: Any, tmp_path: Path) -> None:
+    shards = make_shards([2])
+    urls = [str(tmp_path / "nope.tar"), str(shards.paths[0])]
+    with pytest.raises(ShardOpenError, match="nope.tar"):
+        list(wds.WebDataset(urls, shardshuffle=False))
+    with pytest.warns(UserWarning, match="nope.tar"):
+        got = keys_of(wds.WebDataset(urls, shardshuffle=False, handler=wds.warn_and_continue))
+    assert got == shards.keys
+
+
+def test_truncated_shard_keeps_samples_before_the_cut(make_shards: Any, tmp_path: Path) -> None:
+    shards = make_shards([6], payload_bytes=3000)
+    data = shards.paths[0].read_bytes()
+    cut = tmp_path / "cut.tar"
+    cut.write_bytes(data[: len(data) // 2])
+    got: list[str] = []
+    with pytest.raises(ShardFormatError, match="cut.tar"):
+        for sample in wds.WebDataset(str(cut), shardshuffle=False):
+            got.append(sample["__key__"])
+            assert sample["bin"] == dict(shards.samples)[sample["__key__"]]["bin"]
+    assert got == shards.keys[: len(got)]
+    assert 0 < len(got) < 6
+
+
+def test_empty_check_explains_the_cause(make_shards: Any) -> None:
+    shards = make_shards([2])
+    loader = torch.utils.data.DataLoader(
+        wds.WebDataset(shards.spec(), shardshuffle=False), num_workers=2, batch_size=None
+    )
+    with pytest.raises(ValueError, match="fewer shards than workers"):
+        list(loader)
+    relaxed = wds.WebDataset(shards.spec(), shardshuffle=False, empty_check=False)
+    loader = torch.utils.data.DataLoader(relaxed, num_workers=2, batch_size=None)
+    assert sorted(keys_of(loader)) == shards.keys
+
+
+def test_select_and_rename_files(make_shards: Any) -> None:
+    shards = make_shards([3])
+    ds = wds.WebDataset(
+        shards.spec(),
+        shardshuffle=False,
+        select_files=lambda name: not name.endswith(".bin"),
+        rename_files=lambda name: name.replace(".json", ".meta.json"),
+    )
+    sample = next(iter(ds))
+    assert set(sample) == {"__key__", "__url__", "cls", "meta.json"}
+
+
+def test_gzipped_shards(make_shards: Any, tmp_path: Path) -> None:
+    import gzip
+
+    shards = make_shards([4])
+    gz = tmp_path / "shard.tar.gz"
+    gz.write_bytes(gzip.compress(shards.paths[0].read_bytes()))
+    assert keys_of(wds.WebDataset(str(gz), shardshuffle=False)) == shards.keys
+
+
+def test_duplicate_field_is_a_format_error(tmp_path: Path) -> None:
+    path = tmp_path / "dup.tar"
+    with tarfile.open(path, "w") as tar:
+        for name in ("a.txt", "a.TXT"):
+            info = tarfile.TarInfo(name)
+            info.size = 1
+            tar.addfile(info, io.BytesIO(b"x"))
+    with pytest.raises(ShardFormatError, match="txt"):
+        list(wds.WebDataset(str(path), shardshuffle=False))
+
+
+def test_decode_to_tuple_batched_pipeline(make_shards: Any) -> None:
+    shards = make_shards([5, 5])
+    ds = wds.WebDataset(shards.spec(), shardshuffle=False).decode().to_tuple("json", "cls")
+    batches = list(ds.batched(4))
+    assert [len(b[1]) for b in batches] == [4, 4, 2]
+    first_json, first_cls = batches[0]
+    assert first_json[0] == {"key": "s0000_000000", "shard": 0, "index": 0}
+    assert first_cls.tolist() == [0, 1, 2, 3]
+    assert [len(b[1]) for b in ds.batched(4, partial=False)] == [4, 4]
+
+
+def test_memory_filesystem_dataset(make_shards: Any) -> None:
+    import fsspec
+
+    shards = make_shards([2, 3])
+    fs = fsspec.filesystem("memory")
+    for path in shards.paths:
+        fs.pipe(f"/pipeline-test/{path.name}", path.read_bytes())
+    try:
+        ds = wds.WebDataset("memory://pipeline-test/shard-{000000..000001}.tar", shardshuffle=False)
+        assert keys_of(ds) == shards.keys
+        globbed = wds.WebDataset("memory://pipeline-test/shard-*.tar", shardshuffle=False)
+        assert keys_of(globbed) == shards.keys
+    finally:
+        fs.rm("/pipeline-test", recursive=True)

@@ -1,0 +1,167 @@
+"""URL expansion, protocol resolution, storage options and redaction."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import fsspec
+import pytest
+
+from cloudshards.errors import ConfigError
+from cloudshards.redact import redact_text, redact_url
+from cloudshards.urls import expand_urls, options_for, protocol_of, resolve
+
+
+def test_brace_expansion_ranges_lists_and_nesting() -> None:
+    assert expand_urls("s3://b/train-{000..002}.tar") == [
+        "s3://b/train-000.tar",
+        "s3://b/train-001.tar",
+        "s3://b/train-002.tar",
+    ]
+    assert expand_urls("gs://b/{a,b}-{0..1}.tar") == [
+        "gs://b/a-0.tar",
+        "gs://b/a-1.tar",
+        "gs://b/b-0.tar",
+        "gs://b/b-1.tar",
+    ]
+    assert expand_urls("x-{a,b{1..2}}.tar") == ["x-a.tar", "x-b1.tar", "x-b2.tar"]
+
+
+def test_double_colon_lists_and_explicit_lists() -> None:
+    assert expand_urls("a.tar::b-{0..1}.tar") == ["a.tar", "b-0.tar", "b-1.tar"]
+    assert expand_urls(["s3://b/x.tar", "s3://b/y-{0..1}.tar"]) == [
+        "s3://b/x.tar",
+        "s3://b/y-0.tar",
+        "s3://b/y-1.tar",
+    ]
+
+
+def test_fsspec_chained_url_is_not_split() -> None:
+    assert expand_urls("simplecache::s3://b/x.tar") == ["simplecache::s3://b/x.tar"]
+
+
+def test_env_substitution_uses_wds_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WDS_BUCKET", "my-bucket")
+    assert expand_urls("s3://${BUCKET}/a.tar") == ["s3://my-bucket/a.tar"]
+    with pytest.raises(ConfigError, match="WDS_MISSING"):
+        expand_urls("s3://${MISSING}/a.tar")
+
+
+def test_empty_expansion_is_an_error() -> None:
+    with pytest.raises(ConfigError, match="no URLs"):
+        expand_urls([])
+
+
+def test_glob_on_local_and_memory_filesystems(tmp_path: Path) -> None:
+    for name in ("train-0.tar", "train-1.tar", "val-0.tar"):
+        (tmp_path / name).write_bytes(b"x")
+    assert expand_urls(f"{tmp_path}/train-*.tar") == [
+        f"{tmp_path}/train-0.tar",
+        f"{tmp_path}/train-1.tar",
+    ]
+    mem = fsspec.filesystem("memory")
+    mem.pipe({"/globtest/a-1.tar": b"1", "/globtest/a-2.tar": b"2", "/globtest/b.tar": b"3"})
+    try:
+        assert expand_urls("memory://globtest/a-?.tar") == [
+            "memory:///globtest/a-1.tar",
+            "memory:///globtest/a-2.tar",
+        ]
+    finally:
+        mem.rm("/globtest", recursive=True)
+
+
+def test_glob_without_match_names_the_pattern(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"matched no shards"):
+        expand_urls(f"{tmp_path}/nothing-*.tar")
+
+
+def test_http_query_question_mark_is_not_a_glob() -> None:
+    url = "https://host/a.tar?X-Amz-Signature=abc"
+    assert expand_urls(url) == [url]
+
+
+def test_protocol_of() -> None:
+    assert protocol_of("/data/a.tar") == "file"
+    assert protocol_of("relative/a.tar") == "file"
+    assert protocol_of("file:///data/a.tar") == "file"
+    assert protocol_of("S3://b/k") == "s3"
+    assert protocol_of("pipe:cat a.tar") == "pipe"
+    assert protocol_of("simplecache::s3://b/k") == "file"
+
+
+def test_options_per_protocol_with_aliases() -> None:
+    opts = {"s3": {"anon": True}, "gs": {"token": "anon"}, "http": {"client_kwargs": {}}}
+    assert options_for("s3", opts) == {"anon": True}
+    assert options_for("s3a", opts) == {"anon": True}
+    assert options_for("gcs", opts) == {"token": "anon"}
+    assert options_for("https", opts) == {"client_kwargs": {}}
+    assert options_for("memory", opts) == {}
+    assert options_for("s3", None) == {}
+
+
+def test_flat_options_apply_to_every_protocol() -> None:
+    assert options_for("s3", {"anon": True}) == {"anon": True}
+
+
+def test_non_mapping_protocol_options_are_rejected() -> None:
+    with pytest.raises(ConfigError, match="mapping"):
+        options_for("s3", {"s3": "anon"})
+
+
+def test_resolve_local_memory_and_caching(tmp_path: Path) -> None:
+    fs, path = resolve(str(tmp_path / "a.tar"))
+    assert "file" in fs.protocol
+    assert path.endswith("a.tar")
+    fs2, _ = resolve(f"file://{tmp_path}/b.tar")
+    assert fs2 is fs
+    mem, mpath = resolve("memory://bucket/key.tar")
+    assert mpath == "/bucket/key.tar"
+
+
+def test_unknown_protocol_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match=r"unknown protocol 'nosuchproto'"):
+        resolve("nosuchproto://x/y.tar")
+
+
+def test_missing_backend_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Hide s3fs as if it were not installed: the error must name cloudshards[s3].
+    monkeypatch.setitem(sys.modules, "s3fs", None)
+    from cloudshards import urls
+
+    monkeypatch.setattr(urls, "_fs_cache", {})
+    with pytest.raises(ConfigError, match=r'pip install "cloudshards\[s3\]"'):
+        resolve("s3://bucket/a.tar", {"s3": {"anon": True, "skip_instance_cache": True}})
+
+
+def test_pipe_urls_are_not_resolved_as_filesystems() -> None:
+    with pytest.raises(ConfigError, match="pipe"):
+        resolve("pipe:cat a.tar")
+
+
+def test_redaction_of_credentials_and_queries() -> None:
+    assert (
+        redact_url("s3://AKIAXX:secret@bucket/k.tar?X-Amz-Signature=abc")
+        == "s3://<redacted>@bucket/k.tar?<redacted>"
+    )
+    assert redact_url("https://h/a.tar#frag") == "https://h/a.tar"
+    assert redact_url("/local/path.tar") == "/local/path.tar"
+    assert "sig" not in redact_url("pipe:curl https://h/a.tar?sig=zz")
+    assert redact_text("GET https://u:p@h/x?token=zz failed") == (
+        "GET https://<redacted>@h/x?<redacted> failed"
+    )
+
+
+def test_errors_never_show_secrets() -> None:
+    from cloudshards.errors import ShardFormatError, ShardOpenError
+
+    url = "https://user:hunter2@host/a.tar?X-Goog-Signature=SECRET"
+    for error in (
+        ShardOpenError("object not found", url=url, offset=7),
+        ShardFormatError("bad header", url=url, member="k.jpg", offset=512),
+    ):
+        text = str(error)
+        assert "hunter2" not in text
+        assert "SECRET" not in text
+        assert "https://<redacted>@host/a.tar?<redacted>" in text
+        assert error.url == "https://<redacted>@host/a.tar?<redacted>"

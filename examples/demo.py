@@ -188,8 +188,18 @@ def cache_arguments(cache_dir: Path | None) -> dict[str, Any]:
         log("cache: off (this cloudshards version's WebDataset has no cache_dir argument)")
         return {}
     cache_dir.mkdir(parents=True, exist_ok=True)
-    log(f"cache: on, {cache_dir} (shards are kept there after their first download)")
+    log(f"cache: on, cache_dir={str(cache_dir)!r} (shards are kept after their first download)")
     return {"cache_dir": str(cache_dir)}
+
+
+def report_cache(cache_dir: Path) -> None:
+    """Say what the cache holds after training: what the library did, not what we asked."""
+    files = [p for p in cache_dir.rglob("*") if p.is_file()]
+    if files:
+        size = sum(p.stat().st_size for p in files)
+        log(f"cache: {cache_dir} holds {len(files)} files, {size / 2**20:.1f} MiB")
+    else:
+        log(f"cache: {cache_dir} is empty: this cloudshards version streamed without caching")
 
 
 def train(
@@ -283,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         cache_kwargs = cache_arguments(None if args.no_cache else args.cache_dir)
         seen, seconds = train(url, {"s3": s3_options}, cache_kwargs, args.epochs)
 
+    if cache_kwargs:
+        report_cache(Path(cache_kwargs["cache_dir"]))
     log(
         f"done: {seen} samples in {seconds:.1f} s of training = {seen / seconds:,.0f} samples/s "
         f"(demo wall time {time.perf_counter() - began:.1f} s)"

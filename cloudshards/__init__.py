@@ -37,7 +37,8 @@ from cloudshards.handlers import (
     warn_and_continue,
     warn_and_stop,
 )
-from cloudshards.io import open_shard
+from cloudshards.io import gopen, open_shard
+from cloudshards.mix import RandomMix, RoundRobin
 from cloudshards.pipeline import DataPipeline, FluidInterface, FluidWrapper
 from cloudshards.shards import (
     ResampledShards,
@@ -73,6 +74,7 @@ from cloudshards.stages.transform import (
     select,
 )
 from cloudshards.urls import expand_urls
+from cloudshards.wrappers import with_epoch, with_length
 
 __version__ = "0.1.0"
 
@@ -88,7 +90,9 @@ __all__ = [
     "FluidInterface",
     "FluidWrapper",
     "PipelineStage",
+    "RandomMix",
     "ResampledShards",
+    "RoundRobin",
     "ShardError",
     "ShardFormatError",
     "ShardOpenError",
@@ -108,6 +112,7 @@ __all__ = [
     "expand_urls",
     "extract_keys",
     "getfirst",
+    "gopen",
     "gzfilter",
     "handle_extension",
     "ignore_and_continue",
@@ -146,5 +151,7 @@ __all__ = [
     "unlisted",
     "warn_and_continue",
     "warn_and_stop",
+    "with_epoch",
+    "with_length",
     "xdecode",
 ]

@@ -18,7 +18,7 @@ from cloudshards.errors import CloudShardsError, ConfigError, ShardOpenError
 from cloudshards.redact import redact_text, redact_url
 from cloudshards.urls import PIPE_PREFIX, protocol_of, resolve
 
-__all__ = ["OpenOptions", "ShardStream", "open_shard"]
+__all__ = ["OpenOptions", "ShardStream", "gopen", "open_shard"]
 
 logger = logging.getLogger(__name__)
 
@@ -221,3 +221,26 @@ def _open_pipe(url: str, options: OpenOptions) -> IO[bytes]:
             "pass allow_pipe=True or set CLOUDSHARDS_ALLOW_PIPE=1 to allow them"
         )
     return _PipeReader(url[len(PIPE_PREFIX) :])  # type: ignore[return-value]
+
+
+def gopen(url: str, mode: str = "rb", bufsize: int = 8192, **kw: Any) -> Any:
+    """Open a URL for reading or writing, like webdataset's ``gopen`` (through fsspec).
+
+    ``"rb"`` returns a :class:`ShardStream`; ``"wb"`` an fsspec file (closing it commits the
+    object). ``"-"`` is stdin or stdout. ``pipe:`` URLs need ``allow_pipe=True``.
+    """
+    import sys
+
+    if mode not in ("rb", "wb"):
+        raise ConfigError(f"gopen: mode must be 'rb' or 'wb', got {mode!r}")
+    if url == "-":
+        return sys.stdin.buffer if mode == "rb" else sys.stdout.buffer
+    options = OpenOptions(
+        storage_options=kw.get("storage_options"), allow_pipe=kw.get("allow_pipe")
+    )
+    if mode == "rb":
+        return open_shard(url, options)
+    if url.startswith(PIPE_PREFIX):
+        raise ConfigError("gopen: writing to pipe: URLs is not supported")
+    fs, path = resolve(url, options.storage_options)
+    return fs.open(path, "wb")

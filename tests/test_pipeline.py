@@ -24,7 +24,8 @@ def test_samples_are_webdataset_dicts(make_shards: Any) -> None:
     samples = list(wds.WebDataset(shards.spec(), shardshuffle=False))
     assert [s["__key__"] for s in samples] == shards.keys
     for sample, (key, fields) in zip(samples, shards.samples, strict=True):
-        assert sample == {"__key__": key, "__url__": sample["__url__"], **fields}
+        expected = {"__key__": key, "__url__": sample["__url__"], **fields}
+        assert sample == {**expected, "__local_path__": sample["__url__"]}
     assert samples[0]["__url__"] == str(shards.paths[0])
     assert samples[-1]["__url__"] == str(shards.paths[1])
 
@@ -194,7 +195,7 @@ def test_select_and_rename_files(make_shards: Any) -> None:
         rename_files=lambda name: name.replace(".json", ".meta.json"),
     )
     sample = next(iter(ds))
-    assert set(sample) == {"__key__", "__url__", "cls", "meta.json"}
+    assert set(sample) == {"__key__", "__url__", "__local_path__", "cls", "meta.json"}
 
 
 def test_gzipped_shards(make_shards: Any, tmp_path: Path) -> None:

@@ -61,6 +61,11 @@ MUST_EXIST = [
     "torch_audio",
     "Continue",
     "DecodingError",
+    "RandomMix",
+    "RoundRobin",
+    "gopen",
+    "with_epoch",
+    "with_length",
 ]
 
 #: Also "must exist" in DESIGN.md section 6, but not built yet: each test fails (strict xfail)
@@ -68,12 +73,7 @@ MUST_EXIST = [
 NOT_BUILT_YET = {
     "TarWriter": "issue #6 writers",
     "ShardWriter": "issue #6 writers",
-    "RandomMix": "not built yet: dataset mixing (DESIGN.md section 6)",
-    "RoundRobin": "not built yet: dataset mixing (DESIGN.md section 6)",
     "MultiShardSample": "not built yet: YAML dataset specs (docs/migrating.md)",
-    "gopen": "not built yet: webdataset's stream opener (DESIGN.md section 6)",
-    "with_epoch": "not built yet: module-level with_epoch (the method exists)",
-    "with_length": "not built yet: module-level with_length (the method exists)",
 }
 
 #: webdataset 1.0.2 exports these too; DESIGN.md does not require them, cloudshards has them.

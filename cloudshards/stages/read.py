@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
+from urllib.parse import urlsplit
 
 from cloudshards.errors import ConfigError
 from cloudshards.grouping import group_members, make_name_filter, split_key
@@ -19,6 +20,7 @@ from cloudshards.redact import redact_url
 from cloudshards.stages.base import pipelinefilter
 from cloudshards.tar import iter_members
 from cloudshards.types import ExceptionHandler, NameFilter, Sample
+from cloudshards.urls import protocol_of
 
 __all__ = [
     "base_plus_ext",
@@ -66,7 +68,15 @@ def read_shards(
             members = iter_members(
                 stream, url=url, name_filter=name_filter, block_bytes=options.block_bytes
             )
-            yield from group_members(members, url=url, shard_index=index)
+            samples = group_members(members, url=url, shard_index=index)
+            local_path = _local_path(url)
+            if local_path is None:
+                yield from samples
+            else:
+                # webdataset 1.0.2 tells consumers where a local shard lives.
+                for sample in samples:
+                    sample["__local_path__"] = local_path
+                    yield sample
         except ConfigError:
             raise
         except Exception as exn:
@@ -75,6 +85,12 @@ def read_shards(
             logger.debug("skipped rest of shard %s after error", redact_url(url))
         finally:
             stream.close()
+
+
+def _local_path(url: str) -> str | None:
+    if protocol_of(url) != "file":
+        return None
+    return urlsplit(url).path if url.startswith("file:") else url
 
 
 # --- webdataset's building blocks -----------------------------------------------------------

@@ -18,7 +18,7 @@ from cloudshards.errors import CloudShardsError, ConfigError, ShardOpenError
 from cloudshards.redact import redact_text, redact_url
 from cloudshards.urls import PIPE_PREFIX, protocol_of, resolve
 
-__all__ = ["OpenOptions", "ShardStream", "gopen", "open_shard"]
+__all__ = ["OpenOptions", "ShardStream", "gopen", "map_backend_error", "open_shard", "shard_size"]
 
 logger = logging.getLogger(__name__)
 
@@ -86,12 +86,9 @@ class ShardStream:
         self.offset += count
         return count
 
-    def _error(self, exc: BaseException) -> ShardOpenError:
-        return ShardOpenError(
-            f"read failed: {_describe(exc)}",
-            url=self.url,
-            shard_index=self.shard_index,
-            offset=self.offset,
+    def _error(self, exc: BaseException) -> CloudShardsError:
+        return map_backend_error(
+            exc, self.url, action="read failed", shard_index=self.shard_index, offset=self.offset
         )
 
     def close(self) -> None:
@@ -115,6 +112,63 @@ class ShardStream:
 def _describe(exc: BaseException) -> str:
     text = str(exc) or type(exc).__name__
     return f"{type(exc).__name__}: {redact_text(text)}"
+
+
+#: Backend error names and codes that mean "your credentials are missing, wrong or expired".
+_AUTH_MARKERS = (
+    "NoCredentials",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "ExpiredToken",
+    "AccessDenied",
+    "InvalidToken",
+    "Unauthorized",
+    "RefreshError",
+    "DefaultCredentialsError",
+    "401",
+    "403",
+)
+
+
+def map_backend_error(
+    exc: BaseException,
+    url: str,
+    *,
+    action: str = "cannot open",
+    shard_index: int | None = None,
+    offset: int | None = None,
+) -> CloudShardsError:
+    """Translate any backend exception into a cloudshards error naming the (redacted) URL."""
+    if isinstance(exc, CloudShardsError):
+        return exc
+    if isinstance(exc, FileNotFoundError):
+        reason = "object not found"
+    elif isinstance(exc, IsADirectoryError):
+        reason = "is a directory, not a shard"
+    elif isinstance(exc, PermissionError) or any(
+        marker in f"{type(exc).__name__} {exc}" for marker in _AUTH_MARKERS
+    ):
+        reason = f"access denied (check credentials and permissions): {_describe(exc)}"
+    else:
+        reason = f"{action}: {_describe(exc)}"
+    return ShardOpenError(reason, url=url, shard_index=shard_index, offset=offset)
+
+
+def shard_size(url: str, options: OpenOptions | None = None) -> int | None:
+    """Return a shard's size in bytes (None when the store does not say).
+
+    Raises:
+        ShardOpenError: The object is missing or cannot be reached.
+    """
+    options = options or OpenOptions()
+    if url.startswith(PIPE_PREFIX):
+        return None
+    fs, path = resolve(url, options.storage_options)
+    try:
+        size = fs.size(path)
+    except Exception as exc:
+        raise map_backend_error(exc, url, action="cannot stat") from exc
+    return None if size is None else int(size)
 
 
 def open_shard(
@@ -158,24 +212,8 @@ def _open_fsspec(url: str, options: OpenOptions, shard_index: int | None) -> IO[
         return fs.open(  # type: ignore[no-any-return]
             path, "rb", block_size=options.block_bytes, cache_type="none"
         )
-    except FileNotFoundError as exc:
-        raise ShardOpenError("object not found", url=url, shard_index=shard_index) from exc
-    except IsADirectoryError as exc:
-        raise ShardOpenError(
-            "is a directory, not a shard", url=url, shard_index=shard_index
-        ) from exc
-    except PermissionError as exc:
-        raise ShardOpenError(
-            f"access denied (check credentials and permissions): {_describe(exc)}",
-            url=url,
-            shard_index=shard_index,
-        ) from exc
-    except (ConfigError, ShardOpenError):
-        raise
     except Exception as exc:
-        raise ShardOpenError(
-            f"cannot open: {_describe(exc)}", url=url, shard_index=shard_index
-        ) from exc
+        raise map_backend_error(exc, url, shard_index=shard_index) from exc
 
 
 class _PipeReader:

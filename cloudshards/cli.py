@@ -1,0 +1,141 @@
+"""The ``cloudshards`` command: inspect shards from a terminal. Thin over the public API.
+
+Exit codes: 0 success, 1 a shard or data error, 2 a usage or configuration error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from cloudshards import __version__
+from cloudshards.errors import CloudShardsError, ConfigError
+from cloudshards.grouping import group_members
+from cloudshards.io import open_shard, shard_size
+from cloudshards.redact import redact_text, redact_url
+from cloudshards.tar import iter_members
+from cloudshards.urls import expand_urls
+
+__all__ = ["main"]
+
+logger = logging.getLogger(__name__)
+
+
+def _cmd_ls(args: argparse.Namespace) -> int:
+    urls = expand_urls(args.urls)
+    total_bytes = 0
+    total_samples = 0
+    for url in urls:
+        size = shard_size(url)
+        line = f"{redact_url(url)}\t{size if size is not None else '?'} bytes"
+        if args.count:
+            with open_shard(url) as stream:
+                count = sum(1 for _ in group_members(iter_members(stream, url=url), url=url))
+            total_samples += count
+            line += f"\t{count} samples"
+        total_bytes += size or 0
+        print(line)
+    summary = f"{len(urls)} shards, {total_bytes} bytes"
+    if args.count:
+        summary += f", {total_samples} samples"
+    print(summary)
+    return 0
+
+
+def _preview(value: bytes, width: int) -> str:
+    try:
+        text = value[:width].decode("utf-8")
+        return repr(text) + ("..." if len(value) > width else "")
+    except UnicodeDecodeError:
+        return f"<{len(value)} bytes>"
+
+
+def _cmd_head(args: argparse.Namespace) -> int:
+    shown = 0
+    for url in expand_urls(args.urls):
+        with open_shard(url) as stream:
+            for sample in group_members(iter_members(stream, url=url), url=url):
+                print(f"{sample['__key__']}  ({redact_url(url)})")
+                for field, value in sample.items():
+                    if not field.startswith("__"):
+                        print(f"  {field:12s} {len(value):>10d} B  {_preview(value, 40)}")
+                shown += 1
+                if shown >= args.n:
+                    return 0
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from cloudshards.compat import WebDataset
+
+    dataset = WebDataset(args.urls, shardshuffle=False)
+    start = time.perf_counter()
+    samples = 0
+    total = 0
+    for sample in dataset:
+        samples += 1
+        total += sum(len(v) for k, v in sample.items() if not k.startswith("__"))
+    elapsed = time.perf_counter() - start
+    print(
+        f"{samples} samples, {total / 1e6:.1f} MB in {elapsed:.2f} s: "
+        f"{samples / elapsed:,.0f} samples/s, {total / 1e6 / elapsed:,.1f} MB/s"
+    )
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cloudshards", description="Inspect WebDataset tar shards at any fsspec URL."
+    )
+    parser.add_argument("--version", action="version", version=f"cloudshards {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    ls = commands.add_parser("ls", help="list shards and their sizes")
+    ls.add_argument("urls", help="shard spec, e.g. 's3://bucket/train-{0000..0099}.tar'")
+    ls.add_argument("--count", action="store_true", help="also count samples (reads shards)")
+    ls.set_defaults(func=_cmd_ls)
+
+    head = commands.add_parser("head", help="show the first samples: keys, fields, sizes")
+    head.add_argument("urls", help="shard spec")
+    head.add_argument("-n", type=int, default=3, help="number of samples (default 3)")
+    head.set_defaults(func=_cmd_head)
+
+    bench = commands.add_parser("bench", help="read a dataset and report samples/s and MB/s")
+    bench.add_argument("urls", help="shard spec")
+    bench.set_defaults(func=_cmd_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING)
+    try:
+        result: Any = args.func(args)
+        return int(result)
+    except BrokenPipeError:
+        return 0
+    except (ConfigError, FileNotFoundError) as exc:
+        if args.debug:
+            raise
+        print(f"cloudshards: error: {redact_text(str(exc))}", file=sys.stderr)
+        return 2
+    except (CloudShardsError, OSError) as exc:
+        if args.debug:
+            raise
+        print(f"cloudshards: error: {redact_text(str(exc))}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # a backend error we do not know: still one line, exit 1
+        if args.debug:
+            raise
+        print(f"cloudshards: error: {type(exc).__name__}: {redact_text(str(exc))}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

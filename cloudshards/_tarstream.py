@@ -1,0 +1,299 @@
+"""Byte-level plumbing of the tar reader: a block buffer over the stream, and streaming gunzip.
+
+Private to :mod:`cloudshards.tar`.
+"""
+
+from __future__ import annotations
+
+import logging
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+from cloudshards._tarheader import BLOCK, ZERO_BLOCK
+from cloudshards.errors import ShardFormatError
+from cloudshards.redact import redact_url
+
+__all__ = ["BlockReader", "GunzipReader"]
+
+logger = logging.getLogger(__name__)
+
+_GZIP_MAGIC = b"\x1f\x8b"
+
+#: Compressed bytes fed to zlib per call: small, so carrying unconsumed input over is cheap.
+_GZIP_INPUT_BYTES = 256 << 10
+
+
+class GunzipReader:
+    """A ``read(n)`` over the decompressed bytes of a (multi-member) gzip stream.
+
+    Output per call is bounded by ``block_bytes``, so a gzip bomb cannot exhaust memory.
+    """
+
+    def __init__(self, stream: Any, first: bytes, url: str | None, block_bytes: int) -> None:
+        self._stream = stream
+        self._url = url
+        self._block_bytes = max(block_bytes, BLOCK)
+        self._decompressor = zlib.decompressobj(wbits=31)
+        self._input = first  # compressed bytes not yet given to zlib
+        self._compressed_read = len(first)  # compressed bytes read from the stream so far
+        self._offset = 0  # decompressed bytes returned so far
+        self._out = b""
+        self._out_pos = 0
+
+    def read(self, size: int) -> bytes:
+        """Return up to ``size`` decompressed bytes; ``b""`` only at a clean end of stream."""
+        out, out_pos = self._out, self._out_pos
+        if out_pos >= len(out):
+            out = self._out = self._decompress()
+            out_pos = 0
+        data = out[out_pos : out_pos + size]
+        self._out_pos = out_pos + len(data)
+        self._offset += len(data)
+        return data
+
+    def _decompress(self) -> bytes:
+        while True:
+            decompressor = self._decompressor
+            if decompressor.eof:
+                # Another gzip member may follow (cat a.gz b.gz); zero padding between or after
+                # members is ignored, as gzip(1) and Python's gzip module do.
+                rest = self._input.lstrip(b"\0")
+                while not rest:
+                    chunk = self._read_compressed()
+                    if not chunk:
+                        return b""
+                    rest = chunk.lstrip(b"\0")
+                self._input = rest
+                decompressor = self._decompressor = zlib.decompressobj(wbits=31)
+            if not self._input:
+                self._input = self._read_compressed()
+                if not self._input:
+                    raise self._error("truncated gzip stream (ends before the gzip trailer)")
+            try:
+                out = decompressor.decompress(self._input[:_GZIP_INPUT_BYTES], self._block_bytes)
+            except zlib.error as exc:
+                raise self._error(f"corrupt gzip stream ({exc})") from None
+            tail = decompressor.unused_data if decompressor.eof else decompressor.unconsumed_tail
+            self._input = tail + self._input[_GZIP_INPUT_BYTES:]
+            if out:
+                return out
+
+    def _read_compressed(self) -> bytes:
+        chunk: bytes = self._stream.read(self._block_bytes)
+        self._compressed_read += len(chunk)
+        return chunk
+
+    def _error(self, message: str) -> ShardFormatError:
+        compressed = self._compressed_read - len(self._input)
+        return ShardFormatError(
+            f"{message} near compressed byte {compressed}", url=self._url, offset=self._offset
+        )
+
+
+class BlockReader:
+    """A buffer of large reads over a tar stream.
+
+    ``buf[pos:]`` holds the bytes not yet consumed; ``base`` is the offset of ``buf[0]`` in the
+    uncompressed stream. The tar loop slices ``buf`` directly and calls these methods only when
+    it runs past the end of ``buf``.
+    """
+
+    __slots__ = ("base", "block_bytes", "buf", "gzip", "pos", "read", "seekable", "url")
+
+    def __init__(self, stream: Any, url: str | None, block_bytes: int) -> None:
+        self.url = url
+        self.block_bytes = block_bytes
+        self.base = 0
+        self.pos = 0
+        self.read: Callable[[int], bytes] = stream.read
+        self.buf = b""
+        self.fill(2)
+        self.gzip: GunzipReader | None = None
+        if self.buf[:2] == _GZIP_MAGIC:
+            # Uncompressed tars never touch zlib: the check above is their only cost.
+            self.gzip = GunzipReader(stream, self.buf, url, block_bytes)
+            self.read = self.gzip.read
+            self.buf = b""
+        # The stream to seek on, when seeking can replace reading (never through gzip).
+        self.seekable = stream if self.gzip is None and _seekable(stream) else None
+
+    def error(self, message: str, offset: int, member: str | None = None) -> ShardFormatError:
+        """Build the ShardFormatError for this shard."""
+        return ShardFormatError(message, url=self.url, offset=offset, member=member)
+
+    def fill(self, need: int) -> bool:
+        """Make ``need`` bytes available at ``pos``; False if the stream ends first."""
+        buf, pos = self.buf, self.pos
+        avail = len(buf) - pos
+        if avail >= need:
+            return True
+        self.base += pos
+        if avail:
+            # Complete only the straddling header or member: the next block read then starts
+            # on a boundary, instead of joining the leftover onto a fresh 4 MiB block.
+            parts = [buf[pos:]]
+            want = need - avail
+        else:
+            parts = []
+            want = max(need, self.block_bytes)
+        read = self.read
+        while avail < need:
+            chunk = read(want)
+            if not chunk:
+                break
+            parts.append(chunk)
+            avail += len(chunk)
+            want -= len(chunk)
+        self.buf = parts[0] if len(parts) == 1 else b"".join(parts)
+        self.pos = 0
+        return avail >= need
+
+    def take_or_raise(self, size: int, padded: int, member: str | None) -> bytes:
+        """Return the next ``size`` bytes and skip the padding up to ``padded``.
+
+        Raises:
+            ShardFormatError: The stream ends inside the data or its padding.
+        """
+        start = self.base + self.pos
+        data = self._take(size) if size else b""
+        if data is None or not self.skip(padded - size):
+            raise self.error("truncated tar: stream ends inside member data", start, member)
+        return data
+
+    def skip_or_raise(self, size: int, member: str | None) -> None:
+        """Skip ``size`` bytes (member data not wanted).
+
+        Raises:
+            ShardFormatError: The stream ends first.
+        """
+        start = self.base + self.pos
+        if not self.skip(size):
+            raise self.error("truncated tar: stream ends inside member data", start, member)
+
+    def skip(self, size: int) -> bool:
+        """Skip ``size`` bytes; False if the stream ends first."""
+        buf, pos = self.buf, self.pos
+        avail = len(buf) - pos
+        if size <= avail:
+            self.pos = pos + size
+            return True
+        size -= avail
+        self.base += len(buf)
+        self.buf = b""
+        self.pos = 0
+        if size > self.block_bytes and self._seek(size - 1):
+            # Seeking past the end succeeds silently: read the last byte to prove it exists.
+            if not self.read(1):
+                return False
+            self.base += size
+            return True
+        while size > 0:
+            chunk = self.read(min(size, self.block_bytes))
+            if not chunk:
+                return False
+            size -= len(chunk)
+            self.base += len(chunk)
+        return True
+
+    def _take(self, size: int) -> bytes | None:
+        buf, pos = self.buf, self.pos
+        avail = len(buf) - pos
+        if size <= avail:
+            self.pos = pos + size
+            return buf[pos : pos + size]
+        if size <= self.block_bytes:
+            if not self.fill(size):
+                return None
+            pos = self.pos
+            self.pos = pos + size
+            return self.buf[pos : pos + size]
+        # A large member: read it straight from the stream, not block by block.
+        self.base += pos + size
+        self.buf = b""
+        self.pos = 0
+        if avail == 0 or self._seek(-avail):
+            # Seekable stream (local file, BytesIO): one read() of the whole member is one copy
+            # instead of two, ~2x faster at the memory bandwidth of these machines.
+            return self._read_exact(size)
+        # Not seekable: head + rest is two copies. readinto() into a fresh bytearray measured
+        # slower (zeroing + copy + bytes()), and a reused scratch buffer would hold up to
+        # max_member_bytes of memory for the life of the shard.
+        rest = self._read_exact(size - avail)
+        return None if rest is None else buf[pos:] + rest
+
+    def _read_exact(self, size: int) -> bytes | None:
+        chunk = self.read(size)
+        if len(chunk) == size:
+            return chunk
+        parts = [chunk]
+        got = len(chunk)
+        while got < size:
+            if not chunk:
+                return None
+            chunk = self.read(size - got)
+            parts.append(chunk)
+            got += len(chunk)
+        return b"".join(parts)
+
+    def _seek(self, delta: int) -> bool:
+        if self.seekable is None:
+            return False
+        try:
+            self.seekable.seek(delta, 1)
+        except (OSError, ValueError):
+            logger.debug("seek failed on %s; reading instead", _shown(self.url))
+            self.seekable = None
+            return False
+        return True
+
+    def finish_at_eof(self, ext_offset: int) -> None:
+        """Handle the stream ending where a header should start.
+
+        Raises:
+            ShardFormatError: The stream ends inside a header, or right after an extended
+                header that should have been followed by a member.
+        """
+        offset = self.base + self.pos
+        if len(self.buf) > self.pos:
+            raise self.error("truncated tar: stream ends inside a header", offset)
+        if ext_offset >= 0:
+            raise self.error("truncated tar: stream ends after an extended header", ext_offset)
+        # Accepted, as GNU tar and tarfile do; but every common writer ends with two zero
+        # blocks, so this may be a shard truncated on a member boundary: say so.
+        logger.warning(
+            "%s ends without an end-of-archive marker (truncated on a member boundary?)",
+            _shown(self.url),
+        )
+
+    def finish_at_zero_block(self, offset: int, ext_offset: int) -> None:
+        """Handle the first zero block: check the end of the archive, drain a gzip stream.
+
+        Raises:
+            ShardFormatError: A zero block follows an extended header or precedes more data
+                (a zeroed header), or the gzip stream after the archive is corrupt.
+        """
+        if ext_offset >= 0:
+            raise self.error("corrupt tar: extended header not followed by a member", ext_offset)
+        self.fill(BLOCK)
+        second = self.buf[self.pos : self.pos + BLOCK]
+        if second.count(0) != len(second):
+            raise self.error("corrupt tar: a zero block followed by more data", offset)
+        if self.gzip is not None:
+            # Read to the end so the gzip trailer (CRC, length) is checked.
+            while self.gzip.read(self.block_bytes):
+                pass
+        elif second != ZERO_BLOCK and second:
+            logger.debug("%s ends inside its second zero block", _shown(self.url))
+
+
+def _seekable(stream: Any) -> bool:
+    seekable = getattr(stream, "seekable", None)
+    try:
+        return bool(seekable()) if seekable is not None else False
+    except (OSError, ValueError):
+        return False
+
+
+def _shown(url: str | None) -> str:
+    return "<stream>" if url is None else redact_url(url)

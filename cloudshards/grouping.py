@@ -1,0 +1,139 @@
+"""WebDataset's grouping rules: member name -> (key, field), consecutive members -> samples.
+
+Matches webdataset 1.0.2 (``base_plus_ext``, meta-name skipping, ``group_by_keys``) exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Iterable, Iterator
+
+from cloudshards.errors import ShardFormatError
+from cloudshards.types import Member, NameFilter, Sample
+
+__all__ = ["group_members", "is_meta_name", "make_name_filter", "split_key"]
+
+logger = logging.getLogger(__name__)
+
+# webdataset 1.0.2's regexes, verbatim: the fast paths below must agree with them exactly.
+_KEY_RE = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
+_META_RE = re.compile(r"__[^/]*__($|/)")
+
+
+def split_key(name: str) -> tuple[str, str] | None:
+    """Split a member name into (key, field) by webdataset's ``base_plus_ext`` rule.
+
+    The key is the path up to the first dot of the basename, the field is the rest:
+    ``"a/b/x.seg.png"`` -> ``("a/b/x", "seg.png")``, ``"dir.v2/x.jpg"`` -> ``("dir.v2/x", "jpg")``.
+
+    Args:
+        name: Member name.
+
+    Returns:
+        ``(key, field)``, or None when the basename has no dot (webdataset skips the member).
+        Odd names follow webdataset's regex, e.g. ``"a/.hidden"`` -> ``("a/", "hidden")``
+        but ``".hidden"`` -> None.
+    """
+    start = name.rfind("/") + 1
+    dot = name.find(".", start)
+    if dot > start and "\n" not in name:
+        # The regex's answer whenever the basename has a dot after its first character, and
+        # no newline stops its ".*" early; ~3x faster than matching.
+        return name[:dot], name[dot + 1 :]
+    match = _KEY_RE.match(name)
+    return None if match is None else (match.group(1), match.group(2))
+
+
+def is_meta_name(name: str) -> bool:
+    """Tell whether webdataset skips this member as metadata.
+
+    True for top-level ``__something__`` names and for names starting with a
+    ``__something__`` path component (webdataset's ``skip_meta`` regex, matched at the start).
+    """
+    if not name.startswith("__"):
+        return False
+    if "/" not in name and name.endswith("__"):
+        return True
+    return _META_RE.match(name) is not None
+
+
+def make_name_filter(
+    select_files: Callable[[str], bool] | None,
+    rename_files: Callable[[str], str] | None,
+) -> NameFilter:
+    """Build the :data:`~cloudshards.types.NameFilter` for webdataset's member hooks.
+
+    As in webdataset 1.0.2: metadata names (:func:`is_meta_name`, checked on the original
+    name) are skipped, then ``rename_files`` renames, then ``select_files`` selects on the
+    renamed name.
+
+    Args:
+        select_files: Keeps a member when it returns True for its (renamed) name.
+        rename_files: Maps a member name to the name to group by.
+
+    Returns:
+        A filter for :func:`cloudshards.tar.iter_members`; never None, because metadata names
+        must be skipped even without hooks.
+    """
+
+    def name_filter(name: str) -> str | None:
+        if name.startswith("__") and is_meta_name(name):
+            return None
+        if rename_files is not None:
+            name = rename_files(name)
+        if select_files is not None and not select_files(name):
+            return None
+        return name
+
+    return name_filter
+
+
+def group_members(
+    members: Iterable[Member],
+    *,
+    url: str,
+    lowercase_fields: bool = True,
+    shard_index: int | None = None,
+) -> Iterator[Sample]:
+    """Group consecutive members with the same key into samples.
+
+    Args:
+        members: Members of one shard, in archive order.
+        url: Shard URL, stored as each sample's ``__url__``.
+        lowercase_fields: Lower-case field names (``"x.JPG"`` -> ``"jpg"``), as webdataset does.
+        shard_index: Position of the shard, for error reports.
+
+    Yields:
+        ``{"__key__": key, "__url__": url, field: bytes, ...}`` samples, in member order.
+        Members whose name has no key (:func:`split_key` returns None) are skipped.
+
+    Raises:
+        ShardFormatError: A field appears twice in one sample (this also catches fields
+            named ``__key__`` or ``__url__``, as webdataset does).
+    """
+    sample: Sample | None = None
+    key = ""
+    for name, data, offset in members:
+        parts = split_key(name)
+        if parts is None:
+            continue
+        member_key, field = parts
+        if lowercase_fields:
+            field = field.lower()
+        if sample is None or member_key != key:
+            if sample is not None:
+                yield sample
+            key = member_key
+            sample = {"__key__": key, "__url__": url}
+        if field in sample:
+            raise ShardFormatError(
+                f"duplicate field {field!r} in sample {key!r}",
+                url=url,
+                shard_index=shard_index,
+                offset=offset,
+                member=name,
+            )
+        sample[field] = data
+    if sample is not None:
+        yield sample

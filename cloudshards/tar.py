@@ -1,0 +1,247 @@
+"""Streaming tar reader: yields the regular files of a (possibly gzipped) tar stream as Members.
+
+Parses 512-byte headers by hand out of large buffered reads; no grouping, no decoding.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Protocol
+
+from cloudshards._tarheader import (
+    BLOCK,
+    ZERO_BLOCK,
+    checksum_ok,
+    cut_nul,
+    decode_name,
+    member_name,
+    parse_number,
+    parse_pax,
+)
+from cloudshards._tarstream import BlockReader
+from cloudshards.config import DEFAULT_BLOCK_BYTES, DEFAULT_MAX_MEMBER_BYTES
+from cloudshards.errors import ConfigError, ShardFormatError
+from cloudshards.types import Member, NameFilter
+
+__all__ = ["ReadableStream", "iter_members"]
+
+logger = logging.getLogger(__name__)
+
+# Type flags (byte values of header[156]).
+_REGULAR = frozenset(b"0\x007")  # regular, old-style regular, contiguous
+_NO_DATA = frozenset(b"123456")  # links, devices, directories, fifos: POSIX stores no data
+_PAX, _PAX_SOLARIS, _PAX_GLOBAL = 0x78, 0x58, 0x67  # x, X, g
+_LONG_NAME, _LONG_LINK, _SPARSE = 0x4C, 0x4B, 0x53  # L, K, S (GNU)
+_META = frozenset((_PAX, _PAX_SOLARIS, _PAX_GLOBAL, _LONG_NAME, _LONG_LINK))
+
+# NamedTuple's own __new__ is a Python function: tuple.__new__ halves the cost per member.
+_new_member = tuple.__new__
+
+#: Largest PAX / GNU long-name record accepted; real ones are a few hundred bytes.
+_MAX_META_BYTES = 1 << 20
+
+
+class ReadableStream(Protocol):
+    """What :func:`iter_members` reads: any binary stream with ``read(n)``.
+
+    When ``seekable()`` says True, ``seek(offset, 1)`` is also used: to skip large unwanted
+    members and to read each large member with a single ``read``.
+    """
+
+    def read(self, size: int, /) -> bytes: ...
+
+
+def iter_members(
+    stream: ReadableStream,
+    *,
+    url: str | None = None,
+    name_filter: NameFilter | None = None,
+    max_member_bytes: int = DEFAULT_MAX_MEMBER_BYTES,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+) -> Iterator[Member]:
+    """Yield the regular files of a tar stream, in order, without reading it all into memory.
+
+    Handles ustar, v7, GNU (long names, base-256 sizes) and PAX (``x`` per member, ``g``
+    parsed and ignored) headers, and gzip (detected by its magic bytes, multi-member allowed,
+    trailer checked at the end). Directories, links, devices, fifos and unknown types are
+    skipped. The archive ends at two zero blocks, one zero block and EOF, or (as GNU tar
+    accepts) EOF on a header boundary. The ``tarfile`` module is not used: it is ~7-10x
+    slower per member here.
+
+    Args:
+        stream: Binary stream positioned at the start of the tar (or gzip) data.
+        url: Shard URL, used (redacted) in error messages only.
+        name_filter: Maps each member name to the name to yield, or to None to skip the
+            member without copying its data.
+        max_member_bytes: Largest member to read into memory; a larger one raises before
+            anything is allocated. Members skipped by ``name_filter`` are not read, so not
+            limited.
+        block_bytes: Read size; large blocks amortise the per-read overhead.
+
+    Returns:
+        An iterator of ``Member(name, data, offset)``; ``offset`` is where the data starts in
+        the uncompressed stream.
+
+    Raises:
+        ConfigError: ``block_bytes`` is not positive or ``max_member_bytes`` is negative.
+        ShardFormatError: While iterating: truncated or corrupt tar or gzip data, a bad
+            header checksum, or a member larger than ``max_member_bytes``.
+    """
+    if block_bytes < 1:
+        raise ConfigError(f"block_bytes must be positive, got {block_bytes}")
+    if max_member_bytes < 0:
+        raise ConfigError(f"max_member_bytes must not be negative, got {max_member_bytes}")
+    return _iter_members(stream, url, name_filter, max_member_bytes, block_bytes)
+
+
+def _iter_members(
+    stream: ReadableStream,
+    url: str | None,
+    name_filter: NameFilter | None,
+    max_member_bytes: int,
+    block_bytes: int,
+) -> Iterator[Member]:
+    rd = BlockReader(stream, url, block_bytes)
+    buf, pos = rd.buf, rd.pos
+    long_name: str | None = None  # from a GNU 'L' header, for the next member
+    pax_path: str | None = None  # from a PAX 'x' header, for the next member
+    pax_size: int | None = None
+    ext_offset = -1  # offset of the pending extended header, -1 when none
+    # The loop keeps buf/pos in locals (attribute access costs ~10% on small members) and syncs
+    # them with rd around every rd call.
+    while True:
+        if len(buf) - pos < BLOCK:
+            rd.pos = pos
+            if not rd.fill(BLOCK):
+                rd.finish_at_eof(ext_offset)
+                return
+            buf, pos = rd.buf, rd.pos
+        offset = rd.base + pos
+        header = buf[pos : pos + BLOCK]
+        pos += BLOCK
+        if not checksum_ok(header):
+            if header == ZERO_BLOCK:
+                rd.pos = pos
+                rd.finish_at_zero_block(offset, ext_offset)
+                return
+            raise ShardFormatError(
+                "bad tar header checksum (corrupt shard)", url=url, offset=offset
+            )
+        typeflag = header[156]
+        size = parse_number(header[124:136])
+        if size is None or size < 0:
+            raise ShardFormatError("bad size field in tar header", url=url, offset=offset)
+        if pax_size is not None and typeflag not in _META:
+            size = pax_size
+        padded = size + (-size & 511)
+
+        if typeflag in _REGULAR and not (typeflag == 0 and cut_nul(header[:100])[-1:] == b"/"):
+            if pax_path is not None:
+                name = pax_path
+            elif long_name is not None:
+                name = long_name
+            else:
+                name = member_name(header)
+            long_name = pax_path = pax_size = None
+            ext_offset = -1
+            data_offset = rd.base + pos
+            if name_filter is not None:
+                new_name = name_filter(name)
+                if new_name is None:
+                    if pos + padded <= len(buf):
+                        pos += padded
+                    else:
+                        rd.pos = pos
+                        rd.skip_or_raise(padded, name)
+                        buf, pos = rd.buf, rd.pos
+                    continue
+                name = new_name
+            if size > max_member_bytes:
+                raise ShardFormatError(
+                    f"member of {size} bytes exceeds max_member_bytes={max_member_bytes}",
+                    url=url,
+                    offset=offset,
+                    member=name,
+                )
+            end = pos + padded
+            if end <= len(buf):
+                data = buf[pos : pos + size]
+                pos = end
+            else:
+                rd.pos = pos
+                data = rd.take_or_raise(size, padded, name)
+                buf, pos = rd.buf, rd.pos
+            yield _new_member(Member, (name, data, data_offset))
+            continue
+
+        if typeflag in _META:
+            if size > _MAX_META_BYTES:
+                raise ShardFormatError(
+                    f"extended header of {size} bytes is implausibly large",
+                    url=url,
+                    offset=offset,
+                )
+            if pos + padded <= len(buf):
+                data = buf[pos : pos + size]
+                pos += padded
+            else:
+                rd.pos = pos
+                data = rd.take_or_raise(size, padded, None)
+                buf, pos = rd.buf, rd.pos
+            if typeflag == _LONG_NAME:
+                long_name = decode_name(cut_nul(data))
+            elif typeflag != _LONG_LINK:
+                records = _parse_pax_or_raise(data, url, offset)
+                if typeflag == _PAX_GLOBAL:
+                    # A global path or size would apply to every later member: meaningless
+                    # for sample shards, and tarfile itself applies it inconsistently.
+                    logger.debug("ignoring global PAX header with keys %s", sorted(records))
+                    continue
+                pax_path, pax_size = _apply_pax(records, pax_path, pax_size, url, offset)
+            ext_offset = offset
+            continue
+
+        if typeflag == _SPARSE:
+            raise ShardFormatError("GNU sparse members are not supported", url=url, offset=offset)
+        # Directory, link, device, fifo, or an unknown type (whose data, if any, is skipped).
+        long_name = pax_path = pax_size = None
+        ext_offset = -1
+        if typeflag in _NO_DATA or typeflag == 0:
+            continue
+        if pos + padded <= len(buf):
+            pos += padded
+        else:
+            rd.pos = pos
+            rd.skip_or_raise(padded, None)
+            buf, pos = rd.buf, rd.pos
+
+
+def _parse_pax_or_raise(data: bytes, url: str | None, offset: int) -> dict[str, bytes]:
+    try:
+        return parse_pax(data)
+    except ValueError as exc:
+        raise ShardFormatError(f"corrupt PAX header: {exc}", url=url, offset=offset) from None
+
+
+def _apply_pax(
+    records: dict[str, bytes],
+    path: str | None,
+    size: int | None,
+    url: str | None,
+    offset: int,
+) -> tuple[str | None, int | None]:
+    """Return the (path, size) overrides of a PAX 'x' header; an empty value means no override."""
+    if "GNU.sparse.major" in records or "GNU.sparse.size" in records or "GNU.sparse.map" in records:
+        raise ShardFormatError("GNU sparse members are not supported", url=url, offset=offset)
+    raw_path = records.get("path")
+    if raw_path:
+        path = decode_name(raw_path).rstrip("/")  # as tarfile does
+    raw_size = records.get("size")
+    if raw_size:
+        if not raw_size.isdigit():
+            raise ShardFormatError(
+                f"bad size {raw_size!r} in PAX header", url=url, offset=offset, member=path
+            )
+        size = int(raw_size)
+    return path, size

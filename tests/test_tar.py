@@ -1,0 +1,770 @@
+"""Tests for cloudshards.tar: every header kind, gzip, end-of-archive variants, and properties
+(round trip, truncation, corruption) over tars written by the stdlib tarfile module."""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import io
+import random
+import tarfile
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from cloudshards import _tarstream
+from cloudshards.errors import ConfigError, ShardFormatError
+from cloudshards.tar import iter_members
+from cloudshards.types import Member
+
+FORMATS = {"ustar": tarfile.USTAR_FORMAT, "gnu": tarfile.GNU_FORMAT, "pax": tarfile.PAX_FORMAT}
+PROPERTY = settings(
+    deadline=None, max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+
+
+# --- building archives ----------------------------------------------------------------------
+
+
+def write_tar(
+    members: list[tuple[str, bytes]], fmt: int = tarfile.PAX_FORMAT, *, float_mtime: bool = True
+) -> bytes:
+    """Write regular files with tarfile; a float mtime makes PAX add an 'x' header to each."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=fmt) as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            info.mtime = 1_700_000_000.5 if float_mtime and fmt == tarfile.PAX_FORMAT else 7
+            tar.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+def header(
+    name: bytes = b"x.bin",
+    size: int = 0,
+    typeflag: bytes = b"0",
+    *,
+    prefix: bytes = b"",
+    magic: bytes = b"ustar\x0000",
+    size_field: bytes | None = None,
+    signed_checksum: bool = False,
+    checksum_field: bytes | None = None,
+) -> bytes:
+    """Hand-build one 512-byte header (ustar layout) with a correct checksum unless told."""
+    block = bytearray(512)
+    block[0 : len(name)] = name
+    block[100:108] = b"0000644\0"
+    block[108:116] = block[116:124] = b"0000000\0"
+    block[124:136] = size_field if size_field is not None else b"%011o\0" % size
+    block[136:148] = b"00000000007\0"
+    block[156:157] = typeflag
+    block[257:265] = magic
+    block[345 : 345 + len(prefix)] = prefix
+    block[148:156] = b" " * 8
+    if signed_checksum:
+        total = 256 + sum(
+            b - 256 if b > 127 else b for i, b in enumerate(block) if not 148 <= i < 156
+        )
+    else:
+        total = sum(block)
+    block[148:156] = checksum_field if checksum_field is not None else b"%06o\0 " % total
+    return bytes(block)
+
+
+def pad(data: bytes) -> bytes:
+    return data + bytes(-len(data) % 512)
+
+
+def pax_records(**records: str | int) -> bytes:
+    out = b""
+    for key, value in records.items():
+        body = f" {key}={value}\n".encode()
+        length = len(body) + len(str(len(body)))
+        length = len(body) + len(str(length))
+        out += str(length).encode() + body
+    return out
+
+
+def member(name: bytes, data: bytes, typeflag: bytes = b"0", **kw: Any) -> bytes:
+    return header(name, len(data), typeflag, **kw) + pad(data)
+
+
+END = bytes(1024)
+
+
+# --- reading --------------------------------------------------------------------------------
+
+
+class NonSeekable:
+    """read() only: no seek, no readinto (like a gzip or socket stream)."""
+
+    def __init__(self, data: bytes) -> None:
+        self._inner = io.BytesIO(data)
+
+    def read(self, size: int) -> bytes:
+        return self._inner.read(size)
+
+
+class ReadIntoOnly(NonSeekable):
+    """read() and readinto(), not seekable (like a pipe)."""
+
+    def readinto(self, view: memoryview) -> int:
+        return self._inner.readinto(view)
+
+
+class ShortReads(ReadIntoOnly):
+    """Returns at most a few bytes per call, as sockets and HTTP bodies may."""
+
+    def __init__(self, data: bytes, seed: int = 0) -> None:
+        super().__init__(data)
+        self._rng = random.Random(seed)
+
+    def read(self, size: int) -> bytes:
+        return self._inner.read(min(size, self._rng.randint(1, 700)))
+
+    def readinto(self, view: memoryview) -> int:
+        return self._inner.readinto(view[: self._rng.randint(1, 700)])
+
+
+STREAMS = {
+    "bytesio": io.BytesIO,
+    "nonseekable": NonSeekable,
+    "readinto": ReadIntoOnly,
+    "short": ShortReads,
+}
+
+
+def read(data: bytes, stream: str = "bytesio", **kw: Any) -> list[tuple[str, bytes]]:
+    return [(m.name, m.data) for m in iter_members(STREAMS[stream](data), **kw)]
+
+
+def read_until_error(data: bytes, **kw: Any) -> tuple[list[Member], ShardFormatError | None]:
+    got: list[Member] = []
+    try:
+        for item in iter_members(io.BytesIO(data), **kw):
+            got.append(item)
+    except ShardFormatError as exc:
+        return got, exc
+    return got, None
+
+
+SAMPLE_MEMBERS = [
+    ("a/b/x.seg.png", b"png" * 100),
+    ("empty.txt", b""),
+    ("block.bin", bytes(range(256)) * 2),
+    ("two-blocks.bin", b"\x01" * 1024),
+    ("odd.bin", b"\x02" * 1537),
+    ("unicodé/名前.json", b'{"a": 1}'),
+]
+
+
+# --- formats --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", FORMATS.values(), ids=FORMATS.keys())
+@pytest.mark.parametrize("block_bytes", [512, 1000, 4 << 20])
+@pytest.mark.parametrize("stream", STREAMS)
+def test_round_trip_each_format(fmt: int, block_bytes: int, stream: str) -> None:
+    long_name = "deep/" * 30 + "long.name.txt"  # 163 chars: ustar prefix, GNU 'L', PAX path
+    members = [*SAMPLE_MEMBERS, (long_name, b"long")]
+    assert read(write_tar(members, fmt), stream, block_bytes=block_bytes) == members
+
+
+def test_ustar_prefix_joins_name() -> None:
+    data = member(b"name.txt", b"hi", prefix=b"some/dir") + END
+    assert read(data) == [("some/dir/name.txt", b"hi")]
+
+
+def test_prefix_ignored_without_posix_magic() -> None:
+    # Old GNU headers keep atime/ctime where ustar has the prefix.
+    data = member(b"name.txt", b"hi", prefix=b"12345670123", magic=b"ustar  \0") + END
+    assert read(data) == [("name.txt", b"hi")]
+
+
+def test_v7_header_without_magic() -> None:
+    data = member(b"old.txt", b"v7", b"\0", magic=bytes(8)) + END
+    assert read(data) == [("old.txt", b"v7")]
+
+
+def test_gnu_long_name_and_long_link() -> None:
+    long_name = "n" * 300 + ".txt"
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.GNU_FORMAT) as tar:
+        link = tarfile.TarInfo("link")
+        link.type = tarfile.SYMTYPE
+        link.linkname = "t" * 300  # written as a 'K' record, then skipped with the symlink
+        tar.addfile(link)
+        info = tarfile.TarInfo(long_name)
+        info.size = 3
+        tar.addfile(info, io.BytesIO(b"abc"))
+    raw = buffer.getvalue()
+    assert b"././@LongLink" in raw
+    assert read(raw) == [(long_name, b"abc")]
+
+
+def test_gnu_long_name_hand_built() -> None:
+    name = b"x" * 200 + b".bin"
+    data = member(b"././@LongLink", name + b"\0", b"L") + member(b"short", b"data") + END
+    assert read(data) == [(name.decode(), b"data")]
+
+
+def test_pax_path_and_size_override_header_fields() -> None:
+    payload = bytes(range(256)) * 4
+    records = pax_records(path="pax/named.bin", size=len(payload), mtime="1.5")
+    data = (
+        member(b"././@PaxHeader", records, b"x")
+        + header(b"truncated-name", 0)  # size field says 0: the PAX size wins
+        + pad(payload)
+        + member(b"plain.txt", b"after")  # overrides apply to one member only
+        + END
+    )
+    assert read(data) == [("pax/named.bin", payload), ("plain.txt", b"after")]
+
+
+def test_pax_wins_over_gnu_long_name() -> None:
+    data = (
+        member(b"././@PaxHeader", pax_records(path="from-pax.txt"), b"x")
+        + member(b"././@LongLink", b"from-gnu.txt\0", b"L")
+        + member(b"short", b"1")
+        + END
+    )
+    assert read(data) == [("from-pax.txt", b"1")]
+
+
+def test_pax_header_before_every_member_as_webdataset_writes() -> None:
+    raw = write_tar(SAMPLE_MEMBERS, tarfile.PAX_FORMAT, float_mtime=True)
+    assert raw.count(b"././@PaxHeader") == len(SAMPLE_MEMBERS)
+    assert read(raw) == SAMPLE_MEMBERS
+
+
+def test_pax_global_header_parsed_and_ignored() -> None:
+    buffer = io.BytesIO()
+    with tarfile.open(
+        fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT, pax_headers={"comment": "hi"}
+    ) as tar:
+        info = tarfile.TarInfo("a.txt")
+        info.size = 1
+        tar.addfile(info, io.BytesIO(b"a"))
+    assert read(buffer.getvalue()) == [("a.txt", b"a")]
+    # A global path or size must not rename or resize every later member.
+    data = member(b"global", pax_records(path="g.txt", size=5), b"g") + member(b"a.txt", b"a")
+    assert read(data + END) == [("a.txt", b"a")]
+
+
+@pytest.mark.parametrize(
+    "records",
+    [b"5 a=1\n", b"abc\n", b"9 nokeyx\n", b"99 path=x\n", b"8 path=x"],
+    ids=["short", "no-length", "no-equals", "too-long", "no-newline"],
+)
+def test_corrupt_pax_records_raise(records: bytes) -> None:
+    data = member(b"pax", records, b"x") + member(b"a.txt", b"a") + END
+    with pytest.raises(ShardFormatError, match="PAX"):
+        read(data)
+
+
+def test_pax_nul_padding_after_records_accepted() -> None:
+    records = pax_records(path="p.txt") + bytes(20)
+    assert read(member(b"pax", records, b"x") + member(b"a.txt", b"a") + END) == [("p.txt", b"a")]
+
+
+def test_pax_sparse_raises() -> None:
+    records = pax_records(**{"GNU.sparse.major": 1, "GNU.sparse.minor": 0})
+    with pytest.raises(ShardFormatError, match="sparse"):
+        read(member(b"pax", records, b"x") + member(b"a.txt", b"a") + END)
+
+
+def test_huge_extended_header_raises() -> None:
+    data = header(b"pax", 2 << 20, b"x") + END
+    with pytest.raises(ShardFormatError, match="extended header"):
+        read(data)
+
+
+def test_pax_bad_size_raises() -> None:
+    data = member(b"pax", pax_records(size="12a"), b"x") + member(b"a.txt", b"a") + END
+    with pytest.raises(ShardFormatError, match="size"):
+        read(data)
+
+
+def test_base256_size() -> None:
+    payload = b"z" * 1000
+    field = b"\x80" + (1000).to_bytes(11, "big")
+    data = header(b"big.bin", size_field=field) + pad(payload) + END
+    assert read(data) == [("big.bin", payload)]
+
+
+def test_base256_written_by_tarfile_gnu() -> None:
+    # tarfile writes base-256 for values beyond octal range; uid is the cheap one to overflow.
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.GNU_FORMAT) as tar:
+        info = tarfile.TarInfo("u.txt")
+        info.uid = 8**8
+        info.size = 2
+        tar.addfile(info, io.BytesIO(b"ok"))
+    assert read(buffer.getvalue()) == [("u.txt", b"ok")]
+
+
+def test_negative_base256_size_raises() -> None:
+    data = header(b"neg.bin", size_field=b"\xff" * 12) + END
+    with pytest.raises(ShardFormatError, match="size"):
+        read(data)
+
+
+def test_non_octal_size_raises() -> None:
+    data = header(b"bad.bin", size_field=b"0000000009z\0") + END
+    with pytest.raises(ShardFormatError, match="size"):
+        read(data)
+
+
+# --- checksums ------------------------------------------------------------------------------
+
+
+def test_bad_checksum_raises_with_url_and_offset() -> None:
+    first = member(b"a.txt", b"a")
+    bad = bytearray(member(b"b.txt", b"b"))
+    bad[0] = ord("c")  # name changed, checksum not updated
+    data = first + bytes(bad) + END
+    url = "s3://user:secret@bucket/shard.tar?X-Amz-Signature=abc"
+    got, exc = read_until_error(data, url=url)
+    assert [m.name for m in got] == ["a.txt"]
+    assert exc is not None
+    assert exc.offset == len(first)
+    assert "checksum" in str(exc)
+    assert exc.url is not None
+    assert "secret" not in exc.url
+    assert "abc" not in exc.url
+    assert "bucket/shard.tar" in str(exc)
+
+
+def test_signed_checksum_accepted() -> None:
+    name = "é-signed.txt".encode()  # bytes >= 128 make signed and unsigned sums differ
+    data = header(name, 2, signed_checksum=True) + pad(b"ok") + END
+    assert read(data) == [("é-signed.txt", b"ok")]
+
+
+def test_checksum_field_variants() -> None:
+    block = header(b"a.txt", 1)
+    value = int(block[148:154], 8)
+    for field in (b"%07o\0" % value, b"%06o \0" % value, b" %06o\0" % value):
+        variant = block[:148] + field.ljust(8, b"\0") + block[156:]
+        assert read(variant + pad(b"a") + END) == [("a.txt", b"a")]
+
+
+def test_non_numeric_checksum_raises() -> None:
+    data = header(b"a.txt", 1, checksum_field=b"xyz\0\0\0\0\0") + pad(b"a") + END
+    with pytest.raises(ShardFormatError, match="checksum"):
+        read(data)
+
+
+# --- member types ---------------------------------------------------------------------------
+
+
+def test_non_files_skipped_with_their_data() -> None:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.GNU_FORMAT) as tar:
+        for name, kind in [
+            ("dir", tarfile.DIRTYPE),
+            ("sym", tarfile.SYMTYPE),
+            ("hard", tarfile.LNKTYPE),
+            ("fifo", tarfile.FIFOTYPE),
+            ("chr", tarfile.CHRTYPE),
+            ("blk", tarfile.BLKTYPE),
+        ]:
+            info = tarfile.TarInfo(name)
+            info.type = kind
+            info.linkname = "target" if kind in (tarfile.SYMTYPE, tarfile.LNKTYPE) else ""
+            tar.addfile(info)
+            info = tarfile.TarInfo(name + ".after")
+            info.size = 700
+            tar.addfile(info, io.BytesIO(b"d" * 700))
+    names = [name for name, _ in read(buffer.getvalue(), block_bytes=512)]
+    assert names == ["dir.after", "sym.after", "hard.after", "fifo.after", "chr.after", "blk.after"]
+
+
+def test_directory_with_nonzero_size_has_no_data() -> None:
+    # POSIX: no data blocks follow types 1-6 whatever the size field says (tarfile agrees).
+    data = header(b"dir/", 4096, b"5") + member(b"a.txt", b"a") + END
+    assert read(data) == [("a.txt", b"a")]
+
+
+def test_v7_directory_is_old_regular_type_with_slash() -> None:
+    data = header(b"olddir/", 0, b"\0", magic=bytes(8)) + member(b"a.txt", b"a") + END
+    assert read(data) == [("a.txt", b"a")]
+
+
+@pytest.mark.parametrize("block_bytes", [512, 1 << 20])
+def test_unknown_type_data_skipped(block_bytes: int) -> None:
+    data = member(b"dumpdir", b"D" * 1500, b"D") + member(b"a.txt", b"a") + END
+    assert read(data, block_bytes=block_bytes) == [("a.txt", b"a")]
+
+
+def test_contiguous_type_is_a_file() -> None:
+    data = member(b"c.bin", b"contig", b"7") + END
+    assert read(data) == [("c.bin", b"contig")]
+
+
+def test_gnu_sparse_raises() -> None:
+    data = member(b"sparse", b"s", b"S") + END
+    with pytest.raises(ShardFormatError, match="sparse"):
+        read(data)
+
+
+# --- end of archive and truncation ----------------------------------------------------------
+
+
+def test_end_of_archive_variants(caplog: pytest.LogCaptureFixture) -> None:
+    body = member(b"a.txt", b"a") + member(b"b.txt", b"b")
+    expected = [("a.txt", b"a"), ("b.txt", b"b")]
+    assert read(body + END) == expected
+    assert read(body + END + b"trailing garbage after the end is never read") == expected
+    assert read(body + bytes(512)) == expected  # one zero block, then EOF
+    assert read(body + bytes(600)) == expected  # second zero block cut short
+    assert read(END) == []
+    assert not caplog.records
+    # EOF on a header boundary is accepted, as GNU tar does, with a warning: it may be a
+    # shard truncated on a member boundary.
+    assert read(body, url="s3://b/s.tar?sig=secret") == expected
+    assert read(b"") == []
+    assert [r.levelname for r in caplog.records] == ["WARNING", "WARNING"]
+    assert "s3://b/s.tar" in caplog.records[0].getMessage()
+    assert "secret" not in caplog.records[0].getMessage()
+
+
+@pytest.mark.parametrize(
+    ("cut", "message"),
+    [(100, "inside a header"), (512 + 1, "member data"), (1024 - 1, "member data")],
+)
+def test_truncation_raises(cut: int, message: str) -> None:
+    data = member(b"a.txt", b"a" * 600)
+    with pytest.raises(ShardFormatError, match=message) as info:
+        read(data[:cut])
+    assert info.value.offset is not None
+
+
+def test_truncated_member_is_never_yielded_partially() -> None:
+    data = member(b"a.txt", b"a") + member(b"big.bin", b"x" * 5000)
+    got, exc = read_until_error(data[:-1000], block_bytes=512)
+    assert [m.name for m in got] == ["a.txt"]
+    assert exc is not None
+    assert exc.member == "big.bin"
+
+
+def test_eof_after_extended_header_raises() -> None:
+    data = member(b"a.txt", b"a") + member(b"pax", pax_records(path="p.txt"), b"x")
+    with pytest.raises(ShardFormatError, match="extended header"):
+        read(data)
+    with pytest.raises(ShardFormatError, match="extended header"):
+        read(data + END)
+
+
+def test_zero_block_followed_by_data_raises() -> None:
+    data = member(b"a.txt", b"a") + bytes(512) + member(b"b.txt", b"b") + END
+    got, exc = read_until_error(data)
+    assert [m.name for m in got] == ["a.txt"]
+    assert exc is not None
+    assert exc.offset == 1024
+
+
+@pytest.mark.parametrize("stream", STREAMS)
+def test_skip_detects_truncation(stream: str) -> None:
+    # A filtered-out member is skipped by seeking when possible; seeking past EOF succeeds
+    # silently, so the reader must still notice the stream ends inside it.
+    data = member(b"a.txt", b"a") + member(b"big.bin", b"x" * 100_000) + END
+    with pytest.raises(ShardFormatError, match="member data") as info:
+        read(
+            data[:50_000],
+            stream,
+            name_filter=lambda n: None if n == "big.bin" else n,
+            block_bytes=512,
+        )
+    assert info.value.member == "big.bin"
+
+
+class SeekFails(io.BytesIO):
+    def seek(self, offset: int, whence: int = 0) -> int:
+        raise io.UnsupportedOperation("no seeking on this stream")
+
+
+class SeekableFails(NonSeekable):
+    def seekable(self) -> bool:
+        raise OSError("closed")
+
+
+@pytest.mark.parametrize("stream_class", [SeekFails, SeekableFails])
+def test_seek_failures_fall_back_to_reading(stream_class: type[Any]) -> None:
+    members = [("a.txt", b"a"), ("big.bin", b"x" * 100_000), ("big2.bin", b"y" * 70_000)]
+    raw = write_tar(members)
+    got = iter_members(stream_class(raw), block_bytes=512)
+    assert [(m.name, m.data) for m in got] == members
+    skipping = iter_members(
+        stream_class(raw), block_bytes=512, name_filter=lambda n: None if "big" in n else n
+    )
+    assert [(m.name, m.data) for m in skipping] == members[:1]
+
+
+# --- gzip -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("block_bytes", [512, 4 << 20])
+def test_gzip(block_bytes: int) -> None:
+    raw = write_tar(SAMPLE_MEMBERS)
+    assert read(gzip.compress(raw), block_bytes=block_bytes) == SAMPLE_MEMBERS
+    # Multi-member gzip (cat a.gz b.gz), with zero padding after it as some tools leave.
+    parts = gzip.compress(raw[:3000]) + gzip.compress(raw[3000:]) + bytes(2000)
+    assert read(parts, "nonseekable", block_bytes=block_bytes) == SAMPLE_MEMBERS
+
+
+def test_gzip_offsets_are_uncompressed() -> None:
+    raw = write_tar(SAMPLE_MEMBERS)
+    for item in iter_members(io.BytesIO(gzip.compress(raw)), block_bytes=512):
+        assert raw[item.offset : item.offset + len(item.data)] == item.data
+
+
+def test_gzip_corrupt_raises() -> None:
+    compressed = bytearray(gzip.compress(write_tar(SAMPLE_MEMBERS), 1))
+    compressed[40] ^= 0xFF
+    compressed[41] ^= 0xFF
+    with pytest.raises(ShardFormatError) as info:
+        read(bytes(compressed))
+    assert info.value.offset is not None
+
+
+@pytest.mark.parametrize("cut", [5, 30, -4, -20])
+def test_gzip_truncated_raises(cut: int) -> None:
+    compressed = gzip.compress(write_tar(SAMPLE_MEMBERS))
+    with pytest.raises(ShardFormatError, match="gzip"):
+        read(compressed[:cut])
+
+
+def test_gzip_bad_crc_raises() -> None:
+    compressed = bytearray(gzip.compress(write_tar(SAMPLE_MEMBERS)))
+    compressed[-6] ^= 0x01  # CRC32 in the trailer: checked after the tar's end marker
+    with pytest.raises(ShardFormatError, match="gzip"):
+        read(bytes(compressed))
+
+
+def test_gzip_trailing_garbage_raises() -> None:
+    compressed = gzip.compress(write_tar(SAMPLE_MEMBERS)) + b"garbage"
+    with pytest.raises(ShardFormatError, match="gzip"):
+        read(compressed)
+
+
+def test_plain_tar_never_touches_zlib(monkeypatch: pytest.MonkeyPatch) -> None:
+    def boom(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("zlib used on an uncompressed tar")
+
+    monkeypatch.setattr(zlib, "decompressobj", boom)
+    assert read(write_tar(SAMPLE_MEMBERS)) == SAMPLE_MEMBERS
+
+
+# --- limits, filters, offsets, arguments ----------------------------------------------------
+
+
+def test_max_member_bytes() -> None:
+    data = member(b"a.txt", b"a") + member(b"big.bin", b"x" * 2000) + END
+    got, exc = read_until_error(data, max_member_bytes=1000)
+    assert [m.name for m in got] == ["a.txt"]
+    assert exc is not None
+    assert exc.member == "big.bin"
+    assert "max_member_bytes" in str(exc)
+    # Skipped members are never read into memory, so the limit does not apply to them.
+    keep_small = read(
+        data, max_member_bytes=1000, name_filter=lambda n: n if n == "a.txt" else None
+    )
+    assert keep_small == [("a.txt", b"a")]
+
+
+def test_max_member_bytes_checked_before_allocating() -> None:
+    field = b"\x80" + (1 << 80).to_bytes(11, "big")
+    data = header(b"huge.bin", size_field=field) + END
+    with pytest.raises(ShardFormatError, match="max_member_bytes"):
+        read(data)
+
+
+def test_name_filter_renames_and_skips() -> None:
+    members = [(f"k{i}.{ext}", bytes([i]) * (i * 300)) for i in range(8) for ext in ("jpg", "cls")]
+    raw = write_tar(members)
+
+    def only_cls(name: str) -> str | None:
+        return "renamed/" + name if name.endswith(".cls") else None
+
+    expected = [("renamed/" + n, d) for n, d in members if n.endswith(".cls")]
+    for stream in STREAMS:
+        for block_bytes in (512, 1000, 1 << 20):
+            assert read(raw, stream, name_filter=only_cls, block_bytes=block_bytes) == expected
+
+
+@pytest.mark.parametrize("stream", STREAMS)
+@pytest.mark.parametrize("block_bytes", [512, 1000, 64 << 10])
+def test_large_members_every_read_path(stream: str, block_bytes: int) -> None:
+    rng = random.Random(1)
+    members = [(f"m{i}.bin", rng.randbytes(size)) for i, size in enumerate([300_000, 5, 70_001])]
+    assert read(write_tar(members), stream, block_bytes=block_bytes) == members
+
+
+@pytest.mark.parametrize("opener", ["open", "raw", "fsspec"])
+def test_real_files(tmp_path: Path, opener: str) -> None:
+    rng = random.Random(2)
+    members = [(f"f{i}.bin", rng.randbytes(size)) for i, size in enumerate([10, 200_000, 3000])]
+    path = tmp_path / "shard.tar"
+    path.write_bytes(write_tar(members))
+    for block_bytes in (512, 1 << 20):
+        for name_filter in (None, lambda n: None if n == "f1.bin" else n):
+            if opener == "fsspec":
+                stream = fsspec.open(str(path), "rb").open()
+            else:
+                stream = open(path, "rb", buffering=0 if opener == "raw" else -1)  # noqa: SIM115
+            with stream:
+                got = [
+                    (m.name, m.data)
+                    for m in iter_members(stream, block_bytes=block_bytes, name_filter=name_filter)
+                ]
+            assert got == [m for m in members if name_filter is None or name_filter(m[0])]
+
+
+def test_offsets_point_at_member_data() -> None:
+    raw = write_tar(SAMPLE_MEMBERS)
+    for block_bytes in (512, 1000, 1 << 20):
+        for item in iter_members(io.BytesIO(raw), block_bytes=block_bytes):
+            assert raw[item.offset : item.offset + len(item.data)] == item.data
+            assert item.offset % 512 == 0
+
+
+def test_stream_not_at_start() -> None:
+    raw = write_tar(SAMPLE_MEMBERS)
+    stream = io.BytesIO(b"prefix" + raw)
+    stream.seek(6)
+    assert [(m.name, m.data) for m in iter_members(stream, block_bytes=512)] == SAMPLE_MEMBERS
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ConfigError):
+        iter_members(io.BytesIO(), block_bytes=0)
+    with pytest.raises(ConfigError):
+        iter_members(io.BytesIO(), max_member_bytes=-1)
+
+
+def test_iterating_lazily() -> None:
+    class Exploding:
+        def read(self, size: int) -> bytes:
+            raise AssertionError("read before iteration")
+
+    members = iter_members(Exploding())
+    assert isinstance(members, Iterator)
+
+
+# --- properties -----------------------------------------------------------------------------
+
+_name_chars = st.characters(
+    blacklist_categories=["Cs"], blacklist_characters="\0/", min_codepoint=1, max_codepoint=0x2FFF
+)
+_component = st.text(_name_chars, min_size=1, max_size=40)
+_long_names = st.lists(_component, min_size=1, max_size=8).map("/".join)
+_sizes = st.one_of(st.sampled_from([0, 1, 511, 512, 513, 1024, 4096]), st.integers(0, 6000))
+
+
+def _members(names: st.SearchStrategy[str]) -> st.SearchStrategy[list[tuple[str, bytes]]]:
+    return st.lists(st.tuples(names, _sizes, st.integers(0, 2**32)), max_size=12).map(
+        lambda items: [(name, random.Random(seed).randbytes(size)) for name, size, seed in items]
+    )
+
+
+def _ustar_ok(members: list[tuple[str, bytes]]) -> bool:
+    return all(len(name.encode()) <= 100 for name, _ in members)
+
+
+@PROPERTY
+@given(
+    members=_members(_long_names),
+    fmt=st.sampled_from(sorted(FORMATS)),
+    compress=st.sampled_from(["none", "gzip", "gzip-multi"]),
+    block_bytes=st.sampled_from([512, 1000, 3000, 1 << 20]),
+    stream=st.sampled_from(sorted(STREAMS)),
+)
+def test_property_round_trip(
+    members: list[tuple[str, bytes]], fmt: str, compress: str, block_bytes: int, stream: str
+) -> None:
+    if fmt == "ustar":
+        assume(_ustar_ok(members))
+    raw = write_tar(members, FORMATS[fmt])
+    if compress == "gzip":
+        raw = gzip.compress(raw, 1)
+    elif compress == "gzip-multi":
+        raw = gzip.compress(raw[: len(raw) // 3], 1) + gzip.compress(raw[len(raw) // 3 :], 1)
+    assert read(raw, stream, block_bytes=block_bytes) == members
+
+
+@PROPERTY
+@given(
+    members=_members(_long_names),
+    compress=st.booleans(),
+    block_bytes=st.sampled_from([512, 1000, 1 << 20]),
+    data=st.data(),
+)
+def test_property_truncation(
+    members: list[tuple[str, bytes]], compress: bool, block_bytes: int, data: st.DataObject
+) -> None:
+    raw = write_tar(members, tarfile.PAX_FORMAT)
+    if compress:
+        raw = gzip.compress(raw, 1)
+    cut = data.draw(st.integers(0, len(raw) - 1), label="cut")
+    got, exc = read_until_error(raw[:cut], block_bytes=block_bytes)
+    assert [(m.name, m.data) for m in got] == members[: len(got)]
+    if compress and cut > 0:
+        assert exc is not None  # the gzip trailer is always checked
+
+
+def _header_offsets(raw: bytes) -> list[int]:
+    """Offsets of every header block (and both end-of-archive blocks) of an uncompressed tar."""
+    offsets = []
+    pos = 0
+    while pos < len(raw):
+        offsets.append(pos)
+        block = raw[pos : pos + 512]
+        if block == bytes(512):
+            return [*offsets, pos + 512]
+        size = int(block[124:136].rstrip(b"\0 ") or b"0", 8)
+        pos += 512 + size + (-size % 512)
+    return offsets
+
+
+@PROPERTY
+@given(
+    members=_members(_long_names),
+    fmt=st.sampled_from(["gnu", "pax"]),
+    block_bytes=st.sampled_from([512, 1000, 1 << 20]),
+    data=st.data(),
+)
+def test_property_header_corruption(
+    members: list[tuple[str, bytes]], fmt: str, block_bytes: int, data: st.DataObject
+) -> None:
+    raw = bytearray(write_tar(members, FORMATS[fmt]))
+    block = data.draw(st.sampled_from(_header_offsets(bytes(raw))), label="header")
+    index = block + data.draw(st.integers(0, 511), label="byte")
+    raw[index] ^= data.draw(st.integers(1, 255), label="xor")
+    got, exc = read_until_error(bytes(raw), block_bytes=block_bytes)
+    assert [(m.name, m.data) for m in got] == members[: len(got)]
+    if exc is None:
+        assert len(got) == len(members)
+
+
+@settings(deadline=None, max_examples=40)
+@given(st.binary(max_size=3000), st.sampled_from([512, 1000]))
+def test_property_garbage_never_hangs(garbage: bytes, block_bytes: int) -> None:
+    for prefix in (b"", b"\x1f\x8b"):
+        with contextlib.suppress(ShardFormatError):
+            list(iter_members(io.BytesIO(prefix + garbage), block_bytes=block_bytes))
+
+
+def test_gzip_bomb_output_is_bounded() -> None:
+    # 16 MiB of zeros compresses to ~16 KiB; the reader must not inflate it in one call.
+    stream = gzip.compress(bytes(16 << 20), 9)
+    assert len(stream) < 100_000
+    reader = _tarstream.GunzipReader(io.BytesIO(stream[2:]), stream[:2], None, 1 << 16)
+    assert len(reader.read(1 << 30)) <= 1 << 16

@@ -251,19 +251,22 @@ class BlockReader:
         """Handle the stream ending where a header should start.
 
         Raises:
-            ShardFormatError: The stream ends inside a header, or right after an extended
-                header that should have been followed by a member.
+            ShardFormatError: The stream ends inside a header, right after an extended
+                header that should have been followed by a member, or with no end marker.
         """
         offset = self.base + self.pos
         if len(self.buf) > self.pos:
             raise self.error("truncated tar: stream ends inside a header", offset)
         if ext_offset >= 0:
             raise self.error("truncated tar: stream ends after an extended header", ext_offset)
-        # Accepted, as GNU tar and tarfile do; but every common writer ends with two zero
-        # blocks, so this may be a shard truncated on a member boundary: say so.
-        logger.warning(
-            "%s ends without an end-of-archive marker (truncated on a member boundary?)",
-            _shown(self.url),
+        # GNU tar and tarfile accept this silently, but every common writer ends an archive
+        # with zero blocks, and a download or upload cut on a member boundary (8 MiB parts are
+        # 512-aligned) looks exactly like this: silently losing the rest of a shard is worse
+        # than a clear error that the handler policy can skip.
+        raise self.error(
+            "truncated tar: stream ends without an end-of-archive marker (zero blocks); "
+            "the shard was cut short or written incompletely",
+            offset,
         )
 
     def finish_at_zero_block(self, offset: int, ext_offset: int) -> None:

@@ -427,13 +427,19 @@ def test_end_of_archive_variants(caplog: pytest.LogCaptureFixture) -> None:
     assert read(body + bytes(600)) == expected  # second zero block cut short
     assert read(END) == []
     assert not caplog.records
-    # EOF on a header boundary is accepted, as GNU tar does, with a warning: it may be a
-    # shard truncated on a member boundary.
-    assert read(body, url="s3://b/s.tar?sig=secret") == expected
-    assert read(b"") == []
-    assert [r.levelname for r in caplog.records] == ["WARNING", "WARNING"]
-    assert "s3://b/s.tar" in caplog.records[0].getMessage()
-    assert "secret" not in caplog.records[0].getMessage()
+
+
+@pytest.mark.parametrize("data", [b"", member(b"a.txt", b"a") + member(b"b.txt", b"b")])
+def test_eof_without_end_marker_is_truncation(data: bytes) -> None:
+    # GNU tar accepts this; we do not: a shard cut on a member boundary would silently lose
+    # the rest of its samples.
+    got, exc = read_until_error(data, url="s3://b/s.tar?sig=secret")
+    assert [m.name for m in got] == ["a.txt", "b.txt"][: len(got)]
+    assert isinstance(exc, ShardFormatError)
+    assert "end-of-archive marker" in str(exc)
+    assert exc.offset == len(data)
+    assert "s3://b/s.tar" in str(exc)
+    assert "secret" not in str(exc)
 
 
 @pytest.mark.parametrize(

@@ -20,9 +20,7 @@ def test_round_robin_shortest_and_longest() -> None:
 def test_random_mix_respects_proportions_and_exhaustion() -> None:
     import random
 
-    mixed = list(
-        random_samples([iter([0] * 900), iter([1] * 900)], [3, 1], rng=random.Random(0))
-    )
+    mixed = list(random_samples([iter([0] * 900), iter([1] * 900)], [3, 1], rng=random.Random(0)))
     counts = Counter(mixed)
     assert 0.65 < counts[0] / len(mixed) < 0.85
     everything = list(wds.RandomMix([range(5), range(10, 13)], longest=True))

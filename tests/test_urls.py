@@ -115,7 +115,7 @@ def test_resolve_local_memory_and_caching(tmp_path: Path) -> None:
     assert path.endswith("a.tar")
     fs2, _ = resolve(f"file://{tmp_path}/b.tar")
     assert fs2 is fs
-    mem, mpath = resolve("memory://bucket/key.tar")
+    _, mpath = resolve("memory://bucket/key.tar")
     assert mpath == "/bucket/key.tar"
 
 

@@ -120,6 +120,8 @@ class WebDataset(DataPipeline, FluidInterface):
             or one flat mapping for all; when absent the backends read their usual environment.
         allow_pipe: Allow ``pipe:CMD`` shard URLs, which run shell commands (off by default).
         block_bytes: Read size for streaming shards.
+        max_member_bytes: Largest tar member accepted (default ``CLOUDSHARDS_MAX_MEMBER_BYTES``
+            or 1 GiB); a larger one is a ``ShardFormatError`` before any memory is allocated.
 
     Raises:
         ConfigError: Bad URLs or options (unknown protocol, missing backend, empty expansion).
@@ -148,6 +150,7 @@ class WebDataset(DataPipeline, FluidInterface):
         storage_options: Mapping[str, Any] | None = None,
         allow_pipe: bool | None = None,
         block_bytes: int | None = None,
+        max_member_bytes: int | None = None,
     ) -> None:
         super().__init__(seed=seed)
         handler = as_handler(handler)
@@ -177,6 +180,7 @@ class WebDataset(DataPipeline, FluidInterface):
             storage_options=storage_options,
             allow_pipe=allow_pipe,
             block_bytes=block_bytes or config.DEFAULT_BLOCK_BYTES,
+            max_member_bytes=max_member_bytes,
         )
         self.append(_ShardReader(handler, options, select_files, rename_files))
         if empty_check:

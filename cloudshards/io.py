@@ -32,11 +32,20 @@ class OpenOptions:
         allow_pipe: Allow ``pipe:CMD`` URLs, which run ``CMD`` in a shell. Off by default;
             ``CLOUDSHARDS_ALLOW_PIPE=1`` turns it on when this is None.
         block_bytes: Size of each read from the store.
+        max_member_bytes: Largest tar member read into memory (a guard against hostile or
+            corrupt headers); None means ``CLOUDSHARDS_MAX_MEMBER_BYTES`` or 1 GiB.
     """
 
     storage_options: Mapping[str, Any] | None = None
     allow_pipe: bool | None = None
     block_bytes: int = config.DEFAULT_BLOCK_BYTES
+    max_member_bytes: int | None = None
+
+    def member_limit(self) -> int:
+        """The member size limit, after the environment default."""
+        if self.max_member_bytes is not None:
+            return self.max_member_bytes
+        return config.env_int("MAX_MEMBER_BYTES", config.DEFAULT_MAX_MEMBER_BYTES)
 
     def pipe_allowed(self) -> bool:
         """Whether ``pipe:`` URLs may run, after the environment default."""

@@ -248,3 +248,16 @@ def test_memory_filesystem_dataset(make_shards: Any) -> None:
         assert keys_of(globbed) == shards.keys
     finally:
         fs.rm("/pipeline-test", recursive=True)
+
+
+def test_member_size_limit(make_shards: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    shards = make_shards([2], payload_bytes=5000)
+    with pytest.raises(ShardFormatError, match=r"\.bin") as info:
+        list(wds.WebDataset(shards.spec(), shardshuffle=False, max_member_bytes=4096))
+    assert info.value.member is not None
+    monkeypatch.setenv("CLOUDSHARDS_MAX_MEMBER_BYTES", "4096")
+    with pytest.raises(ShardFormatError):
+        list(wds.WebDataset(shards.spec(), shardshuffle=False))
+    assert (
+        len(keys_of(wds.WebDataset(shards.spec(), shardshuffle=False, max_member_bytes=5000))) == 2
+    )

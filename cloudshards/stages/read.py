@@ -66,7 +66,11 @@ def read_shards(
             return
         try:
             members = iter_members(
-                stream, url=url, name_filter=name_filter, block_bytes=options.block_bytes
+                stream,
+                url=url,
+                name_filter=name_filter,
+                block_bytes=options.block_bytes,
+                max_member_bytes=options.member_limit(),
             )
             samples = group_members(members, url=url, shard_index=index)
             local_path = _local_path(url)

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+from cloudshards.cache import CacheStats, ShardCache, cache_info, clear_cache
 from cloudshards.compat import WebDataset, WebLoader, check_empty
 from cloudshards.decoders import (
     Continue,
@@ -80,6 +81,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CacheError",
+    "CacheStats",
     "CloudShardsError",
     "ConfigError",
     "Continue",
@@ -93,6 +95,7 @@ __all__ = [
     "RandomMix",
     "ResampledShards",
     "RoundRobin",
+    "ShardCache",
     "ShardError",
     "ShardFormatError",
     "ShardOpenError",
@@ -105,7 +108,9 @@ __all__ = [
     "allow_unsafe_decoders",
     "associate",
     "batched",
+    "cache_info",
     "check_empty",
+    "clear_cache",
     "decode",
     "default_collation_fn",
     "detshuffle",

@@ -16,6 +16,7 @@ from typing import Any
 from torch.utils.data import DataLoader
 
 from cloudshards import config
+from cloudshards.cache import ShardCache
 from cloudshards.dist import WorkerInfo
 from cloudshards.errors import ConfigError
 from cloudshards.grouping import make_name_filter
@@ -78,15 +79,23 @@ class _ShardReader:
         options: OpenOptions,
         select_files: Callable[[str], bool] | None,
         rename_files: Callable[[str], str] | None,
+        cache: ShardCache | None,
     ) -> None:
         self.handler = handler
         self.options = options
         self.select_files = select_files
         self.rename_files = rename_files
+        self.cache = cache
 
     def __call__(self, src: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
         name_filter = make_name_filter(self.select_files, self.rename_files)
-        return read_shards(src, handler=self.handler, options=self.options, name_filter=name_filter)
+        return read_shards(
+            src,
+            handler=self.handler,
+            options=self.options,
+            name_filter=name_filter,
+            cache=self.cache,
+        )
 
 
 class WebDataset(DataPipeline, FluidInterface):
@@ -103,8 +112,11 @@ class WebDataset(DataPipeline, FluidInterface):
         repeat: Accepted for compatibility; ignored, as in webdataset 1.0.2.
         shardshuffle: Shuffle the shard order each epoch (True or a positive int; the int is
             webdataset's buffer size and any positive value gives a full permutation here).
-        cache_size: Node cache budget in bytes (the cache is not available yet; see docs).
-        cache_dir: Node cache directory (not available yet: shards are streamed).
+        cache_size: Node cache budget in bytes; least recently used entries not in use are
+            evicted (-1 or 0: no limit). Default ``CLOUDSHARDS_CACHE_SIZE``.
+        cache_dir: Per-node shard cache directory, shared by every rank and worker on the
+            machine: each shard crosses the network once per node. Default
+            ``CLOUDSHARDS_CACHE_DIR`` (or webdataset's ``WDS_CACHE``); None streams uncached.
         url_to_name: Accepted for compatibility; ignored.
         detshuffle: Accepted for compatibility; shard shuffling is always deterministic.
         nodesplitter: Splits shards across ranks (default :func:`split_by_node`; None for none).
@@ -158,11 +170,11 @@ class WebDataset(DataPipeline, FluidInterface):
             raise ConfigError(f"mode={mode!r} is not supported; use resampled=True or None")
         resampled = resampled or mode == "resampled"
         _check_urls(urls)
-        if cache_dir is not None or config.env_str("CACHE_DIR") is not None:
-            logger.warning(
-                "cache_dir: the per-node shard cache is not available in this version; "
-                "shards are streamed without caching"
-            )
+        env_dir, env_size = config.cache_defaults()
+        cache_dir = cache_dir if cache_dir is not None else env_dir
+        if cache_size == -1 and env_size is not None:
+            cache_size = env_size
+        self.cache = ShardCache(cache_dir, max_bytes=cache_size) if cache_dir is not None else None
         if resampled:
             source: Any = ResampledShards(urls, seed=self.seed)
             shuffled = False
@@ -182,16 +194,17 @@ class WebDataset(DataPipeline, FluidInterface):
             block_bytes=block_bytes or config.DEFAULT_BLOCK_BYTES,
             max_member_bytes=max_member_bytes,
         )
-        self.append(_ShardReader(handler, options, select_files, rename_files))
+        self.append(_ShardReader(handler, options, select_files, rename_files, self.cache))
         if empty_check:
             self.append(_EmptyCheck(self.num_shards))
         log = logger.info if verbose else logger.debug
         log(
-            "WebDataset: %d shards, resampled=%s, shard shuffle=%s, seed=%d",
+            "WebDataset: %d shards, resampled=%s, shard shuffle=%s, seed=%d, cache=%s",
             self.num_shards,
             resampled,
             shuffled,
             self.seed,
+            self.cache.directory if self.cache is not None else None,
         )
 
     def __enter__(self) -> WebDataset:

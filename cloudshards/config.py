@@ -12,6 +12,7 @@ from cloudshards.errors import ConfigError
 __all__ = [
     "DEFAULT_BLOCK_BYTES",
     "DEFAULT_MAX_MEMBER_BYTES",
+    "cache_defaults",
     "env_bool",
     "env_int",
     "env_str",
@@ -52,3 +53,19 @@ def env_bool(name: str, default: bool = False) -> bool:
     if lowered in ("0", "false", "no", "off"):
         return False
     raise ConfigError(f"CLOUDSHARDS_{name}={value!r} is not a boolean (use 1 or 0)")
+
+
+def cache_defaults() -> tuple[str | None, int | None]:
+    """Cache directory and byte budget from the environment.
+
+    ``CLOUDSHARDS_CACHE_DIR`` / ``CLOUDSHARDS_CACHE_SIZE``, else webdataset's ``WDS_CACHE`` /
+    ``WDS_CACHE_SIZE``, so migrated jobs keep their settings.
+    """
+    directory = env_str("CACHE_DIR") or os.environ.get("WDS_CACHE") or None
+    size_text = env_str("CACHE_SIZE") or os.environ.get("WDS_CACHE_SIZE") or None
+    if size_text is None:
+        return directory, None
+    try:
+        return directory, int(size_text)
+    except ValueError:
+        raise ConfigError(f"cache size {size_text!r} is not an integer number of bytes") from None

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
+from cloudshards.cache import ShardCache
 from cloudshards.errors import ConfigError
 from cloudshards.grouping import group_members, make_name_filter, split_key
 from cloudshards.handlers import reraise_exception
@@ -43,6 +44,7 @@ def read_shards(
     handler: ExceptionHandler = reraise_exception,
     options: OpenOptions | None = None,
     name_filter: NameFilter | None = None,
+    cache: ShardCache | None = None,
 ) -> Iterator[Sample]:
     """Yield the samples of each shard in ``src`` (dicts with a ``url``), in order.
 
@@ -50,13 +52,15 @@ def read_shards(
     the rest of that shard and continue with the next, or False to stop. Samples already
     delivered from a failing shard stay delivered; the incomplete sample at the failure point
     is dropped. Configuration errors (unknown protocol, missing backend) always raise.
+    With a ``cache``, shards open through the node cache.
     """
     options = options or OpenOptions()
+    opener = cache.open if cache is not None else open_shard
     for shard in src:
         url = shard["url"]
         index = shard.get("shard_index")
         try:
-            stream = open_shard(url, options, shard_index=index)
+            stream = opener(url, options, shard_index=index)
         except ConfigError:
             raise
         except Exception as exn:

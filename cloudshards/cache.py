@@ -1,0 +1,528 @@
+"""Per-node shard cache on local disk, shared by every rank and worker on the machine.
+
+Layout under the cache directory::
+
+    data/<name>            complete entries        data/<name>.partial   downloads in flight
+    meta/<name>.json       size, ETag, URL         locks/<name>.lock     download locks (flock)
+    stats/<host>-<pid>.json per-process counters   cache.lock            budget/eviction lock
+
+``<name>`` is a hash of the URL (credentials and signing parameters removed) plus a sanitised
+basename, so no URL can name a path outside the directory and no secret reaches a file name.
+Exactly one process downloads a shard (it holds the entry's flock, which dies with it); it
+serves its own consumer while writing ``.partial``, verifies length (and an MD5 ETag), then
+renames into place. Other processes follow the growing file, or take over if the downloader
+dies. Entries in use hold a shared flock, which eviction respects.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import re
+import socket
+import time
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+from cloudshards._cachestreams import (
+    DISK_FULL_ERRNOS,
+    CacheStats,
+    DownloadLock,
+    FollowStream,
+    TeeStream,
+    is_locked,
+)
+from cloudshards.errors import CacheError, ConfigError
+from cloudshards.io import OpenOptions, ShardStream, open_shard
+from cloudshards.redact import redact_url
+from cloudshards.urls import options_for, protocol_of, resolve
+
+__all__ = ["CacheStats", "ShardCache", "cache_info", "clear_cache", "entry_name"]
+
+logger = logging.getLogger(__name__)
+
+_ALIASES = {"gcs": "gs", "s3a": "s3", "local": "file"}
+_SIGNING_PARAM = re.compile(
+    r"^(x-amz-.*|x-goog-.*|signature|expires|awsaccesskeyid|googleaccessid|sig|se|sp|sv|sr|"
+    r"st|spr|skoid|sktid|skt|ske|sks|skv|token|access_token|key-pair-id|policy)$",
+    re.IGNORECASE,
+)
+_UNSAFE_CHARS = re.compile(r"[^A-Za-z0-9._-]+")
+_MD5_HEX = re.compile(r"^[0-9a-f]{32}$")
+
+
+def canonical_url(url: str, endpoint: str | None = None) -> str:
+    """The URL an entry is keyed by: no user info, no signing parameters, protocol aliases
+    unified, so a re-signed URL for the same object hits the same entry; a custom endpoint
+    (an S3-compatible store, an emulator) is part of the key, so equal bucket names on two
+    stores never collide."""
+    parts = urlsplit(url)
+    scheme = _ALIASES.get(parts.scheme.lower(), parts.scheme.lower())
+    netloc = parts.netloc.rsplit("@", 1)[-1]
+    query = urlencode(
+        [
+            (k, v)
+            for k, v in parse_qsl(parts.query, keep_blank_values=True)
+            if not _SIGNING_PARAM.match(k)
+        ]
+    )
+    canonical = urlunsplit((scheme, netloc, parts.path, query, ""))
+    return f"{canonical} @{endpoint}" if endpoint else canonical
+
+
+def entry_name(url: str, endpoint: str | None = None) -> str:
+    """``<sha256 prefix>-<sanitised basename>``: unique per object, readable, path-safe."""
+    canonical = canonical_url(url, endpoint)
+    digest = hashlib.sha256(canonical.encode()).hexdigest()[:32]
+    basename = urlsplit(url).path.rsplit("/", 1)[-1]
+    suffix = _UNSAFE_CHARS.sub("_", basename).strip("._")[-80:]
+    return f"{digest}-{suffix}" if suffix else digest
+
+
+class ShardCache:
+    """A cache directory on local disk shared by all processes on this node.
+
+    Cheap to construct and picklable: directories, locks and files are touched on first use.
+
+    Args:
+        directory: Cache directory (created if missing).
+        max_bytes: Byte budget (least recently used entries not in use are evicted); None or
+            a value <= 0 for no limit.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], *, max_bytes: int | None = None):
+        if not str(directory):
+            raise ConfigError("cache directory must not be empty")
+        self.directory = os.path.abspath(os.path.expanduser(os.fspath(directory)))
+        self.max_bytes = max_bytes if max_bytes is not None and max_bytes > 0 else None
+        self._stats: CacheStats | None = None
+        self._stats_pid = -1
+        self._ready = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.update(_stats=None, _stats_pid=-1, _ready=False)
+        return state
+
+    @property
+    def stats(self) -> CacheStats:
+        """This process's counters (fresh in each DataLoader worker)."""
+        if self._stats is None or self._stats_pid != os.getpid():
+            self._stats = CacheStats()
+            self._stats_pid = os.getpid()
+        return self._stats
+
+    def _path(self, *parts: str) -> str:
+        path = os.path.join(self.directory, *parts)
+        # Names are hashes and sanitised suffixes; this guards the invariant anyway.
+        if os.path.commonpath([self.directory, os.path.abspath(path)]) != self.directory:
+            raise CacheError(f"cache path escapes {self.directory}: {path!r}")
+        return path
+
+    def _ensure_ready(self) -> None:
+        if self._ready:
+            return
+        try:
+            for sub in ("data", "meta", "locks", "stats"):
+                os.makedirs(self._path(sub), exist_ok=True)
+        except OSError as exc:
+            raise CacheError(f"cannot create cache directory {self.directory}: {exc}") from exc
+        self._ready = True
+
+    # --- opening --------------------------------------------------------------------------
+
+    def open(
+        self, url: str, options: OpenOptions | None = None, *, shard_index: int | None = None
+    ) -> ShardStream | TeeStream | FollowStream:
+        """Open a shard through the cache: a hit reads the local file, a miss downloads once
+        per node while streaming, a download in flight elsewhere is followed.
+
+        Local paths and ``pipe:`` URLs are opened directly (caching them gains nothing).
+        """
+        options = options or OpenOptions()
+        if protocol_of(url) in ("file", "pipe"):
+            return open_shard(url, options, shard_index=shard_index)
+        self._ensure_ready()
+        name = entry_name(url, _endpoint(url, options))
+        for _ in range(100):
+            hit = self._open_hit(name, url, shard_index)
+            if hit is not None:
+                return hit
+            lock = DownloadLock(self._path("locks", name + ".lock"))
+            if lock.try_acquire():
+                hit = self._open_hit(name, url, shard_index)
+                if hit is not None:
+                    lock.release()
+                    return hit
+                return self._download(url, name, options, shard_index, lock, skip=0)
+            try:
+                fd = os.open(self._path("data", name + ".partial"), os.O_RDONLY)
+            except FileNotFoundError:
+                time.sleep(0.005)  # committed or abandoned between our checks: look again
+                continue
+            self.stats.waits += 1
+            return FollowStream(
+                fd,
+                url,
+                entry=self._path("data", name),
+                lock_path=self._path("locks", name + ".lock"),
+                stats=self.stats,
+                take_over=lambda offset: self._take_over(url, name, options, shard_index, offset),
+            )
+        raise CacheError(f"cache entry for {redact_url(url)} keeps changing; giving up")
+
+    def _take_over(
+        self, url: str, name: str, options: OpenOptions, shard_index: int | None, offset: int
+    ) -> TeeStream | ShardStream:
+        lock = DownloadLock(self._path("locks", name + ".lock"))
+        if lock.try_acquire():
+            return self._download(url, name, options, shard_index, lock, skip=offset)
+        # Someone else took over first: stream this one directly from the store.
+        stream = open_shard(url, options, shard_index=shard_index)
+        _skip(stream, offset)
+        return stream
+
+    def _open_hit(self, name: str, url: str, shard_index: int | None) -> ShardStream | None:
+        entry = self._path("data", name)
+        try:
+            fd = os.open(entry, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        fcntl.flock(fd, fcntl.LOCK_SH)  # in use: eviction skips it
+        info = os.fstat(fd)
+        meta = self._read_meta(name)
+        try:
+            same = os.stat(entry).st_ino == info.st_ino
+        except FileNotFoundError:
+            same = False
+        if not same:  # evicted between open and lock
+            os.close(fd)
+            return None
+        if meta is None or meta.get("size") != info.st_size:
+            os.close(fd)
+            logger.warning(
+                "cache: entry for %s is corrupt or truncated; refetching", redact_url(url)
+            )
+            self._remove_entry(name)
+            return None
+        with contextlib.suppress(OSError):
+            os.utime(entry)  # least-recently-used order
+        self.stats.hits += 1
+        return _CachedFile(os.fdopen(fd, "rb", buffering=0), url, self, shard_index)
+
+    def _download(
+        self,
+        url: str,
+        name: str,
+        options: OpenOptions,
+        shard_index: int | None,
+        lock: DownloadLock,
+        *,
+        skip: int,
+    ) -> TeeStream | ShardStream:
+        try:
+            remote = open_shard(url, options, shard_index=shard_index)
+            size, md5 = _remote_facts(remote, url, options)
+        except BaseException:
+            lock.release()
+            raise
+        partial = self._path("data", name + ".partial")
+        stats = self.stats
+        if not self._reserve(name, size, lock):
+            lock.release()
+            stats.uncached += 1
+            _skip(remote, skip)
+            return remote
+
+        def commit(nbytes: int) -> None:
+            try:
+                self._write_meta(name, {"url": redact_url(url), "size": nbytes, "md5": md5})
+                os.replace(partial, self._path("data", name))
+            except OSError as exc:
+                logger.warning("cache: cannot commit %s (%s); not cached", redact_url(url), exc)
+                with contextlib.suppress(OSError):
+                    os.unlink(partial)
+            finally:
+                lock.release()
+            self._save_stats()
+
+        def abandon() -> None:
+            with contextlib.suppress(OSError):
+                os.unlink(partial)
+            lock.release()
+
+        try:
+            stats.misses += 1
+            return TeeStream(
+                remote,
+                partial,
+                commit=commit,
+                abandon=abandon,
+                stats=stats,
+                expected_size=size,
+                expected_md5=md5,
+                skip=skip,
+            )
+        except OSError as exc:
+            stats.misses -= 1
+            abandon()
+            if exc.errno not in DISK_FULL_ERRNOS:
+                raise CacheError(f"cannot create cache file {partial}: {exc}") from exc
+            self._warn_once(f"cache disk full ({exc.strerror}); streaming without caching")
+            stats.uncached += 1
+            _skip(remote, skip)
+            return remote
+
+    # --- budget -----------------------------------------------------------------------------
+
+    def _reserve(self, name: str, size: int | None, lock: DownloadLock) -> bool:
+        """Make room for ``size`` bytes under the budget; record the reservation."""
+        os.ftruncate(lock.fd, 0)
+        os.pwrite(lock.fd, str(size or 0).encode(), 0)
+        if self.max_bytes is None:
+            return True
+        if size is None:
+            self._warn_once("cache: a shard's size is unknown; streaming it without caching")
+            return False
+        if size > self.max_bytes:
+            self._warn_once(
+                f"cache: a {size}-byte shard exceeds the {self.max_bytes}-byte budget; "
+                "streaming it without caching"
+            )
+            return False
+        with self._global_lock():
+            entries, in_flight = self._scan(exclude=name)
+            used = sum(s for _, s, _ in entries) + in_flight
+            for entry, entry_size, _ in sorted(entries, key=lambda e: e[2]):
+                if used + size <= self.max_bytes:
+                    break
+                if self._evict(entry):
+                    used -= entry_size
+            if used + size > self.max_bytes:
+                self._warn_once("cache: budget full of entries in use; streaming without caching")
+                return False
+            # Visible to other reservers from now on, before we release the global lock.
+            with open(self._path("data", name + ".partial"), "wb"):
+                pass
+        return True
+
+    def _scan(self, exclude: str = "") -> tuple[list[tuple[str, int, float]], int]:
+        """Complete entries as (name, size, mtime), and bytes reserved by live downloads.
+
+        Partial files whose downloader is gone are removed on the way.
+        """
+        entries: list[tuple[str, int, float]] = []
+        in_flight = 0
+        with os.scandir(self._path("data")) as it:
+            for item in it:
+                if not item.name.endswith(".partial"):
+                    with contextlib.suppress(FileNotFoundError):
+                        st = item.stat()
+                        entries.append((item.name, st.st_size, st.st_mtime))
+                    continue
+                name = item.name[: -len(".partial")]
+                if name == exclude:
+                    continue
+                lock_path = self._path("locks", name + ".lock")
+                if is_locked(lock_path):
+                    in_flight += _reserved_size(lock_path, item)
+                else:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(item.path)  # left by a crashed downloader
+        return entries, in_flight
+
+    def _evict(self, name: str) -> bool:
+        entry = self._path("data", name)
+        try:
+            fd = os.open(entry, os.O_RDONLY)
+        except FileNotFoundError:
+            return True
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False  # in use
+        try:
+            self._remove_entry(name)
+            self.stats.evictions += 1
+            logger.debug("cache: evicted %s", name)
+        finally:
+            os.close(fd)
+        return True
+
+    def _remove_entry(self, name: str) -> None:
+        for path in (self._path("data", name), self._path("meta", name + ".json")):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+    def _global_lock(self) -> Any:
+        return _FileLock(self._path("cache.lock"))
+
+    # --- metadata and stats ----------------------------------------------------------------
+
+    def _read_meta(self, name: str) -> dict[str, Any] | None:
+        try:
+            with open(self._path("meta", name + ".json")) as f:
+                value = json.load(f)
+        except (OSError, ValueError):
+            return None
+        return value if isinstance(value, dict) else None
+
+    def _write_meta(self, name: str, meta: dict[str, Any]) -> None:
+        path = self._path("meta", name + ".json")
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(meta, f)
+        os.replace(tmp, path)
+
+    def _save_stats(self) -> None:
+        path = self._path("stats", f"{socket.gethostname()}-{os.getpid()}.json")
+        with contextlib.suppress(OSError):
+            tmp = path + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(self.stats.as_dict(), f)
+            os.replace(tmp, path)
+
+    def _warn_once(self, message: str) -> None:
+        if message not in self.stats._warned:
+            self.stats._warned.add(message)
+            logger.warning("%s", message)
+
+    def info(self) -> dict[str, Any]:
+        """Entries, bytes and summed per-process counters of this cache directory."""
+        return cache_info(self.directory)
+
+
+class _CachedFile(ShardStream):
+    """A complete entry; counts its bytes and releases its shared lock on close."""
+
+    def __init__(self, raw: Any, url: str, cache: ShardCache, shard_index: int | None) -> None:
+        super().__init__(raw, url, shard_index=shard_index)
+        self._cache = cache
+
+    def close(self) -> None:
+        if not self.closed:
+            self._cache.stats.bytes_disk += self.offset
+            self._cache._save_stats()
+        super().close()
+
+
+class _FileLock:
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fd = -1
+
+    def __enter__(self) -> _FileLock:
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+
+
+def _endpoint(url: str, options: OpenOptions) -> str | None:
+    """The store endpoint a URL resolves against, when it is not the provider's default."""
+    protocol = protocol_of(url)
+    endpoint = options_for(protocol, options.storage_options).get("endpoint_url")
+    if endpoint is None and protocol in ("s3", "s3a"):
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if endpoint is None and protocol in ("gs", "gcs"):
+        endpoint = os.environ.get("STORAGE_EMULATOR_HOST")
+    return str(endpoint) if endpoint else None
+
+
+def _reserved_size(lock_path: str, partial: os.DirEntry[str]) -> int:
+    try:
+        with open(lock_path, "rb") as f:
+            reserved = int(f.read() or b"0")
+    except (OSError, ValueError):
+        reserved = 0
+    with contextlib.suppress(FileNotFoundError):
+        reserved = max(reserved, partial.stat().st_size)
+    return reserved
+
+
+def _skip(stream: Any, count: int) -> None:
+    while count > 0:
+        data = stream.read(min(count, 1 << 22))
+        if not data:
+            return
+        count -= len(data)
+
+
+def _remote_facts(
+    stream: ShardStream, url: str, options: OpenOptions
+) -> tuple[int | None, str | None]:
+    """The object's size and, when the store gives one, its MD5 (hex), for verification."""
+    raw = stream._raw
+    details = getattr(raw, "details", None)
+    size = getattr(raw, "size", None)
+    if not isinstance(details, dict):
+        try:
+            fs, path = resolve(url, options.storage_options)
+            details = fs.info(path)
+        except Exception:
+            details = {}
+    if size is None:
+        size = details.get("size")
+    return (int(size) if size is not None else None), _md5_of(details)
+
+
+def _md5_of(details: dict[str, Any]) -> str | None:
+    etag = str(details.get("ETag") or details.get("etag") or "").strip('"').lower()
+    if _MD5_HEX.match(etag):
+        return etag  # S3 single-part uploads: the ETag is the MD5 of the body
+    md5_b64 = details.get("md5Hash")  # GCS
+    if isinstance(md5_b64, str):
+        with contextlib.suppress(ValueError):
+            return base64.b64decode(md5_b64).hex()
+    return None
+
+
+def cache_info(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """Describe a cache directory: entries, bytes, partial downloads, summed counters."""
+    directory = os.path.abspath(os.fspath(directory))
+    data = os.path.join(directory, "data")
+    result: dict[str, Any] = {"directory": directory, "entries": 0, "bytes": 0, "partial": 0}
+    if os.path.isdir(data):
+        for item in os.scandir(data):
+            if item.name.endswith(".partial"):
+                result["partial"] += 1
+            else:
+                result["entries"] += 1
+                result["bytes"] += item.stat().st_size
+    totals: dict[str, int] = {}
+    stats_dir = os.path.join(directory, "stats")
+    if os.path.isdir(stats_dir):
+        for item in os.scandir(stats_dir):
+            if item.name.endswith(".json"):
+                with contextlib.suppress(OSError, ValueError), open(item.path) as f:
+                    for key, value in json.load(f).items():
+                        totals[key] = totals.get(key, 0) + int(value)
+    result["counters"] = totals
+    return result
+
+
+def clear_cache(directory: str | os.PathLike[str]) -> int:
+    """Remove every entry not in use (and stale partial files); returns entries removed."""
+    cache = ShardCache(directory)
+    if not os.path.isdir(os.path.join(cache.directory, "data")):
+        return 0
+    cache._ensure_ready()
+    removed = 0
+    with cache._global_lock():
+        entries, _ = cache._scan()
+        for name, _, _ in entries:
+            if cache._evict(name):
+                removed += 1
+    for item in os.scandir(cache._path("stats")):
+        with contextlib.suppress(OSError):
+            os.unlink(item.path)
+    return removed

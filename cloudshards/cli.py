@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from cloudshards import __version__
+from cloudshards.cache import cache_info, clear_cache
 from cloudshards.errors import CloudShardsError, ConfigError
 from cloudshards.grouping import group_members
 from cloudshards.io import open_shard, shard_size
@@ -87,6 +89,26 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_cache_info(args: argparse.Namespace) -> int:
+    if not os.path.isdir(args.directory):
+        raise ConfigError(f"no cache directory at {args.directory}")
+    info = cache_info(args.directory)
+    print(f"directory: {info['directory']}")
+    print(f"entries:   {info['entries']} ({info['bytes']:,} bytes)")
+    print(f"partial:   {info['partial']} downloads in flight or interrupted")
+    for key, value in sorted(info["counters"].items()):
+        print(f"{key + ':':<15s}{value:,}")
+    return 0
+
+
+def _cmd_cache_clear(args: argparse.Namespace) -> int:
+    if not os.path.isdir(args.directory):
+        raise ConfigError(f"no cache directory at {args.directory}")
+    removed = clear_cache(args.directory)
+    print(f"removed {removed} entries from {args.directory} (entries in use are kept)")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cloudshards", description="Inspect WebDataset tar shards at any fsspec URL."
@@ -108,6 +130,15 @@ def _parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="read a dataset and report samples/s and MB/s")
     bench.add_argument("urls", help="shard spec")
     bench.set_defaults(func=_cmd_bench)
+
+    cache = commands.add_parser("cache", help="inspect or clear a per-node shard cache")
+    cache_commands = cache.add_subparsers(dest="cache_command", required=True)
+    cache_info_parser = cache_commands.add_parser("info", help="entries, bytes and counters")
+    cache_info_parser.add_argument("directory", help="the cache directory (cache_dir=)")
+    cache_info_parser.set_defaults(func=_cmd_cache_info)
+    cache_clear = cache_commands.add_parser("clear", help="remove entries not in use")
+    cache_clear.add_argument("directory", help="the cache directory (cache_dir=)")
+    cache_clear.set_defaults(func=_cmd_cache_clear)
     return parser
 
 

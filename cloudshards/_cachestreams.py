@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cloudshards.errors import CacheError, ShardOpenError
-from cloudshards.io import ShardStream
+from cloudshards.types import ByteSource
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class TeeStream:
 
     def __init__(
         self,
-        remote: ShardStream,
+        remote: ByteSource,
         partial: str,
         *,
         commit: Callable[[int], None],
@@ -255,7 +255,7 @@ class FollowStream:
         entry: str,
         lock_path: str,
         stats: CacheStats,
-        take_over: Callable[[int], TeeStream | ShardStream],
+        take_over: Callable[[int], ByteSource],
     ) -> None:
         self.fd = fd
         self.url = url
@@ -263,7 +263,7 @@ class FollowStream:
         self.lock_path = lock_path
         self.stats = stats
         self._take_over = take_over
-        self._replacement: TeeStream | ShardStream | None = None
+        self._replacement: ByteSource | None = None
         self._inode = os.fstat(fd).st_ino
         self.offset = 0
         self.closed = False

@@ -137,16 +137,54 @@ class ShardCache:
     # --- opening --------------------------------------------------------------------------
 
     def open(
-        self, url: str, options: OpenOptions | None = None, *, shard_index: int | None = None
-    ) -> ShardStream | TeeStream | FollowStream:
+        self,
+        url: str,
+        options: OpenOptions | None = None,
+        *,
+        shard_index: int | None = None,
+        remote: Any = None,
+    ) -> Any:
         """Open a shard through the cache: a hit reads the local file, a miss downloads once
         per node while streaming, a download in flight elsewhere is followed.
 
         Local paths and ``pipe:`` URLs are opened directly (caching them gains nothing).
+
+        Args:
+            url: The shard URL.
+            options: Storage options.
+            shard_index: Position in the epoch (for errors).
+            remote: An already opened (prefetched) store stream to use on a miss; closed
+                unused on a hit.
         """
         options = options or OpenOptions()
         if protocol_of(url) in ("file", "pipe"):
-            return open_shard(url, options, shard_index=shard_index)
+            return (
+                remote if remote is not None else open_shard(url, options, shard_index=shard_index)
+            )
+        stream = self._open_cached(url, options, shard_index, remote)
+        if (
+            remote is not None
+            and stream is not remote
+            and getattr(stream, "remote", None) is not remote
+        ):
+            remote.close()  # prefetched for nothing: a hit, or another process downloads it
+        return stream
+
+    def is_available(self, url: str, options: OpenOptions | None = None) -> bool:
+        """True when the entry is complete or another process is downloading it (so there is
+        no point fetching it from the store ahead of time)."""
+        if protocol_of(url) in ("file", "pipe"):
+            return False
+        options = options or OpenOptions()
+        self._ensure_ready()
+        name = entry_name(url, _endpoint(url, options))
+        if os.path.exists(self._path("data", name)):
+            return True
+        return is_locked(self._path("locks", name + ".lock"))
+
+    def _open_cached(
+        self, url: str, options: OpenOptions, shard_index: int | None, remote: Any
+    ) -> Any:
         self._ensure_ready()
         name = entry_name(url, _endpoint(url, options))
         for _ in range(100):
@@ -159,7 +197,7 @@ class ShardCache:
                 if hit is not None:
                     lock.release()
                     return hit
-                return self._download(url, name, options, shard_index, lock, skip=0)
+                return self._download(url, name, options, shard_index, lock, skip=0, remote=remote)
             try:
                 fd = os.open(self._path("data", name + ".partial"), os.O_RDONLY)
             except FileNotFoundError:
@@ -178,7 +216,7 @@ class ShardCache:
 
     def _take_over(
         self, url: str, name: str, options: OpenOptions, shard_index: int | None, offset: int
-    ) -> TeeStream | ShardStream:
+    ) -> Any:
         lock = DownloadLock(self._path("locks", name + ".lock"))
         if lock.try_acquire():
             return self._download(url, name, options, shard_index, lock, skip=offset)
@@ -224,9 +262,11 @@ class ShardCache:
         lock: DownloadLock,
         *,
         skip: int,
-    ) -> TeeStream | ShardStream:
+        remote: Any = None,
+    ) -> Any:
         try:
-            remote = open_shard(url, options, shard_index=shard_index)
+            if remote is None:
+                remote = open_shard(url, options, shard_index=shard_index)
             size, md5 = _remote_facts(remote, url, options)
         except BaseException:
             lock.release()
@@ -457,13 +497,11 @@ def _skip(stream: Any, count: int) -> None:
         count -= len(data)
 
 
-def _remote_facts(
-    stream: ShardStream, url: str, options: OpenOptions
-) -> tuple[int | None, str | None]:
+def _remote_facts(stream: Any, url: str, options: OpenOptions) -> tuple[int | None, str | None]:
     """The object's size and, when the store gives one, its MD5 (hex), for verification."""
-    raw = stream._raw
-    details = getattr(raw, "details", None)
-    size = getattr(raw, "size", None)
+    raw = getattr(stream, "_raw", stream)
+    details = getattr(stream, "details", None) or getattr(raw, "details", None)
+    size = getattr(stream, "size", None) or getattr(raw, "size", None)
     if not isinstance(details, dict):
         try:
             fs, path = resolve(url, options.storage_options)

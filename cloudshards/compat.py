@@ -19,6 +19,7 @@ from cloudshards import config
 from cloudshards.cache import ShardCache
 from cloudshards.dist import WorkerInfo
 from cloudshards.errors import ConfigError
+from cloudshards.fetch import FetchOptions
 from cloudshards.grouping import make_name_filter
 from cloudshards.handlers import as_handler, reraise_exception
 from cloudshards.io import OpenOptions
@@ -80,7 +81,9 @@ class _ShardReader:
         select_files: Callable[[str], bool] | None,
         rename_files: Callable[[str], str] | None,
         cache: ShardCache | None,
+        fetch: FetchOptions,
     ) -> None:
+        self.fetch = fetch
         self.handler = handler
         self.options = options
         self.select_files = select_files
@@ -95,6 +98,7 @@ class _ShardReader:
             options=self.options,
             name_filter=name_filter,
             cache=self.cache,
+            fetch=self.fetch,
         )
 
 
@@ -132,6 +136,11 @@ class WebDataset(DataPipeline, FluidInterface):
             or one flat mapping for all; when absent the backends read their usual environment.
         allow_pipe: Allow ``pipe:CMD`` shard URLs, which run shell commands (off by default).
         block_bytes: Read size for streaming shards.
+        prefetch: Remote shards fetched ahead of the one being read (default 2; 0 for none).
+        part_bytes: Size of each ranged GET for remote shards (default 8 MiB).
+        concurrency: Ranged GETs in flight per shard (default 4).
+        retries: Retries of a failed request, with exponential backoff (default 5).
+        stall_timeout_s: A read with no progress for this long is an error (default 120).
         max_member_bytes: Largest tar member accepted (default ``CLOUDSHARDS_MAX_MEMBER_BYTES``
             or 1 GiB); a larger one is a ``ShardFormatError`` before any memory is allocated.
 
@@ -163,6 +172,11 @@ class WebDataset(DataPipeline, FluidInterface):
         allow_pipe: bool | None = None,
         block_bytes: int | None = None,
         max_member_bytes: int | None = None,
+        prefetch: int | None = None,
+        part_bytes: int | None = None,
+        concurrency: int | None = None,
+        retries: int | None = None,
+        stall_timeout_s: float | None = None,
     ) -> None:
         super().__init__(seed=seed)
         handler = as_handler(handler)
@@ -194,7 +208,16 @@ class WebDataset(DataPipeline, FluidInterface):
             block_bytes=block_bytes or config.DEFAULT_BLOCK_BYTES,
             max_member_bytes=max_member_bytes,
         )
-        self.append(_ShardReader(handler, options, select_files, rename_files, self.cache))
+        self.fetch = FetchOptions.from_env(
+            prefetch=prefetch,
+            part_bytes=part_bytes,
+            concurrency=concurrency,
+            retries=retries,
+            stall_timeout_s=stall_timeout_s,
+        )
+        self.append(
+            _ShardReader(handler, options, select_files, rename_files, self.cache, self.fetch)
+        )
         if empty_check:
             self.append(_EmptyCheck(self.num_shards))
         log = logger.info if verbose else logger.debug
@@ -206,6 +229,16 @@ class WebDataset(DataPipeline, FluidInterface):
             self.seed,
             self.cache.directory if self.cache is not None else None,
         )
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        """This process's counters: ``io`` (shards, requests, retries, bytes, wait_s,
+        failures) and, with a cache, ``cache`` (hits, misses, waits, bytes from disk...)."""
+        from cloudshards import prefetch
+
+        result: dict[str, dict[str, float]] = {"io": prefetch.PROCESS_STATS.as_dict()}
+        if self.cache is not None:
+            result["cache"] = dict(self.cache.stats.as_dict())
+        return result
 
     def __enter__(self) -> WebDataset:
         return self

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, TypeVar
 
 __all__ = [
+    "ByteSource",
     "DecodeFn",
     "ExceptionHandler",
     "Member",
@@ -59,6 +60,17 @@ class ShardInfo:
 
     url: str
     index: int = 0
+
+
+class ByteSource(Protocol):
+    """An open shard: sequential reads, a byte offset, and close."""
+
+    url: str
+    offset: int
+
+    def read(self, size: int = -1) -> bytes: ...
+
+    def close(self) -> None: ...
 
 
 class Stateful(Protocol):

@@ -14,9 +14,11 @@ from urllib.parse import urlsplit
 
 from cloudshards.cache import ShardCache
 from cloudshards.errors import ConfigError
+from cloudshards.fetch import FetchOptions
 from cloudshards.grouping import group_members, make_name_filter, split_key
 from cloudshards.handlers import reraise_exception
 from cloudshards.io import OpenOptions, open_shard
+from cloudshards.prefetch import ShardPrefetcher
 from cloudshards.redact import redact_url
 from cloudshards.stages.base import pipelinefilter
 from cloudshards.tar import iter_members
@@ -45,6 +47,7 @@ def read_shards(
     options: OpenOptions | None = None,
     name_filter: NameFilter | None = None,
     cache: ShardCache | None = None,
+    fetch: FetchOptions | None = None,
 ) -> Iterator[Sample]:
     """Yield the samples of each shard in ``src`` (dicts with a ``url``), in order.
 
@@ -52,15 +55,25 @@ def read_shards(
     the rest of that shard and continue with the next, or False to stop. Samples already
     delivered from a failing shard stay delivered; the incomplete sample at the failure point
     is dropped. Configuration errors (unknown protocol, missing backend) always raise.
-    With a ``cache``, shards open through the node cache.
+    With a ``cache``, shards open through the node cache. Remote shards are prefetched and
+    read with parallel ranged GETs as ``fetch`` says (default :meth:`FetchOptions.from_env`).
     """
     options = options or OpenOptions()
-    opener = cache.open if cache is not None else open_shard
-    for shard in src:
+    fetch = fetch or FetchOptions.from_env()
+    defer = (lambda url: cache.is_available(url, options)) if cache is not None else None
+    prefetcher = ShardPrefetcher(src, options=options, fetch=fetch, defer=defer)
+    for shard, opened in prefetcher:
         url = shard["url"]
         index = shard.get("shard_index")
         try:
-            stream = opener(url, options, shard_index=index)
+            if isinstance(opened, BaseException):
+                raise opened
+            if cache is not None:
+                stream = cache.open(url, options, shard_index=index, remote=opened)
+            elif opened is not None:
+                stream = opened
+            else:
+                stream = open_shard(url, options, shard_index=index)
         except ConfigError:
             raise
         except Exception as exn:

@@ -1,0 +1,271 @@
+"""Shard prefetch and parallel ranged reads for remote stores.
+
+While the consumer parses shard i, shards i+1..i+K (in the consumer's exact order) are already
+being fetched; each remote shard is read as a window of ``concurrency`` ranged GETs of
+``part_bytes``, handed on in order as soon as the next part is complete. Memory is bounded by
+(K + 1) x concurrency x part_bytes. Closing (or garbage-collecting) the iterator cancels what
+is pending and joins the threads.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+from urllib.parse import urlsplit
+
+from cloudshards.errors import ShardOpenError
+from cloudshards.fetch import FetchOptions, IOStats, RangeIgnoredError, fetch_range, retry
+from cloudshards.io import OpenOptions, ShardStream, open_shard
+from cloudshards.redact import redact_url
+from cloudshards.urls import protocol_of, resolve
+
+__all__ = ["PROCESS_STATS", "PartStream", "ShardPrefetcher"]
+
+logger = logging.getLogger(__name__)
+
+#: I/O counters of this process (reset in forked children).
+PROCESS_STATS = IOStats()
+
+#: Hosts seen answering ranged GETs with whole objects: streamed with one GET from then on.
+_UNRANGED_HOSTS: set[str] = set()
+
+
+def _reset_after_fork() -> None:
+    global PROCESS_STATS
+    PROCESS_STATS = IOStats()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+def _host_key(url: str) -> str:
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+class PartStream:
+    """The bytes of one remote object, fetched as a window of ranged GETs in flight.
+
+    Attributes:
+        size: Object size in bytes (from the store).
+        details: The store's metadata for the object (ETag etc.).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        fs: Any,
+        path: str,
+        details: dict[str, Any],
+        *,
+        executor: cf.ThreadPoolExecutor,
+        options: FetchOptions,
+        stats: IOStats,
+        shard_index: int | None = None,
+    ) -> None:
+        self.url = url
+        self.shard_index = shard_index
+        self.details = details
+        self.size = int(details["size"])
+        self._fs = fs
+        self._path = path
+        self._executor = executor
+        self._options = options
+        self._stats = stats
+        self._window: deque[cf.Future[bytes]] = deque()
+        self._next_start = 0
+        self._current = memoryview(b"")
+        self._position = 0
+        self.offset = 0
+        self.closed = False
+        self._fill()
+
+    def _fill(self) -> None:
+        options = self._options
+        while len(self._window) < options.concurrency and self._next_start < self.size:
+            start = self._next_start
+            end = min(start + options.part_bytes, self.size)
+            self._next_start = end
+            self._window.append(
+                self._executor.submit(
+                    fetch_range,
+                    self._fs,
+                    self._path,
+                    start,
+                    end,
+                    url=self.url,
+                    size=self.size,
+                    options=options,
+                    stats=self._stats,
+                )
+            )
+
+    def read(self, size: int = -1) -> bytes:
+        """Return up to ``size`` bytes (a whole part when ``size`` is -1); ``b""`` at the end."""
+        if self._position >= len(self._current):
+            if not self._window:
+                return b""
+            self._current = memoryview(self._wait(self._window.popleft()))
+            self._position = 0
+            self._fill()
+        end = len(self._current) if size < 0 else min(len(self._current), self._position + size)
+        data = bytes(self._current[self._position : end])
+        self._position = end
+        self.offset += len(data)
+        return data
+
+    def _wait(self, future: cf.Future[bytes]) -> bytes:
+        start = time.perf_counter()
+        try:
+            return future.result(timeout=self._options.stall_timeout_s)
+        except cf.TimeoutError:
+            raise ShardOpenError(
+                f"stalled: no bytes for {self._options.stall_timeout_s:.0f} s",
+                url=self.url,
+                shard_index=self.shard_index,
+                offset=self.offset,
+            ) from None
+        except RangeIgnoredError as exc:
+            return self._fall_back(exc.body)
+        finally:
+            self._stats.add(wait_s=time.perf_counter() - start)
+
+    def _fall_back(self, body: bytes) -> bytes:
+        # The server sent the whole object for a ranged GET: never splice parts from it.
+        # Serve the rest of this shard from that body and stream later shards of this host.
+        logger.warning(
+            "%s ignores Range requests; streaming its shards with one GET each",
+            redact_url(_host_key(self.url)),
+        )
+        _UNRANGED_HOSTS.add(_host_key(self.url))
+        self._cancel()
+        self._next_start = self.size
+        return body[self.offset :]
+
+    def _cancel(self) -> None:
+        for future in self._window:
+            future.cancel()
+        self._window.clear()
+
+    def close(self) -> None:
+        """Cancel the parts not yet started; parts in flight finish and are dropped."""
+        if not self.closed:
+            self.closed = True
+            self._cancel()
+            self._current = memoryview(b"")
+
+
+Opened = ShardStream | PartStream
+
+
+class ShardPrefetcher:
+    """Yield ``(shard, stream_or_error)`` in order, keeping the next shards in flight.
+
+    Args:
+        shards: Shard dicts (``{"url": ..., "shard_index": ...}``) in consumer order.
+        options: How to open shards (storage options).
+        fetch: Prefetch depth, part size, concurrency, retries, stall timeout.
+        stats: Counters to update (default: this process's).
+        defer: Returns True for a URL that must not be fetched ahead (e.g. a cache hit).
+    """
+
+    def __init__(
+        self,
+        shards: Iterable[dict[str, Any]],
+        *,
+        options: OpenOptions,
+        fetch: FetchOptions,
+        stats: IOStats | None = None,
+        defer: Callable[[str], bool] | None = None,
+    ) -> None:
+        self._shards = iter(shards)
+        self._options = options
+        self._fetch = fetch
+        self._stats = stats if stats is not None else PROCESS_STATS
+        self._defer = defer
+
+    def __iter__(self) -> Iterator[tuple[dict[str, Any], Opened | BaseException | None]]:
+        fetch = self._fetch
+        workers = (fetch.prefetch + 1) * (fetch.concurrency + 1)
+        # Threads start on the first remote shard only: local datasets never create any.
+        executor = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cloudshards")
+        pending: deque[tuple[dict[str, Any], cf.Future[Opened | None]]] = deque()
+        try:
+            while True:
+                while len(pending) <= fetch.prefetch:
+                    shard = next(self._shards, None)
+                    if shard is None:
+                        break
+                    if self._fetch_later(shard["url"]):
+                        later: cf.Future[Opened | None] = cf.Future()
+                        later.set_result(None)
+                        pending.append((shard, later))
+                    else:
+                        pending.append((shard, executor.submit(self._open, shard, executor)))
+                if not pending:
+                    return
+                shard, future = pending.popleft()
+                start = time.perf_counter()
+                try:
+                    opened: Opened | BaseException | None = future.result()
+                except Exception as exc:
+                    opened = exc
+                self._stats.add(wait_s=time.perf_counter() - start)
+                yield shard, opened
+        finally:
+            for _, future in pending:
+                future.cancel()
+                if future.done() and not future.cancelled() and future.exception() is None:
+                    stream = future.result()
+                    if stream is not None:
+                        stream.close()
+            executor.shutdown(wait=True, cancel_futures=True)
+
+    def _fetch_later(self, url: str) -> bool:
+        """Local files, pipes and deferred URLs (cache hits) open at consumption time."""
+        if protocol_of(url) in ("file", "pipe"):
+            return True
+        return self._defer is not None and self._defer(url)
+
+    def _open(self, shard: dict[str, Any], executor: cf.ThreadPoolExecutor) -> Opened | None:
+        """Start fetching one remote shard: look up its size, start its first ranged GETs."""
+        url = shard["url"]
+        index = shard.get("shard_index")
+        self._stats.add(shards=1)
+        if _host_key(url) in _UNRANGED_HOSTS:
+            self._stats.add(requests=1)
+            return open_shard(url, self._options, shard_index=index)
+        fs, path = resolve(url, self._options.storage_options)
+
+        def info() -> dict[str, Any]:
+            self._stats.add(requests=1)
+            details: dict[str, Any] = fs.info(path)
+            return details
+
+        details = retry(
+            info, url=url, offset=0, options=self._fetch, stats=self._stats, what="HEAD"
+        )
+        if details.get("size") is None:
+            # No size (some HTTP servers): one streaming GET instead of ranged parts.
+            return open_shard(url, self._options, shard_index=index)
+        return PartStream(
+            url,
+            fs,
+            path,
+            details,
+            executor=executor,
+            options=self._fetch,
+            stats=self._stats,
+            shard_index=index,
+        )
+
+
+def current_thread_count() -> int:
+    """Threads started by prefetchers that are still alive (for tests and diagnostics)."""
+    return sum(1 for t in threading.enumerate() if t.name.startswith("cloudshards"))

@@ -74,19 +74,52 @@ def _cmd_head(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from cloudshards.compat import WebDataset
 
-    dataset = WebDataset(args.urls, shardshuffle=False)
+    dataset = WebDataset(
+        args.urls,
+        shardshuffle=False,
+        cache_dir=args.cache_dir,
+        prefetch=args.prefetch,
+        concurrency=args.concurrency,
+    )
+    progress = _progress(args.quiet)
     start = time.perf_counter()
     samples = 0
     total = 0
     for sample in dataset:
         samples += 1
-        total += sum(len(v) for k, v in sample.items() if not k.startswith("__"))
+        total += sum(len(v) for k, v in sample.items() if isinstance(v, bytes) and k[:2] != "__")
+        if samples % 1000 == 0:
+            progress(samples, time.perf_counter() - start)
     elapsed = time.perf_counter() - start
+    stats = dataset.stats()
+    io = stats["io"]
+    if not args.quiet:
+        print(file=sys.stderr)
     print(
         f"{samples} samples, {total / 1e6:.1f} MB in {elapsed:.2f} s: "
         f"{samples / elapsed:,.0f} samples/s, {total / 1e6 / elapsed:,.1f} MB/s"
     )
+    wait = min(io["wait_s"], elapsed)
+    print(
+        f"waiting for I/O {wait:.2f} s ({wait / elapsed:.0%}), computing "
+        f"{elapsed - wait:.2f} s; {int(io['requests'])} requests, {int(io['retries'])} retries, "
+        f"{io['bytes'] / 1e6:.1f} MB from the store"
+    )
+    if "cache" in stats:
+        cache = stats["cache"]
+        print(
+            f"cache: {int(cache['hits'])} hits, {int(cache['misses'])} downloads, "
+            f"{int(cache['waits'])} followed, {int(cache['uncached'])} uncached"
+        )
     return 0
+
+
+def _progress(quiet: bool) -> Any:
+    def show(samples: int, elapsed: float) -> None:
+        if not quiet:
+            print(f"\r{samples:,} samples, {samples / elapsed:,.0f}/s", end="", file=sys.stderr)
+
+    return show
 
 
 def _cmd_cache_info(args: argparse.Namespace) -> int:
@@ -127,8 +160,14 @@ def _parser() -> argparse.ArgumentParser:
     head.add_argument("-n", type=int, default=3, help="number of samples (default 3)")
     head.set_defaults(func=_cmd_head)
 
-    bench = commands.add_parser("bench", help="read a dataset and report samples/s and MB/s")
+    bench = commands.add_parser(
+        "bench", help="read a dataset; report samples/s, MB/s, time waiting for I/O, retries"
+    )
     bench.add_argument("urls", help="shard spec")
+    bench.add_argument("--cache-dir", default=None, help="read through this node cache")
+    bench.add_argument("--prefetch", type=int, default=None, help="shards fetched ahead")
+    bench.add_argument("--concurrency", type=int, default=None, help="ranged GETs per shard")
+    bench.add_argument("-q", "--quiet", action="store_true", help="no progress line")
     bench.set_defaults(func=_cmd_bench)
 
     cache = commands.add_parser("cache", help="inspect or clear a per-node shard cache")

@@ -12,6 +12,7 @@ import logging
 import random
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -104,17 +105,25 @@ class IOStats:
     bytes: int = 0
     wait_s: float = 0.0
     failures: int = 0
+    parent: IOStats | None = field(default=None, repr=False)
+    per_shard: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=1000))
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, **counts: float) -> None:
-        """Add to counters atomically."""
+        """Add to counters atomically (and to the parent's, for per-shard counters)."""
         with self._lock:
             for key, value in counts.items():
                 setattr(self, key, getattr(self, key) + value)
+        if self.parent is not None:
+            self.parent.add(**counts)
 
     def as_dict(self) -> dict[str, float]:
-        """The counters as a plain dict."""
-        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+        """The counters as a plain dict (without the per-shard records)."""
+        return {
+            k: v
+            for k, v in self.__dict__.items()
+            if not k.startswith("_") and k not in ("parent", "per_shard")
+        }
 
 
 class RangeIgnoredError(CloudShardsError):

@@ -77,7 +77,10 @@ class PartStream:
         self._path = path
         self._executor = executor
         self._options = options
-        self._stats = stats
+        # Per-shard counters; every increment also lands in the process totals.
+        self._stats = IOStats(parent=stats)
+        self._process_stats = stats
+        self._started = time.perf_counter()
         self._window: deque[cf.Future[bytes]] = deque()
         self._next_start = 0
         self._current = memoryview(b"")
@@ -159,6 +162,16 @@ class PartStream:
             self.closed = True
             self._cancel()
             self._current = memoryview(b"")
+            record: dict[str, Any] = dict(self._stats.as_dict())
+            del record["shards"]
+            record.update(
+                url=redact_url(self.url),
+                size=self.size,
+                delivered=self.offset,
+                seconds=time.perf_counter() - self._started,
+            )
+            self._process_stats.per_shard.append(record)
+            logger.debug("shard done: %s", record)
 
 
 Opened = ShardStream | PartStream

@@ -38,6 +38,7 @@ from cloudshards._cachestreams import (
     is_locked,
 )
 from cloudshards.errors import CacheError, ConfigError
+from cloudshards.fetch import open_remote
 from cloudshards.io import OpenOptions, ShardStream, open_shard
 from cloudshards.redact import redact_url
 from cloudshards.urls import options_for, protocol_of, resolve
@@ -221,7 +222,7 @@ class ShardCache:
         if lock.try_acquire():
             return self._download(url, name, options, shard_index, lock, skip=offset)
         # Someone else took over first: stream this one directly from the store.
-        stream = open_shard(url, options, shard_index=shard_index)
+        stream = open_remote(url, options, shard_index=shard_index)
         _skip(stream, offset)
         return stream
 
@@ -266,7 +267,7 @@ class ShardCache:
     ) -> Any:
         try:
             if remote is None:
-                remote = open_shard(url, options, shard_index=shard_index)
+                remote = open_remote(url, options, shard_index=shard_index)
             size, md5 = _remote_facts(remote, url, options)
         except BaseException:
             lock.release()

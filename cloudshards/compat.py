@@ -233,9 +233,9 @@ class WebDataset(DataPipeline, FluidInterface):
     def stats(self) -> dict[str, dict[str, float]]:
         """This process's counters: ``io`` (shards, requests, retries, bytes, wait_s,
         failures) and, with a cache, ``cache`` (hits, misses, waits, bytes from disk...)."""
-        from cloudshards import prefetch
+        from cloudshards.fetch import process_stats
 
-        result: dict[str, dict[str, float]] = {"io": prefetch.PROCESS_STATS.as_dict()}
+        result: dict[str, dict[str, float]] = {"io": process_stats().as_dict()}
         if self.cache is not None:
             result["cache"] = dict(self.cache.stats.as_dict())
         return result

@@ -8,7 +8,9 @@ retried with exponential backoff and jitter, a bounded number of times.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import random
 import threading
 import time
@@ -19,10 +21,20 @@ from typing import Any, TypeVar
 
 from cloudshards import config
 from cloudshards.errors import CloudShardsError, ConfigError, ShardOpenError
-from cloudshards.io import map_backend_error
+from cloudshards.io import OpenOptions, ShardStream, map_backend_error, open_shard
 from cloudshards.redact import redact_url
 
-__all__ = ["FetchOptions", "IOStats", "RangeIgnoredError", "fetch_range", "is_retryable", "retry"]
+__all__ = [
+    "FetchOptions",
+    "IOStats",
+    "RangeIgnoredError",
+    "ResumableStream",
+    "fetch_range",
+    "is_retryable",
+    "open_remote",
+    "process_stats",
+    "retry",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +136,39 @@ class IOStats:
             for k, v in self.__dict__.items()
             if not k.startswith("_") and k not in ("parent", "per_shard")
         }
+
+
+_process_stats = IOStats()
+
+
+def process_stats() -> IOStats:
+    """This process's I/O counters (each DataLoader worker has its own)."""
+    return _process_stats
+
+
+def _reset_after_fork() -> None:
+    global _process_stats
+    _process_stats = IOStats()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+def open_remote(
+    url: str,
+    options: OpenOptions,
+    *,
+    fetch: FetchOptions | None = None,
+    shard_index: int | None = None,
+) -> ResumableStream:
+    """Open a remote shard as one streaming GET that resumes after transient failures."""
+    return ResumableStream(
+        url,
+        lambda: open_shard(url, options, shard_index=shard_index),
+        options=fetch or FetchOptions.from_env(),
+        stats=process_stats(),
+        shard_index=shard_index,
+    )
 
 
 class RangeIgnoredError(CloudShardsError):
@@ -241,3 +286,77 @@ def fetch_range(
         raise ConnectionError(f"ranged GET returned {len(data)} bytes, expected {expected}")
 
     return retry(call, url=url, offset=start, options=options, stats=stats)
+
+
+class ResumableStream:
+    """One streaming GET that survives resets: a failed read reopens the object and continues
+    at the current offset (seeking where the backend can, else re-reading and dropping the
+    prefix, which also works with servers that ignore Range), with bounded retries.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        open_raw: Callable[[], ShardStream],
+        *,
+        options: FetchOptions,
+        stats: IOStats,
+        shard_index: int | None = None,
+    ) -> None:
+        self.url = url
+        self.shard_index = shard_index
+        self._open_raw = open_raw
+        self._options = options
+        self._stats = stats
+        stats.add(requests=1)
+        self._stream = open_raw()
+        self.offset = 0
+        self.closed = False
+        raw = getattr(self._stream, "_raw", None)
+        self.size = getattr(raw, "size", None)
+        self.details = getattr(raw, "details", None)
+
+    def read(self, size: int = -1) -> bytes:
+        """Read up to ``size`` bytes, resuming after transient failures."""
+
+        def attempt() -> bytes:
+            try:
+                return self._stream.read(size)
+            except Exception as exc:
+                cause = exc.__cause__ if isinstance(exc, ShardOpenError) and exc.__cause__ else exc
+                if not is_retryable(cause):
+                    raise cause from None
+                self._reopen()
+                raise
+
+        data = retry(
+            attempt, url=self.url, offset=self.offset, options=self._options, stats=self._stats
+        )
+        self.offset += len(data)
+        self._stats.add(bytes=len(data))
+        return data
+
+    def _reopen(self) -> None:
+        # Called after a failure; the next attempt reads from a fresh stream at our offset.
+        with contextlib.suppress(Exception):
+            self._stream.close()
+        self._stats.add(requests=1)
+        stream = self._open_raw()
+        raw = getattr(stream, "_raw", None)
+        seek = getattr(raw, "seek", None)
+        if callable(seek) and getattr(raw, "seekable", lambda: False)():
+            seek(self.offset)
+        else:
+            remaining = self.offset
+            while remaining > 0:
+                chunk = stream.read(min(remaining, 1 << 22))
+                if not chunk:
+                    raise ConnectionError("object shorter than before while resuming")
+                remaining -= len(chunk)
+        self._stream = stream
+
+    def close(self) -> None:
+        """Close the underlying stream."""
+        if not self.closed:
+            self.closed = True
+            self._stream.close()

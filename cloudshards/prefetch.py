@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -19,29 +18,26 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
+from cloudshards import fetch as fetch_module
 from cloudshards.errors import ShardOpenError
-from cloudshards.fetch import FetchOptions, IOStats, RangeIgnoredError, fetch_range, retry
+from cloudshards.fetch import (
+    FetchOptions,
+    IOStats,
+    RangeIgnoredError,
+    ResumableStream,
+    fetch_range,
+    retry,
+)
 from cloudshards.io import OpenOptions, ShardStream, open_shard
 from cloudshards.redact import redact_url
 from cloudshards.urls import protocol_of, resolve
 
-__all__ = ["PROCESS_STATS", "PartStream", "ShardPrefetcher"]
+__all__ = ["PartStream", "ShardPrefetcher"]
 
 logger = logging.getLogger(__name__)
 
-#: I/O counters of this process (reset in forked children).
-PROCESS_STATS = IOStats()
-
 #: Hosts seen answering ranged GETs with whole objects: streamed with one GET from then on.
 _UNRANGED_HOSTS: set[str] = set()
-
-
-def _reset_after_fork() -> None:
-    global PROCESS_STATS
-    PROCESS_STATS = IOStats()
-
-
-os.register_at_fork(after_in_child=_reset_after_fork)
 
 
 def _host_key(url: str) -> str:
@@ -174,7 +170,7 @@ class PartStream:
             logger.debug("shard done: %s", record)
 
 
-Opened = ShardStream | PartStream
+Opened = ShardStream | PartStream | ResumableStream
 
 
 class ShardPrefetcher:
@@ -200,7 +196,7 @@ class ShardPrefetcher:
         self._shards = iter(shards)
         self._options = options
         self._fetch = fetch
-        self._stats = stats if stats is not None else PROCESS_STATS
+        self._stats = stats if stats is not None else fetch_module.process_stats()
         self._defer = defer
 
     def __iter__(self) -> Iterator[tuple[dict[str, Any], Opened | BaseException | None]]:
@@ -252,8 +248,7 @@ class ShardPrefetcher:
         index = shard.get("shard_index")
         self._stats.add(shards=1)
         if _host_key(url) in _UNRANGED_HOSTS:
-            self._stats.add(requests=1)
-            return open_shard(url, self._options, shard_index=index)
+            return self._stream(url, index)
         fs, path = resolve(url, self._options.storage_options)
 
         def info() -> dict[str, Any]:
@@ -266,13 +261,22 @@ class ShardPrefetcher:
         )
         if details.get("size") is None:
             # No size (some HTTP servers): one streaming GET instead of ranged parts.
-            return open_shard(url, self._options, shard_index=index)
+            return self._stream(url, index)
         return PartStream(
             url,
             fs,
             path,
             details,
             executor=executor,
+            options=self._fetch,
+            stats=self._stats,
+            shard_index=index,
+        )
+
+    def _stream(self, url: str, index: int | None) -> ResumableStream:
+        return ResumableStream(
+            url,
+            lambda: open_shard(url, self._options, shard_index=index),
             options=self._fetch,
             stats=self._stats,
             shard_index=index,

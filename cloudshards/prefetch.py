@@ -138,11 +138,13 @@ class PartStream:
     def _fall_back(self, body: bytes) -> bytes:
         # The server sent the whole object for a ranged GET: never splice parts from it.
         # Serve the rest of this shard from that body and stream later shards of this host.
-        logger.warning(
-            "%s ignores Range requests; streaming its shards with one GET each",
-            redact_url(_host_key(self.url)),
-        )
-        _UNRANGED_HOSTS.add(_host_key(self.url))
+        host = _host_key(self.url)
+        if host not in _UNRANGED_HOSTS:
+            _UNRANGED_HOSTS.add(host)
+            logger.warning(
+                "%s ignores Range requests; streaming its shards with one GET each",
+                redact_url(host),
+            )
         self._cancel()
         self._next_start = self.size
         return body[self.offset :]

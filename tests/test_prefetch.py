@@ -1,0 +1,232 @@
+"""Prefetch and ranged reads: correctness, retries, stalls, servers ignoring Range, memory bound,
+thread cleanup. The store is fsspec's memory filesystem with fault knobs (a fake at the fsspec
+seam: every byte still goes through fsspec's cat_file/info calls)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+import fsspec
+import pytest
+from fsspec.implementations.memory import MemoryFileSystem
+
+import cloudshards as wds
+from cloudshards import prefetch
+from cloudshards.errors import ShardOpenError
+from cloudshards.fetch import FetchOptions, IOStats
+from cloudshards.io import OpenOptions
+from cloudshards.prefetch import ShardPrefetcher
+
+
+class FaultyMemoryFileSystem(MemoryFileSystem):
+    """``faultmem://``: memory objects with injectable failures, delays and ignored ranges."""
+
+    protocol = "faultmem"
+    store: ClassVar[dict[str, Any]] = {}  # separate from memory://'s objects
+    pseudo_dirs: ClassVar[list[str]] = [""]
+    fail_every = 0  # every Nth cat_file raises ConnectionResetError
+    fail_all = False
+    delay_s = 0.0
+    ignore_range = False
+    calls = 0
+    in_flight = 0
+    peak_in_flight = 0
+    lock = threading.Lock()
+
+    @classmethod
+    def _strip_protocol(cls, path: str) -> str:
+        if path.startswith("faultmem://"):
+            path = path[len("faultmem://") :]
+        return "/" + path.lstrip("/")
+
+    def cat_file(
+        self, path: str, start: int | None = None, end: int | None = None, **kw: Any
+    ) -> bytes:
+        cls = type(self)
+        with cls.lock:
+            cls.calls += 1
+            call = cls.calls
+            cls.in_flight += 1
+            cls.peak_in_flight = max(cls.peak_in_flight, cls.in_flight)
+        try:
+            if cls.delay_s:
+                time.sleep(cls.delay_s)
+            if cls.fail_all or (cls.fail_every and call % cls.fail_every == 0):
+                raise ConnectionResetError("connection reset by peer (injected)")
+            if cls.ignore_range:
+                start = end = None
+            data: bytes = super().cat_file(path, start=start, end=end, **kw)
+            return data
+        finally:
+            with cls.lock:
+                cls.in_flight -= 1
+
+
+@pytest.fixture
+def faultmem() -> Iterator[type[FaultyMemoryFileSystem]]:
+    fsspec.register_implementation("faultmem", FaultyMemoryFileSystem, clobber=True)
+    cls = FaultyMemoryFileSystem
+    cls.store.clear()
+    cls.fail_every, cls.fail_all, cls.delay_s, cls.ignore_range = 0, False, 0.0, False
+    cls.calls = cls.in_flight = cls.peak_in_flight = 0
+    prefetch._UNRANGED_HOSTS.clear()
+    yield cls
+    cls.store.clear()
+    prefetch._UNRANGED_HOSTS.clear()
+
+
+def upload(make_shards: Any, sizes: list[int], payload_bytes: int = 20_000) -> Any:
+    shards = make_shards(sizes, payload_bytes=payload_bytes)
+    fs = fsspec.filesystem("faultmem", skip_instance_cache=True)
+    for path in shards.paths:
+        fs.pipe(f"/bucket/{path.name}", path.read_bytes())
+    return shards
+
+
+def spec(shards: Any) -> str:
+    return f"faultmem://bucket/shard-{{000000..{len(shards.paths) - 1:06d}}}.tar"
+
+
+SMALL = {"part_bytes": 1 << 16, "concurrency": 3, "prefetch": 2}
+
+
+def read_all(shards: Any, **kw: Any) -> list[tuple[str, bytes]]:
+    ds = wds.WebDataset(spec(shards), shardshuffle=False, **{**SMALL, **kw})
+    return [(s["__key__"], s["bin"]) for s in ds]
+
+
+def expected(shards: Any) -> list[tuple[str, bytes]]:
+    return [(key, fields["bin"]) for key, fields in shards.samples]
+
+
+def test_ranged_parts_reassemble_exactly(make_shards: Any, faultmem: Any) -> None:
+    shards = upload(make_shards, [7, 3, 12])
+    assert read_all(shards) == expected(shards)
+    # Several ranged GETs per shard (parts of 64 KiB) plus one info per shard.
+    assert faultmem.calls > 3 * 2
+
+
+def test_transient_failures_are_retried_and_counted(make_shards: Any, faultmem: Any) -> None:
+    shards = upload(make_shards, [6, 6])
+    faultmem.fail_every = 2
+    before = wds.WebDataset(spec(shards), shardshuffle=False).stats()["io"]["retries"]
+    got = read_all(shards, retries=5)
+    assert got == expected(shards)
+    after = wds.WebDataset(spec(shards), shardshuffle=False).stats()["io"]["retries"]
+    assert after - before >= faultmem.calls // 2 - 1
+
+
+def test_persistent_failure_gives_up_within_bound(make_shards: Any, faultmem: Any) -> None:
+    shards = upload(make_shards, [3])
+    faultmem.fail_all = True
+    start = time.perf_counter()
+    with pytest.raises(ShardOpenError, match="gave up after 3 attempts") as info:
+        read_all(shards, retries=2)
+    assert time.perf_counter() - start < 30
+    assert "faultmem://bucket/shard-000000.tar" in str(info.value)
+    assert info.value.offset is not None
+
+
+def test_failure_goes_to_the_handler(make_shards: Any, faultmem: Any) -> None:
+    shards = upload(make_shards, [3])
+    faultmem.fail_all = True
+    ds = wds.WebDataset(
+        spec(shards), shardshuffle=False, handler="skip", retries=0, empty_check=False, **SMALL
+    )
+    assert list(ds) == []
+
+
+def test_stall_is_an_error_not_a_hang(make_shards: Any, faultmem: Any) -> None:
+    shards = upload(make_shards, [2])
+    faultmem.delay_s = 3.0
+    start = time.perf_counter()
+    with pytest.raises(ShardOpenError, match="stalled"):
+        read_all(shards, stall_timeout_s=0.5, prefetch=0)
+    assert time.perf_counter() - start < 20
+
+
+def test_server_ignoring_range_is_detected(
+    make_shards: Any, faultmem: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    shards = upload(make_shards, [8, 8, 8])
+    faultmem.ignore_range = True
+    assert read_all(shards) == expected(shards)
+    assert "faultmem://bucket" in prefetch._UNRANGED_HOSTS
+    assert [r.getMessage() for r in caplog.records if "ignores Range" in r.getMessage()] == [
+        "faultmem://bucket ignores Range requests; streaming its shards with one GET each"
+    ]
+
+
+def test_memory_bound_and_threads_gone_after_close(make_shards: Any, faultmem: Any) -> None:
+    shards = upload(make_shards, [20] * 6)
+    options = FetchOptions(prefetch=1, part_bytes=1 << 16, concurrency=2)
+    faultmem.delay_s = 0.01
+    stats = IOStats()
+    prefetcher = ShardPrefetcher(
+        (
+            {"url": f"faultmem://bucket/{p.name}", "shard_index": i}
+            for i, p in enumerate(shards.paths)
+        ),
+        options=OpenOptions(),
+        fetch=options,
+        stats=stats,
+    )
+    it = iter(prefetcher)
+    consumed = 0
+    for _ in range(3):
+        _, stream = next(it)
+        assert stream is not None
+        assert not isinstance(stream, BaseException)
+        while True:
+            data = stream.read(1 << 14)
+            if not data:
+                break
+            consumed += len(data)
+            # Everything received but not consumed is what prefetch holds in memory.
+            held = stats.bytes - consumed
+            assert held <= options.max_buffered_bytes
+        stream.close()
+    # Parts in flight never exceed (prefetch + 1) x concurrency requests.
+    assert faultmem.peak_in_flight <= (options.prefetch + 1) * options.concurrency + 1
+    it.close()  # type: ignore[attr-defined]
+    assert prefetch.current_thread_count() == 0
+
+
+def test_abandoned_iterator_cleans_up(make_shards: Any, faultmem: Any) -> None:
+    shards = upload(make_shards, [10] * 5)
+    ds = wds.WebDataset(spec(shards), shardshuffle=False, **SMALL)
+    it = iter(ds)
+    next(it)
+    del it
+    import gc
+
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while prefetch.current_thread_count() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert prefetch.current_thread_count() == 0
+
+
+def test_local_datasets_start_no_threads(make_shards: Any) -> None:
+    shards = make_shards([3, 3])
+    before = threading.active_count()
+    ds = wds.WebDataset(shards.spec(), shardshuffle=False)
+    it = iter(ds)
+    next(it)
+    assert threading.active_count() == before
+    assert len(list(it)) == 5
+
+
+def test_fetch_options_validate() -> None:
+    from cloudshards.errors import ConfigError
+
+    with pytest.raises(ConfigError):
+        FetchOptions(concurrency=0)
+    with pytest.raises(ConfigError):
+        FetchOptions(part_bytes=10)
+    assert (
+        FetchOptions(prefetch=2, concurrency=4, part_bytes=1 << 20).max_buffered_bytes == 12 << 20
+    )

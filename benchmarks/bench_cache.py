@@ -417,6 +417,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.measures & {2, 3}:
             print("\nmeasures 2 and 3: one process, plain iteration, cloudshards on both sides")
             series = {kind: Timed() for kind in STEPS}
+            # Untimed warm-up: threads, fsspec's session and nginx's workers start once here,
+            # not in whichever run happens to go first.
+            for kind in ("plain", "disk"):
+                problem = timed_read(source_for, kind, None, remote, local)[0].problem(shape)
+                if problem:
+                    problems.append(f"warm-up {kind}: read {problem}")
             for r in range(args.repeats):
                 cache_dir = Path(tempfile.mkdtemp(prefix="cache-", dir=work))
                 ds = cloudshards.WebDataset(remote, shardshuffle=False, cache_dir=str(cache_dir))
@@ -429,6 +435,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 for kind in kinds:
                     label, timed = STEPS[kind], series[kind]
+                    os.sync()  # earlier runs' cache writes must not be flushed during this one
                     result, secs = timed_read(source_for, kind, ds, remote, local)
                     timed.add(label, result, secs, shape)
                 entries = cloudshards.cache_info(cache_dir)["entries"]

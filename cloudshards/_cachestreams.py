@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cloudshards.errors import CacheError, ShardOpenError
+from cloudshards.redact import redact_url
 from cloudshards.types import ByteSource
 
 logger = logging.getLogger(__name__)
@@ -109,6 +110,7 @@ class TeeStream:
         *,
         commit: Callable[[int], None],
         abandon: Callable[[], None],
+        on_close: Callable[[], None],
         stats: CacheStats,
         expected_size: int | None,
         expected_md5: str | None,
@@ -119,6 +121,7 @@ class TeeStream:
         self.partial = partial
         self._commit = commit
         self._abandon = abandon
+        self._on_close = on_close
         self.stats = stats
         self.expected_size = expected_size
         self._md5 = hashlib.md5(usedforsecurity=False) if expected_md5 else None
@@ -167,8 +170,8 @@ class TeeStream:
         if reason not in self.stats._warned:
             self.stats._warned.add(reason)
             logger.warning("%s", reason)
-        self.stats.uncached += 1
         self.stats.misses -= 1
+        self.stats.uncached += 1
         self._drop_partial()
 
     def _drop_partial(self) -> None:
@@ -210,9 +213,14 @@ class TeeStream:
         try:
             if self._fd is not None:
                 self._drain()
+            if self._fd is not None:
+                # The consumer stopped early with much left: not cached after all.
+                self.stats.misses -= 1
+                self.stats.uncached += 1
             self._drop_partial()
         finally:
             self.remote.close()
+            self._on_close()
 
     def _drain(self) -> None:
         remaining = self.expected_size - self._written if self.expected_size is not None else None
@@ -256,6 +264,7 @@ class FollowStream:
         lock_path: str,
         stats: CacheStats,
         take_over: Callable[[int], ByteSource],
+        on_close: Callable[[], None],
     ) -> None:
         self.fd = fd
         self.url = url
@@ -263,6 +272,7 @@ class FollowStream:
         self.lock_path = lock_path
         self.stats = stats
         self._take_over = take_over
+        self._on_close = on_close
         self._replacement: ByteSource | None = None
         self._inode = os.fstat(fd).st_ino
         self.offset = 0
@@ -289,7 +299,9 @@ class FollowStream:
                     self.offset += len(data)
                     self.stats.bytes_disk += len(data)
                     return data
-                logger.info("cache: download of %s was abandoned; taking over", self.url)
+                logger.info(
+                    "cache: download of %s was abandoned; taking over", redact_url(self.url)
+                )
                 os.close(self.fd)
                 self.fd = -1
                 self._replacement = self._take_over(self.offset)
@@ -311,5 +323,8 @@ class FollowStream:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-        if self._replacement is not None:
-            self._replacement.close()
+        try:
+            if self._replacement is not None:
+                self._replacement.close()
+        finally:
+            self._on_close()

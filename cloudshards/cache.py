@@ -26,6 +26,7 @@ import os
 import re
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -41,6 +42,7 @@ from cloudshards.errors import CacheError, ConfigError
 from cloudshards.fetch import open_remote
 from cloudshards.io import OpenOptions, ShardStream, open_shard
 from cloudshards.redact import redact_url
+from cloudshards.types import ByteSource
 from cloudshards.urls import options_for, protocol_of, resolve
 
 __all__ = ["CacheStats", "ShardCache", "cache_info", "clear_cache", "entry_name"]
@@ -143,7 +145,8 @@ class ShardCache:
         options: OpenOptions | None = None,
         *,
         shard_index: int | None = None,
-        remote: Any = None,
+        wait_s: float = 120.0,
+        open_store: Callable[[], ByteSource] | None = None,
     ) -> Any:
         """Open a shard through the cache: a hit reads the local file, a miss downloads once
         per node while streaming, a download in flight elsewhere is followed.
@@ -154,55 +157,41 @@ class ShardCache:
             url: The shard URL.
             options: Storage options.
             shard_index: Position in the epoch (for errors).
-            remote: An already opened (prefetched) store stream to use on a miss; closed
-                unused on a hit.
+            wait_s: How long to wait for another process's download to start writing.
+            open_store: Opens the shard in the store on a miss (e.g. as parallel ranged
+                GETs); default: one streaming GET that resumes after failures.
+
+        Raises:
+            CacheError: Another process holds the download but wrote nothing for ``wait_s``.
         """
         options = options or OpenOptions()
         if protocol_of(url) in ("file", "pipe"):
-            return (
-                remote if remote is not None else open_shard(url, options, shard_index=shard_index)
-            )
-        stream = self._open_cached(url, options, shard_index, remote)
-        if (
-            remote is not None
-            and stream is not remote
-            and getattr(stream, "remote", None) is not remote
-        ):
-            remote.close()  # prefetched for nothing: a hit, or another process downloads it
-        return stream
-
-    def is_available(self, url: str, options: OpenOptions | None = None) -> bool:
-        """True when the entry is complete or another process is downloading it (so there is
-        no point fetching it from the store ahead of time)."""
-        if protocol_of(url) in ("file", "pipe"):
-            return False
-        options = options or OpenOptions()
+            return open_shard(url, options, shard_index=shard_index)
         self._ensure_ready()
         name = entry_name(url, _endpoint(url, options))
-        if os.path.exists(self._path("data", name)):
-            return True
-        return is_locked(self._path("locks", name + ".lock"))
-
-    def _open_cached(
-        self, url: str, options: OpenOptions, shard_index: int | None, remote: Any
-    ) -> Any:
-        self._ensure_ready()
-        name = entry_name(url, _endpoint(url, options))
-        for _ in range(100):
+        deadline = time.monotonic() + wait_s
+        delay = 0.002
+        while True:
             hit = self._open_hit(name, url, shard_index)
             if hit is not None:
                 return hit
-            lock = DownloadLock(self._path("locks", name + ".lock"))
-            if lock.try_acquire():
-                hit = self._open_hit(name, url, shard_index)
-                if hit is not None:
-                    lock.release()
-                    return hit
-                return self._download(url, name, options, shard_index, lock, skip=0, remote=remote)
+            lock = self._claim(name)
+            if lock is not None:
+                return self._download(
+                    url, name, options, shard_index, lock, skip=0, open_store=open_store
+                )
             try:
                 fd = os.open(self._path("data", name + ".partial"), os.O_RDONLY)
             except FileNotFoundError:
-                time.sleep(0.005)  # committed or abandoned between our checks: look again
+                # The downloader has the lock but has not created its file yet (first byte
+                # latency, retries, waiting for the budget lock), or just finished: look again.
+                if time.monotonic() > deadline:
+                    raise CacheError(
+                        f"another process holds the download of {redact_url(url)} but wrote "
+                        f"nothing for {wait_s:.0f} s"
+                    ) from None
+                time.sleep(delay)
+                delay = min(delay * 2, 0.05)
                 continue
             self.stats.waits += 1
             return FollowStream(
@@ -212,16 +201,27 @@ class ShardCache:
                 lock_path=self._path("locks", name + ".lock"),
                 stats=self.stats,
                 take_over=lambda offset: self._take_over(url, name, options, shard_index, offset),
+                on_close=self._save_stats,
             )
-        raise CacheError(f"cache entry for {redact_url(url)} keeps changing; giving up")
+
+    def _claim(self, name: str) -> DownloadLock | None:
+        """Take the download lock of an entry that is not complete; None if it is complete
+        or another process holds the lock."""
+        lock = DownloadLock(self._path("locks", name + ".lock"))
+        if not lock.try_acquire():
+            return None
+        if os.path.exists(self._path("data", name)):
+            lock.release()
+            return None
+        return lock
 
     def _take_over(
         self, url: str, name: str, options: OpenOptions, shard_index: int | None, offset: int
     ) -> Any:
-        lock = DownloadLock(self._path("locks", name + ".lock"))
-        if lock.try_acquire():
+        lock = self._claim(name)
+        if lock is not None:
             return self._download(url, name, options, shard_index, lock, skip=offset)
-        # Someone else took over first: stream this one directly from the store.
+        # Someone else took over first (or finished): stream this one directly from the store.
         stream = open_remote(url, options, shard_index=shard_index)
         _skip(stream, offset)
         return stream
@@ -263,10 +263,12 @@ class ShardCache:
         lock: DownloadLock,
         *,
         skip: int,
-        remote: Any = None,
+        open_store: Callable[[], ByteSource] | None = None,
     ) -> Any:
         try:
-            if remote is None:
+            if open_store is not None:
+                remote = open_store()
+            else:
                 remote = open_remote(url, options, shard_index=shard_index)
             size, md5 = _remote_facts(remote, url, options)
         except BaseException:
@@ -274,9 +276,13 @@ class ShardCache:
             raise
         partial = self._path("data", name + ".partial")
         stats = self.stats
-        if not self._reserve(name, size, lock):
+        reserved = self._reserve(name, size, lock)
+        if reserved != "ok":
             lock.release()
+            if reserved == "full":
+                self._warn_once("cache: budget full of entries in use; streaming without caching")
             stats.uncached += 1
+            self._save_stats()
             _skip(remote, skip)
             return remote
 
@@ -290,7 +296,6 @@ class ShardCache:
                     os.unlink(partial)
             finally:
                 lock.release()
-            self._save_stats()
 
         def abandon() -> None:
             with contextlib.suppress(OSError):
@@ -304,6 +309,7 @@ class ShardCache:
                 partial,
                 commit=commit,
                 abandon=abandon,
+                on_close=self._save_stats,
                 stats=stats,
                 expected_size=size,
                 expected_md5=md5,
@@ -316,26 +322,31 @@ class ShardCache:
                 raise CacheError(f"cannot create cache file {partial}: {exc}") from exc
             self._warn_once(f"cache disk full ({exc.strerror}); streaming without caching")
             stats.uncached += 1
+            self._save_stats()
             _skip(remote, skip)
             return remote
 
     # --- budget -----------------------------------------------------------------------------
 
-    def _reserve(self, name: str, size: int | None, lock: DownloadLock) -> bool:
-        """Make room for ``size`` bytes under the budget; record the reservation."""
+    def _reserve(self, name: str, size: int | None, lock: DownloadLock) -> str:
+        """Make room for ``size`` bytes under the budget; record the reservation.
+
+        Returns ``"ok"``, ``"too_big"`` (unknown size or larger than the budget) or ``"full"``
+        (everything that could make room is in use).
+        """
         os.ftruncate(lock.fd, 0)
         os.pwrite(lock.fd, str(size or 0).encode(), 0)
         if self.max_bytes is None:
-            return True
+            return "ok"
         if size is None:
             self._warn_once("cache: a shard's size is unknown; streaming it without caching")
-            return False
+            return "too_big"
         if size > self.max_bytes:
             self._warn_once(
                 f"cache: a {size}-byte shard exceeds the {self.max_bytes}-byte budget; "
                 "streaming it without caching"
             )
-            return False
+            return "too_big"
         with self._global_lock():
             entries, in_flight = self._scan(exclude=name)
             used = sum(s for _, s, _ in entries) + in_flight
@@ -345,12 +356,11 @@ class ShardCache:
                 if self._evict(entry):
                     used -= entry_size
             if used + size > self.max_bytes:
-                self._warn_once("cache: budget full of entries in use; streaming without caching")
-                return False
+                return "full"
             # Visible to other reservers from now on, before we release the global lock.
             with open(self._path("data", name + ".partial"), "wb"):
                 pass
-        return True
+        return "ok"
 
     def _scan(self, exclude: str = "") -> tuple[list[tuple[str, int, float]], int]:
         """Complete entries as (name, size, mtime), and bytes reserved by live downloads.
@@ -503,7 +513,8 @@ def _remote_facts(stream: Any, url: str, options: OpenOptions) -> tuple[int | No
     raw = getattr(stream, "_raw", stream)
     details = getattr(stream, "details", None) or getattr(raw, "details", None)
     size = getattr(stream, "size", None) or getattr(raw, "size", None)
-    if not isinstance(details, dict):
+    if not isinstance(details, dict) or details.get("size") is None:
+        # Streaming HTTP files carry {"size": None}: ask the store, or nothing is verified.
         try:
             fs, path = resolve(url, options.storage_options)
             details = fs.info(path)

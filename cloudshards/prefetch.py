@@ -14,11 +14,12 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
 from cloudshards import fetch as fetch_module
+from cloudshards.cache import ShardCache
 from cloudshards.errors import ShardOpenError
 from cloudshards.fetch import (
     FetchOptions,
@@ -83,6 +84,9 @@ class PartStream:
         self._position = 0
         self.offset = 0
         self.closed = False
+
+    def start(self) -> None:
+        """Put the first ``concurrency`` ranged GETs in flight (reading starts them anyway)."""
         self._fill()
 
     def _fill(self) -> None:
@@ -108,6 +112,8 @@ class PartStream:
     def read(self, size: int = -1) -> bytes:
         """Return up to ``size`` bytes (a whole part when ``size`` is -1); ``b""`` at the end."""
         if self._position >= len(self._current):
+            if not self._window:
+                self._fill()
             if not self._window:
                 return b""
             self._current = memoryview(self._wait(self._window.popleft()))
@@ -183,7 +189,11 @@ class ShardPrefetcher:
         options: How to open shards (storage options).
         fetch: Prefetch depth, part size, concurrency, retries, stall timeout.
         stats: Counters to update (default: this process's).
-        defer: Returns True for a URL that must not be fetched ahead (e.g. a cache hit).
+        cache: With a node cache, shards are yielded as None and the consumer opens them
+            through the cache: a hit, a download it claims itself (streamed through while it
+            is written, as parallel ranged GETs), or following another process's download.
+            Fetching ahead into the cache is not done yet: a claim held for a consumer that is
+            still busy elsewhere could make processes wait on each other.
     """
 
     def __init__(
@@ -193,17 +203,18 @@ class ShardPrefetcher:
         options: OpenOptions,
         fetch: FetchOptions,
         stats: IOStats | None = None,
-        defer: Callable[[str], bool] | None = None,
+        cache: ShardCache | None = None,
     ) -> None:
         self._shards = iter(shards)
         self._options = options
         self._fetch = fetch
         self._stats = stats if stats is not None else fetch_module.process_stats()
-        self._defer = defer
+        self._cache = cache
+        self._pool: cf.ThreadPoolExecutor | None = None
 
     def __iter__(self) -> Iterator[tuple[dict[str, Any], Opened | BaseException | None]]:
         fetch = self._fetch
-        workers = (fetch.prefetch + 1) * (fetch.concurrency + 1)
+        workers = (fetch.prefetch + 2) * (fetch.concurrency + 1)
         # Threads start on the first remote shard only: local datasets never create any.
         executor = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cloudshards")
         pending: deque[tuple[dict[str, Any], cf.Future[Opened | None]]] = deque()
@@ -237,15 +248,32 @@ class ShardPrefetcher:
                     if stream is not None:
                         stream.close()
             executor.shutdown(wait=True, cancel_futures=True)
+            if self._pool is not None:
+                self._pool.shutdown(wait=True, cancel_futures=True)
+                self._pool = None
 
     def _fetch_later(self, url: str) -> bool:
-        """Local files, pipes and deferred URLs (cache hits) open at consumption time."""
-        if protocol_of(url) in ("file", "pipe"):
-            return True
-        return self._defer is not None and self._defer(url)
+        """Local files, pipes and cached shards open at consumption time."""
+        return self._cache is not None or protocol_of(url) in ("file", "pipe")
 
     def _open(self, shard: dict[str, Any], executor: cf.ThreadPoolExecutor) -> Opened | None:
-        """Start fetching one remote shard: look up its size, start its first ranged GETs."""
+        """Start fetching one remote shard: its size, then its first ranged GETs."""
+        stream = self.open_remote(shard, executor)
+        if isinstance(stream, PartStream):
+            stream.start()
+        return stream
+
+    def executor(self) -> cf.ThreadPoolExecutor:
+        """A pool for ranged GETs opened at consumption time (created on first use)."""
+        if self._pool is None:
+            fetch = self._fetch
+            self._pool = cf.ThreadPoolExecutor(
+                max_workers=fetch.concurrency + 1, thread_name_prefix="cloudshards"
+            )
+        return self._pool
+
+    def open_remote(self, shard: dict[str, Any], executor: cf.ThreadPoolExecutor) -> Opened:
+        """Look up the shard's size and start its first ranged GETs."""
         url = shard["url"]
         index = shard.get("shard_index")
         self._stats.add(shards=1)

@@ -37,7 +37,7 @@ import cloudshards as wds
 from cloudshards._cachestreams import TeeStream, is_locked
 from cloudshards.cache import ShardCache, _endpoint, cache_info, clear_cache, entry_name
 from cloudshards.cli import main as cli_main
-from cloudshards.errors import CacheError, ShardOpenError
+from cloudshards.errors import ShardOpenError
 from cloudshards.io import OpenOptions
 
 SampleList = list[tuple[str, dict[str, bytes]]]
@@ -571,12 +571,6 @@ def test_md5_etag_is_verified(
 
 # --- many processes, one node --------------------------------------------------------------
 
-#: Why the WebDataset multi-process tests fail for now (they pass once it is fixed).
-PREFETCH_BUG = (
-    "BUG: read_shards prefetches a shard before taking its download lock "
-    "(ShardCache.is_available is a check, not a claim): every process that starts the shard "
-    "at the same time fetches it from the store"
-)
 
 SLOW = {fakes.DELAY_ENV: "0.05", fakes.CHUNK_ENV: "2048"}
 
@@ -618,10 +612,6 @@ def test_concurrent_opens_download_each_shard_once(
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.xfail(
-    raises=AssertionError,
-    reason=f"{PREFETCH_BUG}; and followers never save their counters",
-)
 def test_one_download_per_node_across_processes_and_workers(
     make_shards: Any, store: Store, tmp_path: Path, ranks: Callable[..., Rank]
 ) -> None:
@@ -659,7 +649,6 @@ def test_one_download_per_node_across_processes_and_workers(
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.xfail(raises=AssertionError, reason=PREFETCH_BUG)
 def test_two_nodes_fetch_each_shard_once_each(
     make_shards: Any, store: Store, tmp_path: Path, ranks: Callable[..., Rank]
 ) -> None:
@@ -688,10 +677,14 @@ def test_two_nodes_fetch_each_shard_once_each(
 
 # --- crashes and followers -----------------------------------------------------------------
 
-#: A downloader that is slow enough to be caught mid-shard. (Small parts for cloudshards
-#: versions that fetch remote shards as ranged parts, so that part of the shard is on disk
-#: long before the end; ignored by versions that stream.)
-CRAWL = {fakes.DELAY_ENV: "0.05", fakes.CHUNK_ENV: "8192", "CLOUDSHARDS_PART_BYTES": "65536"}
+#: A downloader slow enough to be caught mid-shard: small ranged parts fetched one at a time
+#: (0.05 s per 8 KiB), so part of the shard is on disk long before the end.
+CRAWL = {
+    fakes.DELAY_ENV: "0.05",
+    fakes.CHUNK_ENV: "8192",
+    "CLOUDSHARDS_PART_BYTES": "65536",
+    "CLOUDSHARDS_CONCURRENCY": "1",
+}
 
 
 def _partial_started(partial: Path) -> Callable[[], bool]:
@@ -767,11 +760,6 @@ def test_follower_takes_over_when_the_downloader_is_killed(
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.xfail(
-    raises=CacheError,
-    reason="BUG: ShardCache.open gives up ('keeps changing') after 100 x 5 ms while another "
-    "process holds the download lock but has not created the .partial file yet",
-)
 def test_follower_waits_for_a_download_that_is_slow_to_start(
     make_shards: Any, store: Store, tmp_path: Path, ranks: Callable[..., Rank]
 ) -> None:
@@ -802,11 +790,6 @@ def test_follower_waits_for_a_download_that_is_slow_to_start(
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.xfail(
-    raises=AssertionError,
-    reason="BUG: stats files are written only on commit and on closing a hit; a process that "
-    "only follows downloads (FollowStream) never saves its counters, so cache_info misses them",
-)
 def test_followers_counters_are_saved_for_cache_info(
     make_shards: Any, store: Store, tmp_path: Path, ranks: Callable[..., Rank]
 ) -> None:
@@ -1002,11 +985,6 @@ def test_early_stop_abandons_a_large_remainder(
     assert store.count(shards.paths[0]) == 2
 
 
-@pytest.mark.xfail(
-    raises=AssertionError,
-    reason="BUG: TeeStream.close abandons the partial file but leaves the shard counted in "
-    "misses, never in uncached (CacheStats documents early stops as uncached)",
-)
 def test_early_stop_counts_the_shard_as_uncached(
     make_shards: Any, store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

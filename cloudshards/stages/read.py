@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Iterator
+from functools import partial
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -60,8 +61,7 @@ def read_shards(
     """
     options = options or OpenOptions()
     fetch = fetch or FetchOptions.from_env()
-    defer = (lambda url: cache.is_available(url, options)) if cache is not None else None
-    prefetcher = ShardPrefetcher(src, options=options, fetch=fetch, defer=defer)
+    prefetcher = ShardPrefetcher(src, options=options, fetch=fetch, cache=cache)
     for shard, opened in prefetcher:
         url = shard["url"]
         index = shard.get("shard_index")
@@ -69,7 +69,13 @@ def read_shards(
             if isinstance(opened, BaseException):
                 raise opened
             if cache is not None:
-                stream = cache.open(url, options, shard_index=index, remote=opened)
+                stream = cache.open(
+                    url,
+                    options,
+                    shard_index=index,
+                    wait_s=fetch.stall_timeout_s,
+                    open_store=partial(prefetcher.open_remote, shard, prefetcher.executor()),
+                )
             elif opened is not None:
                 stream = opened
             else:

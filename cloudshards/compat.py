@@ -137,8 +137,8 @@ class WebDataset(DataPipeline, FluidInterface):
         allow_pipe: Allow ``pipe:CMD`` shard URLs, which run shell commands (off by default).
         block_bytes: Read size for streaming shards.
         prefetch: Remote shards fetched ahead of the one being read (default 2; 0 for none).
-        part_bytes: Size of each ranged GET for remote shards (default 8 MiB).
-        concurrency: Ranged GETs in flight per shard (default 4).
+        part_bytes: Size of each ranged GET for remote shards (default 2 MiB).
+        concurrency: Ranged GETs in flight per shard (default 8).
         retries: Retries of a failed request, with exponential backoff (default 5).
         stall_timeout_s: A read with no progress for this long is an error (default 120).
         max_member_bytes: Largest tar member accepted (default ``CLOUDSHARDS_MAX_MEMBER_BYTES``

@@ -37,6 +37,9 @@ __all__ = ["PartStream", "ShardPrefetcher"]
 
 logger = logging.getLogger(__name__)
 
+#: Size of each shard's first ranged GET (the rest use ``part_bytes``): time to first sample.
+FIRST_PART_BYTES = 256 << 10
+
 #: Hosts seen answering ranged GETs with whole objects: streamed with one GET from then on.
 _UNRANGED_HOSTS: set[str] = set()
 
@@ -93,7 +96,9 @@ class PartStream:
         options = self._options
         while len(self._window) < options.concurrency and self._next_start < self.size:
             start = self._next_start
-            end = min(start + options.part_bytes, self.size)
+            # A small first part: the tar reader can start before a whole part has arrived.
+            part = FIRST_PART_BYTES if start == 0 else options.part_bytes
+            end = min(start + min(part, options.part_bytes), self.size)
             self._next_start = end
             self._window.append(
                 self._executor.submit(

@@ -40,7 +40,7 @@ from cloudshards._cachestreams import (
 )
 from cloudshards.errors import CacheError, ConfigError
 from cloudshards.fetch import open_remote
-from cloudshards.io import OpenOptions, ShardStream, open_shard
+from cloudshards.io import OpenOptions, ShardStream, discard, open_shard
 from cloudshards.redact import redact_url
 from cloudshards.types import ByteSource
 from cloudshards.urls import options_for, protocol_of, resolve
@@ -223,7 +223,7 @@ class ShardCache:
             return self._download(url, name, options, shard_index, lock, skip=offset)
         # Someone else took over first (or finished): stream this one directly from the store.
         stream = open_remote(url, options, shard_index=shard_index)
-        _skip(stream, offset)
+        discard(stream, offset)
         return stream
 
     def _open_hit(self, name: str, url: str, shard_index: int | None) -> ShardStream | None:
@@ -283,7 +283,7 @@ class ShardCache:
                 self._warn_once("cache: budget full of entries in use; streaming without caching")
             stats.uncached += 1
             self._save_stats()
-            _skip(remote, skip)
+            discard(remote, skip)
             return remote
 
         def commit(nbytes: int) -> None:
@@ -323,7 +323,7 @@ class ShardCache:
             self._warn_once(f"cache disk full ({exc.strerror}); streaming without caching")
             stats.uncached += 1
             self._save_stats()
-            _skip(remote, skip)
+            discard(remote, skip)
             return remote
 
     # --- budget -----------------------------------------------------------------------------
@@ -498,14 +498,6 @@ def _reserved_size(lock_path: str, partial: os.DirEntry[str]) -> int:
     with contextlib.suppress(FileNotFoundError):
         reserved = max(reserved, partial.stat().st_size)
     return reserved
-
-
-def _skip(stream: Any, count: int) -> None:
-    while count > 0:
-        data = stream.read(min(count, 1 << 22))
-        if not data:
-            return
-        count -= len(data)
 
 
 def _remote_facts(stream: Any, url: str, options: OpenOptions) -> tuple[int | None, str | None]:

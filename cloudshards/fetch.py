@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 from cloudshards import config
 from cloudshards.errors import CloudShardsError, ConfigError, ShardOpenError
-from cloudshards.io import OpenOptions, ShardStream, map_backend_error, open_shard
+from cloudshards.io import OpenOptions, ShardStream, discard, map_backend_error, open_shard
 from cloudshards.redact import redact_url
 
 __all__ = [
@@ -350,12 +350,8 @@ class ResumableStream:
         if callable(seek) and getattr(raw, "seekable", lambda: False)():
             seek(self.offset)
         else:
-            remaining = self.offset
-            while remaining > 0:
-                chunk = stream.read(min(remaining, 1 << 22))
-                if not chunk:
-                    raise ConnectionError("object shorter than before while resuming")
-                remaining -= len(chunk)
+            if discard(stream, self.offset) < self.offset:
+                raise ConnectionError("object shorter than before while resuming")
         self._stream = stream
 
     def close(self) -> None:

@@ -18,7 +18,15 @@ from cloudshards.errors import CloudShardsError, ConfigError, ShardOpenError
 from cloudshards.redact import redact_text, redact_url
 from cloudshards.urls import PIPE_PREFIX, protocol_of, resolve
 
-__all__ = ["OpenOptions", "ShardStream", "gopen", "map_backend_error", "open_shard", "shard_size"]
+__all__ = [
+    "OpenOptions",
+    "ShardStream",
+    "discard",
+    "gopen",
+    "map_backend_error",
+    "open_shard",
+    "shard_size",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -291,3 +299,14 @@ def gopen(url: str, mode: str = "rb", bufsize: int = 8192, **kw: Any) -> Any:
         raise ConfigError("gopen: writing to pipe: URLs is not supported")
     fs, path = resolve(url, options.storage_options)
     return fs.open(path, "wb")
+
+
+def discard(stream: Any, count: int) -> int:
+    """Read and drop ``count`` bytes (fewer at the end of the stream); returns bytes dropped."""
+    dropped = 0
+    while dropped < count:
+        data = stream.read(min(count - dropped, 1 << 22))
+        if not data:
+            break
+        dropped += len(data)
+    return dropped

@@ -230,6 +230,7 @@ class S3Server(_Closeable):
         workdir.mkdir(parents=True, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "MOTO_"))}
         env.pop("INITIAL_NO_AUTH_ACTION_COUNT", None)
+        env["PYTHONUNBUFFERED"] = "1"  # request log lines reach the log file as they happen
 
         def start_once(port: int) -> ServerProcess:
             argv = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]

@@ -19,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import fsspec.asyn
+
 from cloudshards import config
 from cloudshards.errors import CloudShardsError, ConfigError, ShardOpenError
 from cloudshards.io import OpenOptions, ShardStream, discard, map_backend_error, open_shard
@@ -214,8 +216,11 @@ def retry(
     options: FetchOptions,
     stats: IOStats | None = None,
     what: str = "GET",
+    cancel: threading.Event | None = None,
 ) -> T:
     """Run ``call``; retry transient failures with exponential backoff and full jitter.
+
+    A set ``cancel`` event (the reader was closed) stops further attempts at once.
 
     Raises:
         ShardOpenError: After the last attempt (naming the URL and offset), or at once for a
@@ -228,7 +233,8 @@ def retry(
         except RangeIgnoredError:
             raise
         except Exception as exc:
-            if not is_retryable(exc) or attempt >= options.retries:
+            cancelled = cancel is not None and cancel.is_set()
+            if cancelled or not is_retryable(exc) or attempt >= options.retries:
                 if stats is not None:
                     stats.add(failures=1)
                 error = map_backend_error(exc, url, action=f"{what} failed", offset=offset)
@@ -254,7 +260,10 @@ def retry(
                 type(exc).__name__,
                 redact_url(str(exc))[:200],
             )
-            time.sleep(delay)
+            if cancel is not None:
+                cancel.wait(delay)
+            else:
+                time.sleep(delay)
 
 
 def fetch_range(
@@ -267,8 +276,12 @@ def fetch_range(
     size: int,
     options: FetchOptions,
     stats: IOStats,
+    cancel: threading.Event | None = None,
 ) -> bytes:
     """Fetch bytes ``[start, end)`` of an object of ``size`` bytes, verified and retried.
+
+    On async backends (s3fs, gcsfs, HTTP) each attempt is bounded by ``stall_timeout_s``, so a
+    connection that stops delivering is abandoned (and retried) instead of hanging.
 
     Raises:
         RangeIgnoredError: The server sent the whole object instead of the range.
@@ -278,7 +291,13 @@ def fetch_range(
 
     def call() -> bytes:
         stats.add(requests=1)
-        data: bytes = fs.cat_file(path, start=start, end=end)
+        data: bytes
+        if getattr(fs, "async_impl", False) and getattr(fs, "loop", None) is not None:
+            data = fsspec.asyn.sync(
+                fs.loop, fs._cat_file, path, start=start, end=end, timeout=options.stall_timeout_s
+            )
+        else:
+            data = fs.cat_file(path, start=start, end=end)
         stats.add(bytes=len(data))
         if len(data) == expected:
             return data
@@ -288,7 +307,7 @@ def fetch_range(
         # server. Never hand it on; retrying asks again for exactly this range.
         raise ConnectionError(f"ranged GET returned {len(data)} bytes, expected {expected}")
 
-    return retry(call, url=url, offset=start, options=options, stats=stats)
+    return retry(call, url=url, offset=start, options=options, stats=stats, cancel=cancel)
 
 
 class ResumableStream:
@@ -345,13 +364,12 @@ class ResumableStream:
             self._stream.close()
         self._stats.add(requests=1)
         stream = self._open_raw()
-        raw = getattr(stream, "_raw", None)
-        seek = getattr(raw, "seek", None)
-        if callable(seek) and getattr(raw, "seekable", lambda: False)():
-            seek(self.offset)
-        else:
-            if discard(stream, self.offset) < self.offset:
+        try:
+            if not _seek(stream, self.offset) and discard(stream, self.offset) < self.offset:
                 raise ConnectionError("object shorter than before while resuming")
+        except BaseException:
+            stream.close()
+            raise
         self._stream = stream
 
     def close(self) -> None:
@@ -359,3 +377,20 @@ class ResumableStream:
         if not self.closed:
             self.closed = True
             self._stream.close()
+
+
+def _seek(stream: ShardStream, offset: int) -> bool:
+    """Position a freshly opened stream at ``offset`` if its file can seek; False otherwise.
+
+    fsspec's streaming HTTP file says it is seekable but refuses any real seek: try, and let
+    the caller re-read the prefix instead.
+    """
+    raw = getattr(stream, "_raw", None)
+    seek = getattr(raw, "seek", None)
+    if not callable(seek):
+        return False
+    try:
+        seek(offset)
+    except (ValueError, OSError):
+        return False
+    return True

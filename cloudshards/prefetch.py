@@ -68,6 +68,7 @@ class PartStream:
         options: FetchOptions,
         stats: IOStats,
         shard_index: int | None = None,
+        cancel: threading.Event | None = None,
     ) -> None:
         self.url = url
         self.shard_index = shard_index
@@ -81,6 +82,7 @@ class PartStream:
         self._stats = IOStats(parent=stats)
         self._process_stats = stats
         self._started = time.perf_counter()
+        self._cancel_event = cancel
         self._window: deque[cf.Future[bytes]] = deque()
         self._next_start = 0
         self._current = memoryview(b"")
@@ -94,7 +96,10 @@ class PartStream:
 
     def _fill(self) -> None:
         options = self._options
-        while len(self._window) < options.concurrency and self._next_start < self.size:
+        # The part being read counts against ``concurrency``: memory stays within
+        # (prefetch + 1) x concurrency x part_bytes.
+        held = 1 if self._position < len(self._current) else 0
+        while len(self._window) + held < options.concurrency and self._next_start < self.size:
             start = self._next_start
             # A small first part: the tar reader can start before a whole part has arrived.
             part = FIRST_PART_BYTES if start == 0 else options.part_bytes
@@ -111,14 +116,15 @@ class PartStream:
                     size=self.size,
                     options=options,
                     stats=self._stats,
+                    cancel=self._cancel_event,
                 )
             )
 
     def read(self, size: int = -1) -> bytes:
         """Return up to ``size`` bytes (a whole part when ``size`` is -1); ``b""`` at the end."""
         if self._position >= len(self._current):
-            if not self._window:
-                self._fill()
+            self._current = memoryview(b"")  # release the finished part before refilling
+            self._fill()
             if not self._window:
                 return b""
             self._current = memoryview(self._wait(self._window.popleft()))
@@ -216,6 +222,7 @@ class ShardPrefetcher:
         self._stats = stats if stats is not None else fetch_module.process_stats()
         self._cache = cache
         self._pool: cf.ThreadPoolExecutor | None = None
+        self._cancel = threading.Event()
 
     def __iter__(self) -> Iterator[tuple[dict[str, Any], Opened | BaseException | None]]:
         fetch = self._fetch
@@ -246,6 +253,7 @@ class ShardPrefetcher:
                 self._stats.add(wait_s=time.perf_counter() - start)
                 yield shard, opened
         finally:
+            self._cancel.set()  # in-flight ranged GETs stop retrying
             for _, future in pending:
                 future.cancel()
                 if future.done() and not future.cancelled() and future.exception() is None:
@@ -306,6 +314,7 @@ class ShardPrefetcher:
             options=self._fetch,
             stats=self._stats,
             shard_index=index,
+            cancel=self._cancel,
         )
 
     def _stream(self, url: str, index: int | None) -> ResumableStream:

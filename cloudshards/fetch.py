@@ -273,7 +273,7 @@ def fetch_range(
     end: int,
     *,
     url: str,
-    size: int,
+    size: int | None,
     options: FetchOptions,
     stats: IOStats,
     cancel: threading.Event | None = None,
@@ -301,7 +301,9 @@ def fetch_range(
         stats.add(bytes=len(data))
         if len(data) == expected:
             return data
-        if len(data) == size and size > expected:
+        if size is None and len(data) < expected:
+            return data  # the object ends inside the range; the caller checks its size
+        if (size is None and len(data) > expected) or (len(data) == size and size > expected):
             raise RangeIgnoredError(data)
         # A short or long body that is not the whole object: a cut connection or a broken
         # server. Never hand it on; retrying asks again for exactly this range.

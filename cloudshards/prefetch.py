@@ -69,6 +69,7 @@ class PartStream:
         stats: IOStats,
         shard_index: int | None = None,
         cancel: threading.Event | None = None,
+        first_part: cf.Future[bytes] | None = None,
     ) -> None:
         self.url = url
         self.shard_index = shard_index
@@ -83,12 +84,22 @@ class PartStream:
         self._process_stats = stats
         self._started = time.perf_counter()
         self._cancel_event = cancel
-        self._window: deque[cf.Future[bytes]] = deque()
+        # (future, expected length) of the ranged GETs in flight, in order.
+        self._window: deque[tuple[cf.Future[bytes], int]] = deque()
         self._next_start = 0
+        if first_part is not None:
+            # Sent together with the size lookup, before the size was known.
+            first_length = min(FIRST_PART_BYTES, options.part_bytes, self.size)
+            if first_length:
+                self._window.append((first_part, first_length))
+            else:
+                first_part.cancel()
+            self._next_start = first_length
         self._current = memoryview(b"")
         self._position = 0
         self.offset = 0
         self.closed = False
+        self._fell_back = False
 
     def start(self) -> None:
         """Put the first ``concurrency`` ranged GETs in flight (reading starts them anyway)."""
@@ -105,20 +116,19 @@ class PartStream:
             part = FIRST_PART_BYTES if start == 0 else options.part_bytes
             end = min(start + min(part, options.part_bytes), self.size)
             self._next_start = end
-            self._window.append(
-                self._executor.submit(
-                    fetch_range,
-                    self._fs,
-                    self._path,
-                    start,
-                    end,
-                    url=self.url,
-                    size=self.size,
-                    options=options,
-                    stats=self._stats,
-                    cancel=self._cancel_event,
-                )
+            future = self._executor.submit(
+                fetch_range,
+                self._fs,
+                self._path,
+                start,
+                end,
+                url=self.url,
+                size=self.size,
+                options=options,
+                stats=self._stats,
+                cancel=self._cancel_event,
             )
+            self._window.append((future, end - start))
 
     def read(self, size: int = -1) -> bytes:
         """Return up to ``size`` bytes (a whole part when ``size`` is -1); ``b""`` at the end."""
@@ -127,7 +137,17 @@ class PartStream:
             self._fill()
             if not self._window:
                 return b""
-            self._current = memoryview(self._wait(self._window.popleft()))
+            future, expected = self._window.popleft()
+            data = self._wait(future)
+            if len(data) != expected and not self._fell_back:
+                raise ShardOpenError(
+                    f"ranged GET returned {len(data)} bytes, expected {expected} "
+                    "(the object changed while it was read?)",
+                    url=self.url,
+                    shard_index=self.shard_index,
+                    offset=self.offset,
+                )
+            self._current = memoryview(data)
             self._position = 0
             self._fill()
         end = len(self._current) if size < 0 else min(len(self._current), self._position + size)
@@ -162,12 +182,20 @@ class PartStream:
                 "%s ignores Range requests; streaming its shards with one GET each",
                 redact_url(host),
             )
+        if len(body) != self.size:
+            raise ShardOpenError(
+                f"server ignored Range and sent {len(body)} bytes of a {self.size}-byte object",
+                url=self.url,
+                shard_index=self.shard_index,
+                offset=self.offset,
+            )
+        self._fell_back = True
         self._cancel()
         self._next_start = self.size
         return body[self.offset :]
 
     def _cancel(self) -> None:
-        for future in self._window:
+        for future, _ in self._window:
             future.cancel()
         self._window.clear()
 
@@ -299,11 +327,29 @@ class ShardPrefetcher:
             details: dict[str, Any] = fs.info(path)
             return details
 
-        details = retry(
-            info, url=url, offset=0, options=self._fetch, stats=self._stats, what="HEAD"
+        # The first (small) part goes out with the size lookup: one round trip to first byte.
+        first = executor.submit(
+            fetch_range,
+            fs,
+            path,
+            0,
+            min(FIRST_PART_BYTES, self._fetch.part_bytes),
+            url=url,
+            size=None,
+            options=self._fetch,
+            stats=self._stats,
+            cancel=self._cancel,
         )
+        try:
+            details = retry(
+                info, url=url, offset=0, options=self._fetch, stats=self._stats, what="HEAD"
+            )
+        except BaseException:
+            first.cancel()
+            raise
         if details.get("size") is None:
             # No size (some HTTP servers): one streaming GET instead of ranged parts.
+            first.cancel()
             return self._stream(url, index)
         return PartStream(
             url,
@@ -315,6 +361,7 @@ class ShardPrefetcher:
             stats=self._stats,
             shard_index=index,
             cancel=self._cancel,
+            first_part=first,
         )
 
     def _stream(self, url: str, index: int | None) -> ResumableStream:

@@ -231,6 +231,7 @@ class S3Server(_Closeable):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "MOTO_"))}
         env.pop("INITIAL_NO_AUTH_ACTION_COUNT", None)
         env["PYTHONUNBUFFERED"] = "1"  # request log lines reach the log file as they happen
+        env["NO_COLOR"] = "1"  # plain request log lines (tests parse them)
 
         def start_once(port: int) -> ServerProcess:
             argv = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]

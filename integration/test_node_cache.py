@@ -384,6 +384,9 @@ def test_four_processes_one_cache_http(
 _WERKZEUG_LINE = re.compile(r'"([A-Z]+) (\S+) HTTP/[\d.]+" (\d{3})')
 
 
+_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
+
+
 def moto_requests(log: Path, offset: int) -> list[tuple[str, str, int]]:
     """(method, path without query, status) of each request moto logged after ``offset``.
 
@@ -392,7 +395,8 @@ def moto_requests(log: Path, offset: int) -> list[tuple[str, str, int]]:
     """
     with log.open("rb") as f:
         f.seek(offset)
-        text = f.read().decode(errors="replace")
+        # werkzeug colours its request lines when it thinks it writes to a terminal.
+        text = _ANSI_ESCAPE.sub("", f.read().decode(errors="replace"))
     return [
         (m.group(1), m.group(2).split("?", 1)[0], int(m.group(3)))
         for m in _WERKZEUG_LINE.finditer(text)

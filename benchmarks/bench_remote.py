@@ -7,6 +7,11 @@ per connection). Both libraries read the same http:// URLs in one run, alternati
 gives median samples/s, the ratio, and cloudshards' time to first sample.
 
     python benchmarks/bench_remote.py [--quick] [--repeats N] [--latency-s 0.03] [--mbps 25]
+    python benchmarks/bench_remote.py --large [--large-mb 128]
+
+``--large`` instead reads ONE large shard with cloudshards at concurrency 1, 2, 4 and 8 (one
+ranged GET at a time is "one stream") and prints MB/s, the speed-up over one stream, and the
+peak resident memory of each run (a fresh process each, so the figures do not mix).
 """
 
 from __future__ import annotations
@@ -68,13 +73,82 @@ def read_webdataset(urls: list[str]) -> tuple[int, float, float]:
     return count, time.perf_counter() - start, first
 
 
+def large_shard_child(url: str, concurrency: int) -> None:
+    """Read one shard in this (fresh) process; print MB/s and peak RSS as one line."""
+    import resource
+
+    import cloudshards
+
+    start = time.perf_counter()
+    total = 0
+    ds = cloudshards.WebDataset([url], shardshuffle=False, concurrency=concurrency, prefetch=0)
+    for sample in ds:
+        total += len(sample["bin"])
+    seconds = time.perf_counter() - start
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"{total / seconds / 1e6:.3f} {peak_mib:.1f}")
+
+
+def run_large(args: argparse.Namespace) -> int:
+    """One large shard over a capped connection: N ranged GETs vs one stream."""
+    import subprocess
+
+    shape = Shape(1, max(1, args.large_mb * 1024 * 1024 // (20 * 1024)), 20 * 1024)
+    work = Path(tempfile.mkdtemp(prefix="bench-remote-large-"))
+    rows = []
+    try:
+        data = work / "data"
+        ensure_shards(data, shape, log=lambda m: print(m, file=sys.stderr))
+        nginx = NginxServer.start(work / "nginx", data)
+        sim = CloudSimProcess.start(
+            nginx.base_url, latency_s=args.latency_s, bandwidth_bps=args.mbps * 1e6
+        )
+        try:
+            url = f"{sim.url}/{shard_name(0)}"
+            results: dict[int, list[tuple[float, float]]] = {}
+            for _ in range(args.repeats or 2):
+                for concurrency in (1, 2, 4, 8):
+                    out = subprocess.run(
+                        [sys.executable, __file__, "--child", url, str(concurrency)],
+                        capture_output=True,
+                        text=True,
+                        check=True,
+                        timeout=600,
+                    ).stdout.split()
+                    results.setdefault(concurrency, []).append((float(out[0]), float(out[1])))
+        finally:
+            sim.stop()
+            nginx.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    one = median([mbs for mbs, _ in results[1]])
+    for concurrency, runs in results.items():
+        mbs = median([m for m, _ in runs])
+        peak = max(p for _, p in runs)
+        rows.append([str(concurrency), f"{mbs:.1f}", f"{mbs / one:.2f}x", f"{peak:.0f} MiB"])
+    print("\n".join(versions()))
+    print(
+        f"one shard of {shape.samples * 20 / 1024:.0f} MiB; {args.latency_s * 1000:.0f} ms per "
+        f"request, {args.mbps:.0f} MB/s per connection; 2 MiB parts; medians"
+    )
+    print(format_table(["ranged GETs in flight", "MB/s", "vs one stream", "peak RSS"], rows))
+    return 0
+
+
 def main() -> int:
+    if len(sys.argv) == 4 and sys.argv[1] == "--child":
+        large_shard_child(sys.argv[2], int(sys.argv[3]))
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="4 shards x 500 samples, 2 repeats")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--latency-s", type=float, default=0.03)
     parser.add_argument("--mbps", type=float, default=25.0, help="per-connection cap, MB/s")
+    parser.add_argument("--large", action="store_true", help="one large shard, N ranged GETs")
+    parser.add_argument("--large-mb", type=int, default=128, help="size of the large shard")
     args = parser.parse_args()
+    if args.large:
+        return run_large(args)
     if shutil.which("curl") is None:
         raise SystemExit("webdataset reads http:// URLs with curl; install curl first")
     shape = Shape(4, 500, 20 * 1024) if args.quick else Shape(8, 1000, 20 * 1024)

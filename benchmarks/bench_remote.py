@@ -17,12 +17,14 @@ peak resident memory of each run (a fresh process each, so the figures do not mi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 from _common import (
@@ -73,6 +75,28 @@ def read_webdataset(urls: list[str]) -> tuple[int, float, float]:
     return count, time.perf_counter() - start, first
 
 
+@contextlib.contextmanager
+def served_shards(shape: Shape, args: argparse.Namespace, prefix: str) -> Iterator[str]:
+    """Write the shards, serve them with nginx behind the simulator; yield the base URL."""
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        data = work / "data"
+        ensure_shards(data, shape, log=lambda m: print(m, file=sys.stderr))
+        nginx = NginxServer.start(work / "nginx", data)
+        try:
+            sim = CloudSimProcess.start(
+                nginx.base_url, latency_s=args.latency_s, bandwidth_bps=args.mbps * 1e6
+            )
+            try:
+                yield sim.url
+            finally:
+                sim.stop()
+        finally:
+            nginx.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def large_shard_child(url: str, concurrency: int) -> None:
     """Read one shard in this (fresh) process; print MB/s and peak RSS as one line."""
     import resource
@@ -94,33 +118,20 @@ def run_large(args: argparse.Namespace) -> int:
     import subprocess
 
     shape = Shape(1, max(1, args.large_mb * 1024 * 1024 // (20 * 1024)), 20 * 1024)
-    work = Path(tempfile.mkdtemp(prefix="bench-remote-large-"))
     rows = []
-    try:
-        data = work / "data"
-        ensure_shards(data, shape, log=lambda m: print(m, file=sys.stderr))
-        nginx = NginxServer.start(work / "nginx", data)
-        sim = CloudSimProcess.start(
-            nginx.base_url, latency_s=args.latency_s, bandwidth_bps=args.mbps * 1e6
-        )
-        try:
-            url = f"{sim.url}/{shard_name(0)}"
-            results: dict[int, list[tuple[float, float]]] = {}
-            for _ in range(args.repeats or 2):
-                for concurrency in (1, 2, 4, 8):
-                    out = subprocess.run(
-                        [sys.executable, __file__, "--child", url, str(concurrency)],
-                        capture_output=True,
-                        text=True,
-                        check=True,
-                        timeout=600,
-                    ).stdout.split()
-                    results.setdefault(concurrency, []).append((float(out[0]), float(out[1])))
-        finally:
-            sim.stop()
-            nginx.close()
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    results: dict[int, list[tuple[float, float]]] = {}
+    with served_shards(shape, args, "bench-remote-large-") as base_url:
+        url = f"{base_url}/{shard_name(0)}"
+        for _ in range(args.repeats or 2):
+            for concurrency in (1, 2, 4, 8):
+                out = subprocess.run(
+                    [sys.executable, __file__, "--child", url, str(concurrency)],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                    timeout=600,
+                ).stdout.split()
+                results.setdefault(concurrency, []).append((float(out[0]), float(out[1])))
     one = median([mbs for mbs, _ in results[1]])
     for concurrency, runs in results.items():
         mbs = median([m for m, _ in runs])
@@ -154,34 +165,21 @@ def main() -> int:
     shape = Shape(4, 500, 20 * 1024) if args.quick else Shape(8, 1000, 20 * 1024)
     repeats = args.repeats or (2 if args.quick else 3)
 
-    work = Path(tempfile.mkdtemp(prefix="bench-remote-"))
-    try:
-        data = work / "data"
-        ensure_shards(data, shape, log=lambda m: print(m, file=sys.stderr))
-        nginx = NginxServer.start(work / "nginx", data)
-        sim = CloudSimProcess.start(
-            nginx.base_url, latency_s=args.latency_s, bandwidth_bps=args.mbps * 1e6
-        )
-        try:
-            urls = [f"{sim.url}/{shard_name(i)}" for i in range(shape.shards)]
-            results: dict[str, list[tuple[int, float, float]]] = {"webdataset": [], "cs": []}
-            for repeat in range(repeats):
-                order = ["webdataset", "cs"] if repeat % 2 == 0 else ["cs", "webdataset"]
-                for lib in order:
-                    run = read_webdataset if lib == "webdataset" else read_cloudshards
-                    results[lib].append(run(urls))
-            for lib, runs in results.items():
-                counts = {count for count, _, _ in runs}
-                if counts != {shape.samples}:
-                    print(f"{lib} read {counts} samples, expected {shape.samples}")
-                    return 2
-            rate = {lib: median([c / s for c, s, _ in runs]) for lib, runs in results.items()}
-            first = {lib: median([f for _, _, f in runs]) for lib, runs in results.items()}
-        finally:
-            sim.stop()
-            nginx.close()
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    with served_shards(shape, args, "bench-remote-") as base_url:
+        urls = [f"{base_url}/{shard_name(i)}" for i in range(shape.shards)]
+        results: dict[str, list[tuple[int, float, float]]] = {"webdataset": [], "cs": []}
+        for repeat in range(repeats):
+            order = ["webdataset", "cs"] if repeat % 2 == 0 else ["cs", "webdataset"]
+            for lib in order:
+                run = read_webdataset if lib == "webdataset" else read_cloudshards
+                results[lib].append(run(urls))
+    for lib, runs in results.items():
+        counts = {count for count, _, _ in runs}
+        if counts != {shape.samples}:
+            print(f"{lib} read {counts} samples, expected {shape.samples}")
+            return 2
+    rate = {lib: median([c / s for c, s, _ in runs]) for lib, runs in results.items()}
+    first = {lib: median([f for _, _, f in runs]) for lib, runs in results.items()}
 
     print("\n".join(versions()))
     print(f"data: {shape.describe()}")

@@ -51,22 +51,32 @@ class CacheStats:
 
 
 class DownloadLock:
-    """An exclusive ``flock`` on a lock file: released by the kernel if the process dies."""
+    """An exclusive ``flock`` on a lock file: released by the kernel if the process dies.
+
+    ``with DownloadLock(path):`` waits for the lock; :meth:`try_acquire` does not.
+    """
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.fd = -1
 
-    def try_acquire(self) -> bool:
-        """Take the lock without waiting; True on success."""
+    def try_acquire(self, *, wait: bool = False) -> bool:
+        """Take the lock (without waiting unless ``wait``); True on success."""
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
             return False
         self.fd = fd
         return True
+
+    def __enter__(self) -> DownloadLock:
+        self.try_acquire(wait=True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
     def release(self) -> None:
         """Release the lock (idempotent)."""

@@ -411,8 +411,8 @@ class ShardCache:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
 
-    def _global_lock(self) -> Any:
-        return _FileLock(self._path("cache.lock"))
+    def _global_lock(self) -> DownloadLock:
+        return DownloadLock(self._path("cache.lock"))
 
     # --- metadata and stats ----------------------------------------------------------------
 
@@ -461,21 +461,6 @@ class _CachedFile(ShardStream):
             self._cache.stats.bytes_disk += self.offset
             self._cache._save_stats()
         super().close()
-
-
-class _FileLock:
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.fd = -1
-
-    def __enter__(self) -> _FileLock:
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
-        os.close(self.fd)
 
 
 def _endpoint(url: str, options: OpenOptions) -> str | None:

@@ -164,6 +164,7 @@ def open_remote(
     options: OpenOptions,
     *,
     fetch: FetchOptions | None = None,
+    stats: IOStats | None = None,
     shard_index: int | None = None,
 ) -> ResumableStream:
     """Open a remote shard as one streaming GET that resumes after transient failures."""
@@ -171,7 +172,7 @@ def open_remote(
         url,
         lambda: open_shard(url, options, shard_index=shard_index),
         options=fetch or FetchOptions.from_env(),
-        stats=process_stats(),
+        stats=stats if stats is not None else process_stats(),
         shard_index=shard_index,
     )
 

@@ -27,9 +27,10 @@ from cloudshards.fetch import (
     RangeIgnoredError,
     ResumableStream,
     fetch_range,
+    open_remote,
     retry,
 )
-from cloudshards.io import OpenOptions, ShardStream, open_shard
+from cloudshards.io import OpenOptions, ShardStream
 from cloudshards.redact import redact_url
 from cloudshards.urls import protocol_of, resolve
 
@@ -254,7 +255,8 @@ class ShardPrefetcher:
 
     def __iter__(self) -> Iterator[tuple[dict[str, Any], Opened | BaseException | None]]:
         fetch = self._fetch
-        workers = (fetch.prefetch + 2) * (fetch.concurrency + 1)
+        # Each shard in flight: its opening task (size lookup) plus its ranged GETs.
+        workers = (fetch.prefetch + 1) * (fetch.concurrency + 1)
         # Threads start on the first remote shard only: local datasets never create any.
         executor = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cloudshards")
         pending: deque[tuple[dict[str, Any], cf.Future[Opened | None]]] = deque()
@@ -365,12 +367,8 @@ class ShardPrefetcher:
         )
 
     def _stream(self, url: str, index: int | None) -> ResumableStream:
-        return ResumableStream(
-            url,
-            lambda: open_shard(url, self._options, shard_index=index),
-            options=self._fetch,
-            stats=self._stats,
-            shard_index=index,
+        return open_remote(
+            url, self._options, fetch=self._fetch, stats=self._stats, shard_index=index
         )
 
 

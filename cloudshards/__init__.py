@@ -75,6 +75,7 @@ from cloudshards.stages.transform import (
     select,
 )
 from cloudshards.urls import expand_urls
+from cloudshards.writers import ShardWriter, TarWriter
 from cloudshards.wrappers import with_epoch, with_length
 
 __version__ = "0.1.0"
@@ -99,8 +100,10 @@ __all__ = [
     "ShardError",
     "ShardFormatError",
     "ShardOpenError",
+    "ShardWriter",
     "SimpleShardList",
     "StateMismatchError",
+    "TarWriter",
     "WebDataset",
     "WebLoader",
     "WorkerInfo",

@@ -24,6 +24,7 @@ __all__ = [
     "discard",
     "gopen",
     "map_backend_error",
+    "open_output",
     "open_shard",
     "shard_size",
 ]
@@ -299,6 +300,23 @@ def gopen(url: str, mode: str = "rb", bufsize: int = 8192, **kw: Any) -> Any:
         raise ConfigError("gopen: writing to pipe: URLs is not supported")
     fs, path = resolve(url, options.storage_options)
     return fs.open(path, "wb")
+
+
+def open_output(url: str, path: str, storage_options: Mapping[str, Any] | None = None) -> Any:
+    """Open ``path`` on the filesystem of ``url`` for writing: the write side of :func:`open_shard`.
+
+    Closing the returned fsspec file commits it; :mod:`cloudshards.writers` decides the
+    temporary names and the discarding that make shard writes atomic.
+
+    Raises:
+        ShardOpenError: The store refused the write (missing bucket, access denied).
+        ConfigError: The URL's protocol is unknown or its backend is missing.
+    """
+    fs, _ = resolve(url, storage_options)
+    try:
+        return fs.open(path, "wb")
+    except Exception as exc:
+        raise map_backend_error(exc, url, action="cannot write") from exc
 
 
 def discard(stream: Any, count: int) -> int:

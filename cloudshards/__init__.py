@@ -75,8 +75,8 @@ from cloudshards.stages.transform import (
     select,
 )
 from cloudshards.urls import expand_urls
-from cloudshards.writers import ShardWriter, TarWriter
 from cloudshards.wrappers import with_epoch, with_length
+from cloudshards.writers import ShardWriter, TarWriter
 
 __version__ = "0.1.0"
 

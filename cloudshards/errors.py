@@ -4,18 +4,23 @@
 
     CloudShardsError
     ├── ConfigError(CloudShardsError, ValueError)
+    │   └── UnsupportedError(ConfigError, NotImplementedError)  a webdataset name left out
     ├── ShardError                                  .url, .shard_index, .offset, .member
     │   ├── ShardOpenError(ShardError, OSError)     open/read failed (missing object, auth, network)
-    │   ├── ShardFormatError(ShardError, ValueError) truncated tar, bad header, duplicate field
+    │   ├── ShardFormatError(ShardError, ReadError, OSError, ValueError)
+    │   │                                           truncated tar, bad header, duplicate field
     │   └── DecodeError(ShardError, ValueError)     .key, .field
     ├── CacheError(CloudShardsError, OSError)
     └── StateMismatchError(CloudShardsError, ValueError)
 
 Every message that contains a URL shows it redacted (no credentials, no query string).
+``ShardFormatError`` is also a ``tarfile.ReadError`` and an ``OSError``, so code written for
+webdataset (which lets ``tarfile`` raise) keeps catching it.
 """
 
 from __future__ import annotations
 
+import tarfile
 from typing import Any
 
 from cloudshards.redact import redact_url
@@ -29,6 +34,7 @@ __all__ = [
     "ShardFormatError",
     "ShardOpenError",
     "StateMismatchError",
+    "UnsupportedError",
 ]
 
 
@@ -38,6 +44,10 @@ class CloudShardsError(Exception):
 
 class ConfigError(CloudShardsError, ValueError):
     """An argument, URL or environment setting is invalid; the message says which and why."""
+
+
+class UnsupportedError(ConfigError, NotImplementedError):
+    """A webdataset name that cloudshards leaves out on purpose; the message says what to use."""
 
 
 class ShardError(CloudShardsError):
@@ -114,8 +124,13 @@ class ShardOpenError(ShardError, OSError):
     """A shard could not be opened or read: missing object, bad credentials, network failure."""
 
 
-class ShardFormatError(ShardError, ValueError):
-    """A shard is not a valid tar stream: truncated, corrupt header, bad gzip, duplicate field."""
+class ShardFormatError(ShardError, tarfile.ReadError, OSError, ValueError):
+    """A shard is not a valid tar stream: truncated, corrupt header, bad gzip, duplicate field.
+
+    Also a ``tarfile.ReadError`` and an ``OSError`` (what webdataset code catches around
+    ``tarfile``), and a ``ValueError``; ``OSError`` and ``ValueError`` combine as in
+    ``io.UnsupportedOperation``.
+    """
 
 
 class DecodeError(ShardError, ValueError):

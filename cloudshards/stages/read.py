@@ -8,11 +8,13 @@ Resumption: exact at shard granularity (position = shard, samples delivered from
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Iterator
+import re
+from collections.abc import Callable, Generator, Iterable, Iterator
 from functools import partial
 from typing import Any
 from urllib.parse import urlsplit
 
+from cloudshards import config
 from cloudshards.cache import ShardCache
 from cloudshards.errors import ConfigError
 from cloudshards.fetch import FetchOptions
@@ -28,7 +30,9 @@ from cloudshards.urls import protocol_of
 
 __all__ = [
     "base_plus_ext",
+    "env_cache",
     "group_by_keys",
+    "open_shards",
     "read_shards",
     "tar_file_expander",
     "tar_file_iterator",
@@ -41,23 +45,21 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def read_shards(
+def open_shards(
     src: Iterable[dict[str, Any]],
     *,
     handler: ExceptionHandler = reraise_exception,
     options: OpenOptions | None = None,
-    name_filter: NameFilter | None = None,
     cache: ShardCache | None = None,
     fetch: FetchOptions | None = None,
-) -> Iterator[Sample]:
-    """Yield the samples of each shard in ``src`` (dicts with a ``url``), in order.
+) -> Generator[tuple[dict[str, Any], Any], None, None]:
+    """Yield ``(shard, stream)`` for each shard dict in ``src``, keeping the next ones in flight.
 
-    A shard that fails to open or parse goes to ``handler``: it raises, returns True to skip
-    the rest of that shard and continue with the next, or False to stop. Samples already
-    delivered from a failing shard stay delivered; the incomplete sample at the failure point
-    is dropped. Configuration errors (unknown protocol, missing backend) always raise.
-    With a ``cache``, shards open through the node cache. Remote shards are prefetched and
-    read with parallel ranged GETs as ``fetch`` says (default :meth:`FetchOptions.from_env`).
+    Remote shards are prefetched and read with parallel ranged GETs and retries as ``fetch``
+    says (default :meth:`FetchOptions.from_env`); with a ``cache`` they open through the node
+    cache. A shard that fails to open goes to ``handler``: it raises, returns True to skip the
+    shard, or False to stop. Configuration errors (unknown protocol, missing backend) always
+    raise. The caller closes each stream.
     """
     options = options or OpenOptions()
     fetch = fetch or FetchOptions.from_env()
@@ -87,6 +89,44 @@ def read_shards(
                 logger.debug("skipped shard %s after open error", redact_url(url))
                 continue
             return
+        yield shard, stream
+
+
+def read_shards(
+    src: Iterable[dict[str, Any]],
+    *,
+    handler: ExceptionHandler = reraise_exception,
+    options: OpenOptions | None = None,
+    name_filter: NameFilter | None = None,
+    cache: ShardCache | None = None,
+    fetch: FetchOptions | None = None,
+) -> Iterator[Sample]:
+    """Yield the samples of each shard in ``src`` (dicts with a ``url``), in order.
+
+    A shard that fails to open or parse goes to ``handler``: it raises, returns True to skip
+    the rest of that shard and continue with the next, or False to stop. Samples already
+    delivered from a failing shard stay delivered; the incomplete sample at the failure point
+    is dropped. Configuration errors (unknown protocol, missing backend) always raise.
+    With a ``cache``, shards open through the node cache. Remote shards are prefetched and
+    read with parallel ranged GETs as ``fetch`` says (default :meth:`FetchOptions.from_env`).
+    """
+    options = options or OpenOptions()
+    shards = open_shards(src, handler=handler, options=options, cache=cache, fetch=fetch)
+    try:
+        yield from _read_opened(shards, handler, options, name_filter)
+    finally:
+        shards.close()  # stops the prefetcher's threads now, not when garbage-collected
+
+
+def _read_opened(
+    shards: Iterator[tuple[dict[str, Any], Any]],
+    handler: ExceptionHandler,
+    options: OpenOptions,
+    name_filter: NameFilter | None,
+) -> Iterator[Sample]:
+    for shard, stream in shards:
+        url = shard["url"]
+        index = shard.get("shard_index")
         try:
             members = iter_members(
                 stream,
@@ -112,6 +152,12 @@ def read_shards(
             logger.debug("skipped rest of shard %s after error", redact_url(url))
         finally:
             stream.close()
+
+
+def env_cache() -> ShardCache | None:
+    """The node cache the environment names (``CLOUDSHARDS_CACHE_DIR`` or ``WDS_CACHE``)."""
+    directory, max_bytes = config.cache_defaults()
+    return None if directory is None else ShardCache(directory, max_bytes=max_bytes)
 
 
 def _local_path(url: str) -> str | None:
@@ -142,38 +188,90 @@ def valid_sample(sample: Any) -> bool:
 def url_opener(
     data: Iterable[dict[str, Any]], handler: ExceptionHandler = reraise_exception, **kw: Any
 ) -> Iterator[dict[str, Any]]:
-    """Add an open ``stream`` to each ``{"url": ...}`` dict (through cloudshards' resolver).
+    """Add an open ``stream`` to each ``{"url": ...}`` dict, as webdataset's ``url_opener``.
 
-    Keyword arguments ``storage_options`` and ``allow_pipe`` are passed to the opener.
+    Shards open through cloudshards: any fsspec URL, remote shards prefetched and read with
+    parallel ranged GETs and retries, and through the node cache when the environment names
+    one (``CLOUDSHARDS_CACHE_DIR`` or ``WDS_CACHE``). Keyword arguments: ``storage_options``,
+    ``allow_pipe``, ``cache`` (a :class:`~cloudshards.ShardCache`, overriding the
+    environment), ``fetch`` (:class:`~cloudshards.fetch.FetchOptions`); webdataset's ``gopen``
+    arguments (``bufsize``...) are accepted and ignored. A failing open goes to ``handler``.
+    The consumer closes each stream (:func:`tar_file_expander` does).
     """
     options = OpenOptions(
         storage_options=kw.pop("storage_options", None), allow_pipe=kw.pop("allow_pipe", None)
     )
-    for sample in data:
-        url = sample["url"]
+    cache = kw.pop("cache") if "cache" in kw else env_cache()
+    shards = open_shards(
+        data, handler=handler, options=options, cache=cache, fetch=kw.pop("fetch", None)
+    )
+    try:
+        for shard, stream in shards:
+            shard.update(stream=stream)
+            yield shard
+    finally:
+        shards.close()
+
+
+class _StopShard(Exception):
+    """Raised inside the name filter when the handler says to stop reading the shard."""
+
+
+_DEFAULT_SKIP_META = r"__[^/]*__($|/)"
+
+
+def _member_filter(
+    skip_meta: str | None,
+    handler: ExceptionHandler,
+    select_files: Callable[[str], bool] | None,
+    rename_files: Callable[[str], str] | None,
+) -> NameFilter:
+    """webdataset's member rules; a failing ``select_files``/``rename_files`` goes to
+    ``handler`` (True skips that member, False stops the shard)."""
+    if skip_meta == _DEFAULT_SKIP_META and select_files is None and rename_files is None:
+        return make_name_filter(None, None)
+    skip = re.compile(skip_meta) if skip_meta is not None else None
+
+    def name_filter(name: str) -> str | None:
+        if "/" not in name and name.startswith("__") and name.endswith("__"):
+            return None
+        if skip is not None and skip.match(name):
+            return None
         try:
-            stream = open_shard(url, options, shard_index=sample.get("shard_index"))
+            if rename_files is not None:
+                name = rename_files(name)
+            if select_files is not None and not select_files(name):
+                return None
         except Exception as exn:
             if handler(exn):
-                continue
-            break
-        sample.update(stream=stream)
-        yield sample
+                return None
+            raise _StopShard from exn
+        return name
+
+    return name_filter
 
 
 def tar_file_iterator(
     fileobj: Any,
-    skip_meta: str | None = r"__[^/]*__($|/)",
+    skip_meta: str | None = _DEFAULT_SKIP_META,
     handler: ExceptionHandler = reraise_exception,
     select_files: Callable[[str], bool] | None = None,
     rename_files: Callable[[str], str] | None = None,
 ) -> Iterator[dict[str, Any]]:
-    """Yield ``{"fname", "data"}`` for each regular file of an open tar stream."""
+    """Yield ``{"fname", "data"}`` for each regular file of an open tar (or tar.gz) stream.
+
+    Runs on cloudshards' tar reader. As in webdataset, top-level ``__name__`` members and
+    names matching ``skip_meta`` are skipped, then ``rename_files`` renames and
+    ``select_files`` selects. A corrupt or truncated stream raises
+    :class:`~cloudshards.ShardFormatError` (also a ``tarfile.ReadError``) through ``handler``.
+    """
     url = getattr(fileobj, "url", None)
-    name_filter = make_name_filter(select_files, rename_files)
+    name_filter = _member_filter(skip_meta, handler, select_files, rename_files)
     try:
         for member in iter_members(fileobj, url=url, name_filter=name_filter):
             yield {"fname": member.name, "data": member.data}
+    except _StopShard:
+        return
     except Exception as exn:
         if not handler(exn):
             return
@@ -190,16 +288,20 @@ def tar_file_expander(
 
     ``eof_value`` defaults to None: webdataset 0.2.x's behaviour, which programs that group
     files themselves rely on (1.0.2's ``{}`` end-of-shard marker breaks them). Pass ``{}`` to
-    get 1.0.2's marker.
+    get 1.0.2's marker. A source's ``local_path`` becomes each file's ``__local_path__``.
+    Each stream is closed when its shard is done.
     """
     for source in data:
         url = source["url"]
         stream = source["stream"]
+        local_path = source.get("local_path")
         try:
             for sample in tar_file_iterator(
                 stream, handler=handler, select_files=select_files, rename_files=rename_files
             ):
                 sample["__url__"] = url
+                if local_path is not None:
+                    sample["__local_path__"] = local_path
                 yield sample
             if eof_value is not None:
                 yield eof_value
@@ -220,7 +322,11 @@ def group_by_keys(
     suffixes: set[str] | None = None,
     handler: ExceptionHandler = reraise_exception,
 ) -> Iterator[Sample]:
-    """Group consecutive file dicts with the same key (and shard) into samples."""
+    """Group consecutive file dicts with the same key into samples (webdataset's rules).
+
+    A new shard (``__url__``) or a ``{}`` marker also ends a sample, so samples never span
+    shards even without 1.0.2's end-of-shard markers. ``__local_path__`` is carried over.
+    """
     current: Sample | None = None
     for filesample in data:
         try:
@@ -235,7 +341,7 @@ def group_by_keys(
                 continue
             if lcase:
                 suffix = suffix.lower()
-            url = filesample.get("__url__")
+            url = filesample["__url__"]
             if current is None or prefix != current["__key__"] or url != current["__url__"]:
                 if valid_sample(current):
                     yield current  # type: ignore[misc]
@@ -246,6 +352,9 @@ def group_by_keys(
                 )
             if suffixes is None or suffix in suffixes:
                 current[suffix] = value
+            local_path = filesample.get("__local_path__")
+            if local_path is not None:
+                current["__local_path__"] = local_path
         except Exception as exn:
             if handler(exn):
                 continue
@@ -260,9 +369,15 @@ def tarfile_samples(
     select_files: Callable[[str], bool] | None = None,
     rename_files: Callable[[str], str] | None = None,
 ) -> Iterator[Sample]:
-    """Turn a stream of ``{"url": ...}`` dicts into samples (open, read tar, group)."""
+    """Turn a stream of ``{"url": ...}`` dicts into samples (open, read tar, group).
+
+    Shards open as in :func:`url_opener` (prefetch, retries, the environment's node cache).
+    """
     return read_shards(
-        src, handler=handler, name_filter=make_name_filter(select_files, rename_files)
+        src,
+        handler=handler,
+        name_filter=make_name_filter(select_files, rename_files),
+        cache=env_cache(),
     )
 
 

@@ -38,6 +38,13 @@ from cloudshards.handlers import (
     warn_and_continue,
     warn_and_stop,
 )
+from cloudshards.indexed import (
+    DistributedChunkedSampler,
+    IndexedDataset,
+    build_index,
+    load_index,
+    write_index,
+)
 from cloudshards.io import gopen, open_shard
 from cloudshards.mix import RandomMix, RoundRobin
 from cloudshards.pipeline import DataPipeline, FluidInterface, FluidWrapper
@@ -90,8 +97,10 @@ __all__ = [
     "DecodeError",
     "Decoder",
     "DecodingError",
+    "DistributedChunkedSampler",
     "FluidInterface",
     "FluidWrapper",
+    "IndexedDataset",
     "PipelineStage",
     "RandomMix",
     "ResampledShards",
@@ -111,6 +120,7 @@ __all__ = [
     "allow_unsafe_decoders",
     "associate",
     "batched",
+    "build_index",
     "cache_info",
     "check_empty",
     "clear_cache",
@@ -127,6 +137,7 @@ __all__ = [
     "ignore_and_stop",
     "imagehandler",
     "info",
+    "load_index",
     "map",
     "map_dict",
     "map_tuple",
@@ -161,5 +172,6 @@ __all__ = [
     "warn_and_stop",
     "with_epoch",
     "with_length",
+    "write_index",
     "xdecode",
 ]

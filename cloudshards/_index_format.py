@@ -1,0 +1,454 @@
+"""The tar index of indexed mode: in-memory form, JSON file format, reading and writing.
+
+Private to :mod:`cloudshards.indexed`, which re-exports the public names. The file is JSON
+(gzip-compressed when its name ends in ``.gz``); shard URLs next to the index are stored
+relative to it. The layout is documented in ``docs/indexed.md``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import gzip
+import itertools
+import json
+import logging
+import os
+import uuid
+from array import array
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from cloudshards.errors import ConfigError, ShardFormatError, ShardOpenError
+from cloudshards.fetch import FetchOptions, retry
+from cloudshards.io import map_backend_error
+from cloudshards.redact import redact_url
+from cloudshards.urls import PIPE_PREFIX, protocol_of, resolve
+
+__all__ = [
+    "FORMAT",
+    "VERSION",
+    "DatasetIndex",
+    "IndexedMember",
+    "IndexedSample",
+    "ShardIndex",
+    "default_index_url",
+    "load_index",
+    "read_index",
+    "shard_sample_counts",
+    "write_index",
+]
+
+logger = logging.getLogger(__name__)
+
+#: The ``format`` field of every index file.
+FORMAT = "cloudshards-index"
+#: The layout version this code reads and writes; any other is refused.
+VERSION = 1
+
+_INDEX_SUFFIX = ".index.json"
+_TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz")
+_COLUMNS = ("starts", "ends", "member_counts")
+_MEMBER_COLUMNS = ("member_fields", "member_offsets", "member_sizes")
+
+
+class IndexedMember(NamedTuple):
+    """One tar member of a sample: its name, data offset in the shard, and size in bytes."""
+
+    name: str
+    offset: int
+    size: int
+
+
+class IndexedSample(NamedTuple):
+    """One sample of a shard.
+
+    Attributes:
+        key: The sample's ``__key__``.
+        start: Offset of the first header of its first member (PAX headers included).
+        end: End of its last member's data, padding included: ``[start, end)`` is the one
+            ranged GET that fetches the sample.
+        members: Its members, in archive order.
+    """
+
+    key: str
+    start: int
+    end: int
+    members: tuple[IndexedMember, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class ShardIndex:
+    """The index of one shard, stored in compact columns (``array('q')``), not objects.
+
+    Attributes:
+        url: Absolute shard URL.
+        size: Shard size in bytes when indexed.
+        etag: The store's ETag (or md5) when indexed, if it gave one.
+        mtime: The store's modification time when indexed, as text, if it gave one.
+        keys: Sample keys in order.
+        fields: Distinct member name suffixes (``"jpg"``, ``"seg.PNG"``), case kept.
+    """
+
+    url: str
+    size: int
+    keys: list[str]
+    starts: array[int]
+    ends: array[int]
+    fields: tuple[str, ...]
+    member_bounds: array[int]  # members of sample j: member_bounds[j] .. member_bounds[j + 1]
+    member_fields: array[int]
+    member_offsets: array[int]
+    member_sizes: array[int]
+    etag: str | None = None
+    mtime: str | None = None
+
+    @property
+    def num_samples(self) -> int:
+        """Number of samples in the shard."""
+        return len(self.keys)
+
+    def sample(self, position: int) -> IndexedSample:
+        """The sample at ``position`` (0-based) within this shard."""
+        key = self.keys[position]
+        fields = self.fields
+        lo, hi = self.member_bounds[position], self.member_bounds[position + 1]
+        members = tuple(
+            IndexedMember(f"{key}.{fields[self.member_fields[m]]}", self.member_offsets[m], size)
+            for m, size in zip(range(lo, hi), self.member_sizes[lo:hi], strict=True)
+        )
+        return IndexedSample(key, self.starts[position], self.ends[position], members)
+
+    def samples(self) -> Iterator[IndexedSample]:
+        """Every sample, in order."""
+        return (self.sample(j) for j in range(len(self.keys)))
+
+    @classmethod
+    def from_samples(
+        cls,
+        url: str,
+        size: int,
+        samples: Iterable[IndexedSample],
+        *,
+        etag: str | None = None,
+        mtime: str | None = None,
+    ) -> ShardIndex:
+        """Build the columns from samples (each member name must be ``key + "." + field``)."""
+        keys: list[str] = []
+        starts, ends, bounds = array("q"), array("q"), array("q", [0])
+        fields: dict[str, int] = {}
+        member_fields, offsets, sizes = array("q"), array("q"), array("q")
+        for sample in samples:
+            keys.append(sample.key)
+            starts.append(sample.start)
+            ends.append(sample.end)
+            for member in sample.members:
+                suffix = member.name[len(sample.key) + 1 :]
+                assert member.name == f"{sample.key}.{suffix}", member.name
+                member_fields.append(fields.setdefault(suffix, len(fields)))
+                offsets.append(member.offset)
+                sizes.append(member.size)
+            bounds.append(len(offsets))
+        return cls(
+            url, size, keys, starts, ends, tuple(fields), bounds, member_fields, offsets, sizes,
+            etag=etag, mtime=mtime,
+        )  # fmt: skip
+
+    def to_json(self, stored_url: str) -> dict[str, Any]:
+        """The shard's JSON object, with ``stored_url`` as its URL."""
+        counts = [b - a for a, b in itertools.pairwise(self.member_bounds)]
+        return {
+            "url": stored_url,
+            "size": self.size,
+            "etag": self.etag,
+            "mtime": self.mtime,
+            "num_samples": self.num_samples,
+            "fields": list(self.fields),
+            "keys": self.keys,
+            "starts": self.starts.tolist(),
+            "ends": self.ends.tolist(),
+            "member_counts": counts,
+            "member_fields": self.member_fields.tolist(),
+            "member_offsets": self.member_offsets.tolist(),
+            "member_sizes": self.member_sizes.tolist(),
+        }
+
+    @classmethod
+    def from_json(cls, value: Any, url: str) -> ShardIndex:
+        """Parse and check one shard object; ``url`` is its resolved URL.
+
+        Raises:
+            ValueError: The object is malformed or inconsistent (the caller names the file).
+        """
+        if not isinstance(value, dict):
+            raise ValueError("a shard entry is not an object")
+        size, keys, fields = value.get("size"), value.get("keys"), value.get("fields")
+        if not isinstance(size, int) or size < 0:
+            raise ValueError(f"bad size {size!r}")
+        if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+            raise ValueError("keys must be a list of strings")
+        if not isinstance(fields, list) or not all(isinstance(f, str) for f in fields):
+            raise ValueError("fields must be a list of strings")
+        columns = {name: _int_column(value, name) for name in (*_COLUMNS, *_MEMBER_COLUMNS)}
+        n = len(keys)
+        if value.get("num_samples", n) != n or any(len(columns[c]) != n for c in _COLUMNS):
+            raise ValueError("sample columns differ in length")
+        bounds = array("q", [0, *itertools.accumulate(columns["member_counts"])])
+        if any(len(columns[c]) != bounds[-1] for c in _MEMBER_COLUMNS):
+            raise ValueError("member columns do not match member_counts")
+        if any(not 0 <= f < len(fields) for f in columns["member_fields"]):
+            raise ValueError("member_fields points outside fields")
+        starts, ends = columns["starts"], columns["ends"]
+        if any(not 0 <= a < b <= size for a, b in zip(starts, ends, strict=True)):
+            raise ValueError("a sample's byte range lies outside the shard")
+        return cls(
+            url, size, keys, starts, ends, tuple(fields), bounds, columns["member_fields"],
+            columns["member_offsets"], columns["member_sizes"],
+            etag=_optional_str(value.get("etag")), mtime=_optional_str(value.get("mtime")),
+        )  # fmt: skip
+
+
+def _int_column(value: dict[str, Any], name: str) -> array[int]:
+    column = value.get(name)
+    if not isinstance(column, list):
+        raise ValueError(f"{name} must be a list of integers")
+    try:
+        return array("q", column)
+    except (TypeError, OverflowError):
+        raise ValueError(f"{name} must be a list of integers") from None
+
+
+def _optional_str(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
+@dataclass(frozen=True, eq=False)
+class DatasetIndex:
+    """The index of a dataset: its shards in order; sample ``i`` counts across them.
+
+    Attributes:
+        shards: One :class:`ShardIndex` per shard; ``shards[i].url`` is absolute.
+        url: Where the index was loaded from or last written to (None when built in memory).
+    """
+
+    shards: tuple[ShardIndex, ...]
+    url: str | None = None
+    _ends: list[int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shards", tuple(self.shards))
+        ends = list(itertools.accumulate(s.num_samples for s in self.shards))
+        object.__setattr__(self, "_ends", ends)
+
+    @property
+    def num_samples(self) -> int:
+        """Total number of samples."""
+        return self._ends[-1] if self._ends else 0
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def locate(self, index: int) -> tuple[int, int]:
+        """Map a sample index in ``[0, num_samples)`` to ``(shard position, sample in shard)``."""
+        shard = bisect.bisect_right(self._ends, index)
+        return shard, index - (self._ends[shard - 1] if shard else 0)
+
+    def shard_ranges(self) -> list[tuple[int, int]]:
+        """``[start, end)`` sample index range of each shard, in order."""
+        return list(itertools.pairwise([0, *self._ends]))
+
+    def select(self, urls: Sequence[str]) -> DatasetIndex | None:
+        """The index of just these shards in this order, or None if one is not indexed."""
+        by_url = {shard.url: shard for shard in self.shards}
+        try:
+            return DatasetIndex(tuple(by_url[url] for url in urls), self.url)
+        except KeyError:
+            return None
+
+    def to_json(self, url: str | None = None) -> dict[str, Any]:
+        """The index as a JSON-able dict; shard URLs below ``url``'s directory become relative."""
+        import cloudshards
+
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "created_by": f"cloudshards {cloudshards.__version__}",
+            "num_shards": len(self.shards),
+            "num_samples": self.num_samples,
+            "shards": [s.to_json(_relative(s.url, url) if url else s.url) for s in self.shards],
+        }
+
+
+def shard_sample_counts(index: DatasetIndex) -> dict[str, int]:
+    """Map each shard's absolute URL to its number of samples."""
+    return {shard.url: shard.num_samples for shard in index.shards}
+
+
+def default_index_url(urls: Sequence[str]) -> str:
+    """Where ``cloudshards index`` writes by default: ``<dir of first shard>/<name>.index.json``.
+
+    ``<name>`` is the shard names' common prefix without trailing digits and separators
+    (``train-{000000..000099}.tar`` -> ``train.index.json``), or ``dataset`` when that is empty.
+    """
+    if not urls:
+        raise ConfigError("no shard URLs to index")
+    parent = _parent(urls[0])
+    stems = []
+    for url in urls:
+        base = _strip_query(url).rsplit("/", 1)[-1]
+        for suffix in _TAR_SUFFIXES:
+            if base.endswith(suffix):
+                base = base[: -len(suffix)]
+                break
+        stems.append(base)
+    # A string prefix, not a path: train-000000 and train-000001 share "train-00000".
+    name = os.path.commonprefix(stems).rstrip("0123456789-_.") or "dataset"  # noqa: RUF071
+    return f"{parent}/{name}{_INDEX_SUFFIX}"
+
+
+def _strip_query(url: str) -> str:
+    return url.split("?", 1)[0] if protocol_of(url) in ("http", "https") else url
+
+
+def _parent(url: str) -> str:
+    base = _strip_query(url)
+    if "/" not in base:
+        return os.getcwd() if protocol_of(url) == "file" else "."
+    parent = base.rsplit("/", 1)[0]
+    return parent or "/"
+
+
+def _relative(shard_url: str, index_url: str) -> str:
+    parent = _parent(index_url).rstrip("/") + "/"
+    if shard_url.startswith(parent) and len(shard_url) > len(parent):
+        return shard_url[len(parent) :]
+    return shard_url
+
+
+def _absolute(stored: str, index_url: str) -> str:
+    if "://" in stored or stored.startswith(("/", PIPE_PREFIX)):
+        return stored
+    parent = _parent(index_url)
+    if protocol_of(index_url) == "file" and "://" not in index_url:
+        parent = os.path.abspath(parent)
+    return f"{parent.rstrip('/')}/{stored}"
+
+
+def read_index(data: bytes, url: str) -> DatasetIndex:
+    """Parse index bytes (JSON, gzip-compressed or not) read from ``url``.
+
+    Raises:
+        ConfigError: The file is not a cloudshards index, or has another format version.
+        ShardFormatError: The file is corrupt or inconsistent.
+    """
+    try:
+        if data[:2] == b"\x1f\x8b":
+            data = gzip.decompress(data)
+        document = json.loads(data)
+    except (OSError, EOFError, ValueError) as exc:
+        raise ShardFormatError(f"index is not valid (gzipped) JSON: {exc}", url=url) from None
+    if not isinstance(document, dict) or document.get("format") != FORMAT:
+        raise ConfigError(
+            f'{redact_url(url)} is not a cloudshards index (no "format": "{FORMAT}" field); '
+            "build one with `cloudshards index URL...`"
+        )
+    version = document.get("version")
+    if version != VERSION:
+        raise ConfigError(
+            f"{redact_url(url)} has index format version {version!r}; this cloudshards reads "
+            f"version {VERSION}: rebuild it with `cloudshards index` (or upgrade cloudshards)"
+        )
+    entries = document.get("shards")
+    if not isinstance(entries, list):
+        raise ShardFormatError("corrupt index: no list of shards", url=url)
+    shards = []
+    for position, entry in enumerate(entries):
+        stored = entry.get("url") if isinstance(entry, dict) else None
+        try:
+            if not isinstance(stored, str) or not stored:
+                raise ValueError("no url")
+            shards.append(ShardIndex.from_json(entry, _absolute(stored, url)))
+        except ValueError as exc:
+            raise ShardFormatError(
+                f"corrupt index: shard entry {position}: {exc}", url=url, shard_index=position
+            ) from None
+    return DatasetIndex(tuple(shards), url)
+
+
+def load_index(url: str, storage_options: Mapping[str, Any] | None = None) -> DatasetIndex:
+    """Read an index written by :func:`write_index` (or ``cloudshards index``) from any URL.
+
+    Relative shard URLs in the file are resolved against the index's own location.
+
+    Raises:
+        ShardOpenError: The index cannot be read (missing, denied, network).
+        ConfigError: The file is not a cloudshards index, or has another format version.
+        ShardFormatError: The file is corrupt.
+    """
+    data = _read_bytes(url, storage_options)
+    if data is None:
+        raise ShardOpenError("index not found; build it with `cloudshards index`", url=url)
+    return read_index(data, url)
+
+
+def _read_bytes(url: str, storage_options: Mapping[str, Any] | None) -> bytes | None:
+    """The whole object at ``url``, or None when it does not exist."""
+    fs, path = resolve(url, storage_options)
+
+    def call() -> bytes:
+        data: bytes = fs.cat_file(path)
+        return data
+
+    try:
+        return retry(call, url=url, offset=0, options=FetchOptions.from_env())
+    except ShardOpenError as exc:
+        if isinstance(exc.__cause__, FileNotFoundError):
+            return None
+        raise
+
+
+def write_index(
+    index: DatasetIndex, url: str, storage_options: Mapping[str, Any] | None = None
+) -> DatasetIndex:
+    """Write ``index`` as JSON to any fsspec URL (gzip-compressed when ``url`` ends in ``.gz``).
+
+    Shard URLs below the index's directory are stored relative to it, so the shards and their
+    index can move together. Local files are written to a temporary name and renamed into
+    place; object stores publish an object atomically when its single upload completes.
+
+    Returns:
+        The same index, with ``url`` set to where it was written.
+
+    Raises:
+        ShardOpenError: The store refused the write.
+    """
+    payload = json.dumps(index.to_json(url), separators=(",", ":")).encode()
+    if _strip_query(url).endswith(".gz"):
+        payload = gzip.compress(payload, mtime=0)
+    fs, path = resolve(url, storage_options)
+    try:
+        if protocol_of(url) == "file":
+            _write_local(path, payload)
+        else:
+            fs.pipe_file(path, payload)
+    except OSError as exc:
+        raise map_backend_error(exc, url, action="cannot write index") from exc
+    logger.debug("wrote index of %d shards to %s", len(index.shards), redact_url(url))
+    return DatasetIndex(index.shards, url)
+
+
+def _write_local(path: str, payload: bytes) -> None:
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

@@ -1,0 +1,552 @@
+"""Indexed (map-style) mode: a tar index, ``IndexedDataset`` and ``DistributedChunkedSampler``.
+
+An index (``cloudshards index URL...``) records every sample's byte range, so one sample is
+one ranged GET, or a ``pread`` from the whole shard in the node cache.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import contextlib
+import io
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import torch.utils.data
+
+from cloudshards import config
+from cloudshards._index_build import build_index
+from cloudshards._index_format import (
+    DatasetIndex,
+    IndexedMember,
+    IndexedSample,
+    ShardIndex,
+    _read_bytes,
+    default_index_url,
+    load_index,
+    read_index,
+    shard_sample_counts,
+    write_index,
+)
+from cloudshards._index_sampler import DistributedChunkedSampler
+from cloudshards._tarheader import ZERO_BLOCK
+from cloudshards.cache import ShardCache
+from cloudshards.errors import ConfigError, ShardError, ShardFormatError, ShardOpenError
+from cloudshards.fetch import FetchOptions, RangeIgnoredError, fetch_range, process_stats
+from cloudshards.grouping import group_members, make_name_filter, split_key
+from cloudshards.handlers import as_handler, reraise_exception
+from cloudshards.io import OpenOptions, ShardStream
+from cloudshards.prefetch import PartStream
+from cloudshards.redact import redact_url
+from cloudshards.tar import iter_members
+from cloudshards.types import ExceptionHandler, Member, Sample
+from cloudshards.urls import expand_urls, protocol_of, resolve
+
+__all__ = [
+    "DatasetIndex",
+    "DistributedChunkedSampler",
+    "IndexedDataset",
+    "IndexedMember",
+    "IndexedSample",
+    "ShardIndex",
+    "build_index",
+    "default_index_url",
+    "load_index",
+    "read_index",
+    "shard_sample_counts",
+    "write_index",
+]
+
+logger = logging.getLogger(__name__)
+
+_END_OF_ARCHIVE = ZERO_BLOCK * 2
+_NAME_FILTER = make_name_filter(None, None)
+#: Shard files (cache entries, local shards) kept open per process.
+MAX_OPEN_FILES = 128
+#: Following samples tried in place of one that failed, when the handler lets it pass.
+MAX_SUBSTITUTES = 16
+_state_lock = threading.Lock()
+
+
+def _new_state_lock() -> None:
+    global _state_lock
+    _state_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_state_lock)
+
+_STALE_HINT = "the shard changed since it was indexed? rebuild the index with `cloudshards index`"
+
+
+class IndexedDataset(torch.utils.data.Dataset[Any]):
+    """Random access to the samples of WebDataset shards through a tar index.
+
+    ``dataset[i]`` is the i-th sample in shard order, the same dict the streaming reader
+    yields (``__key__``, ``__url__``, one bytes value per field), passed through ``transform``.
+    Without a cache it costs one ranged GET of the sample's bytes. With ``cache_dir`` the
+    whole shard is downloaded into the node cache on first touch (once per node, shared with
+    :class:`~cloudshards.WebDataset`'s cache) and samples are read from the file; pair it with
+    :class:`DistributedChunkedSampler`, which keeps each rank on a few shards at a time.
+    Local shards are always read from their files.
+
+    Thread-safe, and safe in forked DataLoader workers (each process opens its own files and
+    connections). ``__getitems__`` (used by DataLoader for whole batches) and
+    :meth:`get_many` read samples concurrently on a thread pool; :meth:`close` stops it.
+
+    Args:
+        index_or_urls: A :class:`DatasetIndex`, the URL of an index file (``*.json`` or
+            ``*.json.gz``), or a shard spec; for a spec the default index next to the shards
+            (:func:`default_index_url`) is used if it lists them, else the shards are scanned
+            now (slow: save an index with ``cloudshards index``).
+        storage_options: fsspec options, per protocol or flat.
+        cache_dir: Node cache directory (default ``CLOUDSHARDS_CACHE_DIR``); whole shards.
+        cache_size: Cache byte budget (default ``CLOUDSHARDS_CACHE_SIZE``; None: no limit).
+        transform: Applied to each sample dict, e.g. a :class:`~cloudshards.Decoder`.
+        handler: What a sample that cannot be read does (:class:`~cloudshards.ShardError`):
+            ``reraise_exception`` (default) raises; a handler that returns instead (``"warn"``,
+            ``"skip"``, ``warn_and_continue``) has it replaced by the next sample that can be
+            read, so every index still returns a sample (at most 16 tries).
+        max_workers: Threads of :meth:`get_many` / ``__getitems__``.
+
+    Raises:
+        ConfigError: Bad arguments, or an index file of another format version.
+        ShardOpenError: The index (or, when scanning, a shard) cannot be read.
+    """
+
+    def __init__(
+        self,
+        index_or_urls: DatasetIndex | str | Iterable[str],
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_size: int | None = None,
+        transform: Callable[[Sample], Any] | None = None,
+        handler: ExceptionHandler | str = reraise_exception,
+        max_workers: int = 16,
+    ) -> None:
+        if max_workers < 1:
+            raise ConfigError(f"max_workers must be >= 1, got {max_workers}")
+        if transform is not None and not callable(transform):
+            raise ConfigError(f"transform must be callable, got {transform!r}")
+        self.index = _as_index(index_or_urls, storage_options)
+        self.storage_options = storage_options
+        env_dir, env_size = config.cache_defaults()
+        directory = cache_dir if cache_dir is not None else env_dir
+        budget = cache_size if cache_size is not None else env_size
+        self.cache = ShardCache(directory, max_bytes=budget) if directory is not None else None
+        self.transform = transform
+        self.handler = as_handler(handler)
+        self.max_workers = max_workers
+        self.options = OpenOptions(storage_options=storage_options)
+        self.fetch = FetchOptions.from_env()
+        self._max_member_bytes = self.options.member_limit()
+        self._state: _ProcessState | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_state"] = None  # threads, files and locks never cross a pickle or a fork
+        return state
+
+    def __len__(self) -> int:
+        return self.index.num_samples
+
+    def shard_ranges(self) -> list[tuple[int, int]]:
+        """``[start, end)`` sample index range of each shard (for locality-aware samplers)."""
+        return self.index.shard_ranges()
+
+    def __getitem__(self, index: int) -> Any:
+        size = len(self)
+        position = int(index)
+        if position < 0:
+            position += size
+        if not 0 <= position < size:
+            raise IndexError(f"sample index {index} out of range for {size} samples")
+        for attempt in range(MAX_SUBSTITUTES + 1):
+            try:
+                sample = self.read_sample((position + attempt) % size)
+                return sample if self.transform is None else self.transform(sample)
+            except ShardError as exc:
+                self.handler(exc)  # raises, or lets a following sample stand in
+                self._process().count("skipped")
+                if attempt == MAX_SUBSTITUTES:
+                    raise
+        raise AssertionError("unreachable")
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        """A batch of samples, read concurrently (DataLoader calls this for each batch)."""
+        return self.get_many(indices)
+
+    def get_many(self, indices: Iterable[int], *, max_workers: int | None = None) -> list[Any]:
+        """Samples at ``indices``, in order, read on up to ``max_workers`` threads."""
+        indices = list(indices)
+        workers = self.max_workers if max_workers is None else max_workers
+        if len(indices) <= 1 or workers <= 1:
+            return [self[i] for i in indices]
+        return list(self._process().pool(workers).map(self.__getitem__, indices))
+
+    def read_sample(self, index: int) -> Sample:
+        """The raw sample at ``index`` (no transform, no handler).
+
+        Raises:
+            ShardOpenError: The shard cannot be read (missing, denied, network), naming the
+                shard URL (redacted) and the sample's first member.
+            ShardFormatError: The bytes do not match the index (the shard changed).
+        """
+        position, within = self.index.locate(index)
+        shard = self.index.shards[position]
+        entry = shard.sample(within)
+        try:
+            data = self._fetch(position, shard, entry)
+            return _parse(data, shard, entry, position, self._max_member_bytes)
+        except (ShardOpenError, ShardFormatError) as exc:
+            if exc.member is not None and exc.shard_index is not None:
+                raise
+            kind = ShardOpenError if isinstance(exc, ShardOpenError) else ShardFormatError
+            error = kind(
+                exc.reason,
+                url=shard.url,
+                shard_index=position,
+                offset=entry.start if exc.offset is None else exc.offset,
+                member=entry.members[0].name,
+            )
+            raise error from exc
+
+    def _fetch(self, position: int, shard: ShardIndex, entry: IndexedSample) -> bytes:
+        state = self._process()
+        length = entry.end - entry.start
+        if self.cache is not None or protocol_of(shard.url) == "file":
+            handle = state.acquire(position, lambda: self._open_file(position, shard))
+            if handle is not None:
+                try:
+                    data = os.pread(handle.fd, length, entry.start)
+                finally:
+                    state.release(handle)
+                state.count("disk_reads")
+                return _check_length(data, length, shard, position)
+        fs, path = resolve(shard.url, self.storage_options)
+        try:
+            data = fetch_range(
+                fs, path, entry.start, entry.end, url=shard.url, size=None,
+                options=self.fetch, stats=process_stats(),
+            )  # fmt: skip
+        except RangeIgnoredError as exc:
+            if len(exc.body) != shard.size:
+                raise ShardFormatError(
+                    f"server ignored Range and sent {len(exc.body)} bytes; the index says "
+                    f"{shard.size} ({_STALE_HINT})",
+                    url=shard.url,
+                ) from None
+            state.warn_once(
+                f"{redact_url(shard.url)}: the server ignores Range requests; every sample "
+                "downloads its whole shard (use cache_dir= to download each shard once)"
+            )
+            data = exc.body[entry.start : entry.end]
+        state.count("ranged_gets")
+        return _check_length(data, length, shard, position)
+
+    def _open_file(self, position: int, shard: ShardIndex) -> _OpenFile | None:
+        """Open a local shard or its cache entry (downloading it first); None: no file."""
+        if protocol_of(shard.url) == "file":
+            _, path = resolve(shard.url, self.storage_options)
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError as exc:
+                raise ShardOpenError(
+                    "object not found" if isinstance(exc, FileNotFoundError) else str(exc),
+                    url=shard.url,
+                    shard_index=position,
+                ) from exc
+            return _checked(_OpenFile(fd, lambda: os.close(fd)), shard, position)
+        assert self.cache is not None
+        with cf.ThreadPoolExecutor(self.fetch.concurrency, "cloudshards-indexed-dl") as pool:
+            stream = self._open_cached(position, shard, pool)
+            if not isinstance(stream, PartStream) and not _is_file(stream):
+                # A miss (we download) or another process's download (we follow): read it
+                # to the end, which commits the entry, then open the entry.
+                try:
+                    while stream.read(4 << 20):
+                        pass
+                finally:
+                    stream.close()
+                stream = self._open_cached(position, shard, pool)
+            if not _is_file(stream):
+                # Streamed without being kept (over the budget, disk full).
+                stream.close()
+                self._process().warn_once(
+                    "cache: a shard was not kept (budget or disk full); reading its samples "
+                    "with ranged GETs instead"
+                )
+                return None
+        fd = stream._raw.fileno()
+        return _checked(_OpenFile(fd, stream.close), shard, position)
+
+    def _open_cached(self, position: int, shard: ShardIndex, pool: cf.ThreadPoolExecutor) -> Any:
+        assert self.cache is not None
+
+        def open_store() -> PartStream:
+            # One metadata request per download: refuse a shard that changed size.
+            fs, path = resolve(shard.url, self.storage_options)
+            details: dict[str, Any] = fs.info(path)
+            if details.get("size") is not None and int(details["size"]) != shard.size:
+                raise ShardFormatError(
+                    f"shard is {details['size']} bytes, the index says {shard.size} "
+                    f"({_STALE_HINT})",
+                    url=shard.url,
+                    shard_index=position,
+                )
+            details = {**details, "size": shard.size}
+            stats = process_stats()
+            stream = PartStream(
+                shard.url, fs, path, details, executor=pool, options=self.fetch, stats=stats,
+                shard_index=position,
+            )  # fmt: skip
+            stream.start()
+            return stream
+
+        return self.cache.open(
+            shard.url,
+            self.options,
+            shard_index=position,
+            wait_s=self.fetch.stall_timeout_s,
+            open_store=open_store,
+        )
+
+    def _process(self) -> _ProcessState:
+        state = self._state
+        if state is None or state.pid != os.getpid():
+            with _state_lock:
+                state = self._state
+                if state is None or state.pid != os.getpid():
+                    state = self._state = _ProcessState(os.getpid())
+        return state
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        """This process's counters: ``indexed`` (ranged_gets, disk_reads, skipped), ``io``
+        (requests, retries, bytes...) and, with a cache, ``cache`` (hits, misses...)."""
+        result: dict[str, dict[str, float]] = {
+            "indexed": dict(self._process().counters),
+            "io": process_stats().as_dict(),
+        }
+        if self.cache is not None:
+            result["cache"] = dict(self.cache.stats.as_dict())
+        return result
+
+    def close(self) -> None:
+        """Stop the reading threads and close open shard files (reopened on next use)."""
+        state, self._state = self._state, None
+        if state is not None and state.pid == os.getpid():
+            state.close()
+
+    def __enter__(self) -> IndexedDataset:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _as_index(
+    spec: DatasetIndex | str | Iterable[str], storage_options: Mapping[str, Any] | None
+) -> DatasetIndex:
+    if isinstance(spec, DatasetIndex):
+        return spec
+    if isinstance(spec, str) and spec.split("?", 1)[0].endswith((".json", ".json.gz")):
+        return load_index(spec, storage_options)
+    if isinstance(spec, Mapping) or not isinstance(spec, (str, Iterable)):
+        raise ConfigError(f"expected an index, an index URL or shard URLs, got {spec!r}")
+    urls = expand_urls(spec, storage_options=storage_options)
+    default = default_index_url(urls)
+    data = _read_bytes(default, storage_options)
+    if data is not None:
+        selected = read_index(data, default).select(urls)
+        if selected is not None:
+            return selected
+        logger.warning("%s does not list every shard given", redact_url(default))
+    logger.warning(
+        "no index for %d shards at %s: scanning them now; save an index with "
+        "`cloudshards index` to skip this",
+        len(urls),
+        redact_url(default),
+    )
+    return build_index(urls, storage_options)
+
+
+def _is_file(stream: Any) -> bool:
+    # A complete cache entry (or a local file): a ShardStream over a real file.
+    return isinstance(stream, ShardStream) and hasattr(stream._raw, "fileno")
+
+
+def _checked(handle: _OpenFile, shard: ShardIndex, position: int) -> _OpenFile:
+    size = os.fstat(handle.fd).st_size
+    if size != shard.size:
+        handle.close()
+        raise ShardFormatError(
+            f"shard is {size} bytes, the index says {shard.size} ({_STALE_HINT})",
+            url=shard.url,
+            shard_index=position,
+        )
+    return handle
+
+
+def _check_length(data: bytes, length: int, shard: ShardIndex, position: int) -> bytes:
+    if len(data) != length:
+        raise ShardFormatError(
+            f"got {len(data)} of the sample's {length} bytes: the shard is shorter than "
+            f"indexed ({_STALE_HINT})",
+            url=shard.url,
+            shard_index=position,
+        )
+    return data
+
+
+def _parse(
+    data: bytes, shard: ShardIndex, entry: IndexedSample, position: int, max_member_bytes: int
+) -> Sample:
+    """Parse a sample's bytes with the tar reader; check them against the index."""
+    start = entry.start
+    try:
+        members = [
+            member
+            for member in iter_members(
+                io.BytesIO(data + _END_OF_ARCHIVE),
+                url=shard.url,
+                name_filter=_NAME_FILTER,
+                max_member_bytes=max_member_bytes,
+            )
+            if split_key(member.name) is not None
+        ]
+    except ShardFormatError as exc:
+        raise ShardFormatError(
+            f"{exc.reason} ({_STALE_HINT})",
+            url=shard.url,
+            shard_index=position,
+            offset=None if exc.offset is None else start + exc.offset,
+            member=entry.members[0].name,
+        ) from exc
+    found = [IndexedMember(m.name, start + m.offset, len(m.data)) for m in members]
+    if found != list(entry.members):
+        raise ShardFormatError(
+            f"the shard's members here are {[m.name for m in found][:4]}, the index says "
+            f"{[m.name for m in entry.members][:4]} ({_STALE_HINT})",
+            url=shard.url,
+            shard_index=position,
+            offset=start,
+            member=entry.members[0].name,
+        )
+    relocated = (Member(m.name, m.data, start + m.offset) for m in members)
+    sample = next(group_members(relocated, url=shard.url, shard_index=position))
+    if protocol_of(shard.url) == "file":
+        # As the streaming reader (and webdataset 1.0.2) tell where a local shard lives.
+        url = shard.url
+        sample["__local_path__"] = urlsplit(url).path if url.startswith("file:") else url
+    return sample
+
+
+@dataclass(eq=False)
+class _OpenFile:
+    fd: int
+    closer: Callable[[], None]
+    refs: int = 0
+    retired: bool = False
+
+    def close(self) -> None:
+        self.closer()
+
+
+@dataclass(eq=False)
+class _ProcessState:
+    """What one process owns: open shard files (LRU), downloads in flight, a thread pool."""
+
+    pid: int
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    files: collections.OrderedDict[int, _OpenFile] = field(default_factory=collections.OrderedDict)
+    opening: dict[int, threading.Event] = field(default_factory=dict)
+    no_file: set[int] = field(default_factory=set)
+    counters: collections.Counter[str] = field(default_factory=collections.Counter)
+    warned: set[str] = field(default_factory=set)
+    executors: dict[int, cf.ThreadPoolExecutor] = field(default_factory=dict)
+
+    def count(self, name: str) -> None:
+        with self.lock:
+            self.counters[name] += 1
+
+    def warn_once(self, message: str) -> None:
+        if message not in self.warned:
+            self.warned.add(message)
+            logger.warning("%s", message)
+
+    def acquire(self, key: int, opener: Callable[[], _OpenFile | None]) -> _OpenFile | None:
+        """The open file for shard ``key`` (one opener per shard at a time); None: no file."""
+        while True:
+            with self.lock:
+                handle = self.files.get(key)
+                if handle is not None:
+                    self.files.move_to_end(key)
+                    handle.refs += 1
+                    return handle
+                if key in self.no_file:
+                    return None
+                event = self.opening.get(key)
+                mine = event is None
+                if mine:
+                    event = self.opening[key] = threading.Event()
+            assert event is not None
+            if not mine:
+                event.wait()
+                continue
+            handle = None
+            try:
+                handle = opener()
+            finally:
+                with self.lock:
+                    del self.opening[key]
+                    if handle is None:
+                        self.no_file.add(key)
+                    else:
+                        handle.refs += 1
+                        self.files[key] = handle
+                        self._retire_extra()
+                event.set()
+            return handle
+
+    def _retire_extra(self) -> None:
+        while len(self.files) > MAX_OPEN_FILES:
+            _, old = self.files.popitem(last=False)
+            old.retired = True
+            if old.refs == 0:
+                old.close()
+
+    def release(self, handle: _OpenFile) -> None:
+        with self.lock:
+            handle.refs -= 1
+            close = handle.retired and handle.refs == 0
+        if close:
+            handle.close()
+
+    def pool(self, workers: int) -> cf.ThreadPoolExecutor:
+        with self.lock:
+            executor = self.executors.get(workers)
+            if executor is None:
+                executor = self.executors[workers] = cf.ThreadPoolExecutor(
+                    workers, "cloudshards-indexed"
+                )
+            return executor
+
+    def close(self) -> None:
+        with self.lock:
+            executors = list(self.executors.values())
+            self.executors.clear()
+            files = list(self.files.values())
+            self.files.clear()
+        for executor in executors:
+            executor.shutdown(wait=True)
+        for handle in files:
+            handle.retired = True
+            if handle.refs == 0:
+                with contextlib.suppress(OSError):
+                    handle.close()

@@ -142,6 +142,29 @@ def _cmd_cache_clear(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_index(args: argparse.Namespace) -> int:
+    import json
+
+    from cloudshards.indexed import build_index, default_index_url, write_index
+
+    options: dict[str, Any] = {}
+    for item in args.storage_option:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--storage-option takes KEY=VALUE, got {item!r}")
+        try:
+            options[key] = json.loads(text)
+        except ValueError:
+            options[key] = text
+    storage_options = options or None
+    urls = expand_urls(args.urls, storage_options=storage_options)
+    index = build_index(urls, storage_options, max_workers=args.workers)
+    output = args.output or default_index_url(urls)
+    write_index(index, output, storage_options)
+    print(f"{redact_url(output)}: {len(index.shards)} shards, {index.num_samples} samples")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cloudshards", description="Inspect WebDataset tar shards at any fsspec URL."
@@ -178,6 +201,16 @@ def _parser() -> argparse.ArgumentParser:
     cache_clear = cache_commands.add_parser("clear", help="remove entries not in use")
     cache_clear.add_argument("directory", help="the cache directory (cache_dir=)")
     cache_clear.set_defaults(func=_cmd_cache_clear)
+
+    index = commands.add_parser("index", help="write a tar index for random access (indexed mode)")
+    index.add_argument("urls", nargs="+", help="shard specs (uncompressed .tar)")
+    index.add_argument("--output", help="index URL (default: <shard dir>/<name>.index.json)")
+    index.add_argument(
+        "--storage-option", action="append", default=[], metavar="KEY=VALUE",
+        help="fsspec option, repeatable; VALUE is JSON or text (endpoint_url=http://...)",
+    )  # fmt: skip
+    index.add_argument("--workers", type=int, default=8, help="shards scanned at once")
+    index.set_defaults(func=_cmd_index)
     return parser
 
 

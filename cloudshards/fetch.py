@@ -166,14 +166,17 @@ def open_remote(
     fetch: FetchOptions | None = None,
     stats: IOStats | None = None,
     shard_index: int | None = None,
+    start: int = 0,
 ) -> ResumableStream:
-    """Open a remote shard as one streaming GET that resumes after transient failures."""
+    """Open a remote shard as one streaming GET that resumes after transient failures,
+    positioned at byte ``start``."""
     return ResumableStream(
         url,
         lambda: open_shard(url, options, shard_index=shard_index),
         options=fetch or FetchOptions.from_env(),
         stats=stats if stats is not None else process_stats(),
         shard_index=shard_index,
+        start=start,
     )
 
 
@@ -327,16 +330,20 @@ class ResumableStream:
         options: FetchOptions,
         stats: IOStats,
         shard_index: int | None = None,
+        start: int = 0,
     ) -> None:
         self.url = url
         self.shard_index = shard_index
         self._open_raw = open_raw
         self._options = options
         self._stats = stats
-        stats.add(requests=1)
-        self._stream = open_raw()
-        self.offset = 0
+        self.offset = start
         self.closed = False
+        if start:
+            self._stream = self._open_at(start)
+        else:
+            stats.add(requests=1)
+            self._stream = open_raw()
         raw = getattr(self._stream, "_raw", None)
         self.size = getattr(raw, "size", None)
         self.details = getattr(raw, "details", None)
@@ -365,15 +372,18 @@ class ResumableStream:
         # Called after a failure; the next attempt reads from a fresh stream at our offset.
         with contextlib.suppress(Exception):
             self._stream.close()
+        self._stream = self._open_at(self.offset)
+
+    def _open_at(self, offset: int) -> ShardStream:
         self._stats.add(requests=1)
         stream = self._open_raw()
         try:
-            if not _seek(stream, self.offset) and discard(stream, self.offset) < self.offset:
+            if not _seek(stream, offset) and discard(stream, offset) < offset:
                 raise ConnectionError("object shorter than before while resuming")
         except BaseException:
             stream.close()
             raise
-        self._stream = stream
+        return stream
 
     def close(self) -> None:
         """Close the underlying stream."""

@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -32,6 +32,7 @@ from cloudshards.fetch import (
 )
 from cloudshards.io import OpenOptions, ShardStream
 from cloudshards.redact import redact_url
+from cloudshards.types import ByteSource
 from cloudshards.urls import protocol_of, resolve
 
 __all__ = ["PartStream", "ShardPrefetcher"]
@@ -39,7 +40,7 @@ __all__ = ["PartStream", "ShardPrefetcher"]
 logger = logging.getLogger(__name__)
 
 #: Size of each shard's first ranged GET (the rest use ``part_bytes``): time to first sample.
-FIRST_PART_BYTES = 256 << 10
+FIRST_PART_BYTES = 64 << 10
 
 #: Hosts seen answering ranged GETs with whole objects: streamed with one GET from then on.
 _UNRANGED_HOSTS: set[str] = set()
@@ -53,8 +54,12 @@ def _host_key(url: str) -> str:
 class PartStream:
     """The bytes of one remote object, fetched as a window of ranged GETs in flight.
 
+    The object's metadata (size, ETag) comes from a lookup sent together with the first ranged
+    GET; reading starts as soon as the first part arrives, without waiting for the lookup.
+
     Attributes:
-        size: Object size in bytes (from the store).
+        size: Object size in bytes (from the store; waits for the lookup), or None if the
+            store does not say (the rest after the first part is then streamed).
         details: The store's metadata for the object (ETag etc.).
     """
 
@@ -63,7 +68,7 @@ class PartStream:
         url: str,
         fs: Any,
         path: str,
-        details: dict[str, Any],
+        details: dict[str, Any] | cf.Future[dict[str, Any]],
         *,
         executor: cf.ThreadPoolExecutor,
         options: FetchOptions,
@@ -71,83 +76,119 @@ class PartStream:
         shard_index: int | None = None,
         cancel: threading.Event | None = None,
         first_part: cf.Future[bytes] | None = None,
+        open_tail: Callable[[int], ByteSource] | None = None,
     ) -> None:
         self.url = url
         self.shard_index = shard_index
-        self.details = details
-        self.size = int(details["size"])
+        if isinstance(details, dict):
+            resolved: cf.Future[dict[str, Any]] = cf.Future()
+            resolved.set_result(details)
+            details = resolved
+        self._details = details
         self._fs = fs
         self._path = path
         self._executor = executor
         self._options = options
+        self._open_tail = open_tail
         # Per-shard counters; every increment also lands in the process totals.
         self._stats = IOStats(parent=stats)
         self._process_stats = stats
         self._started = time.perf_counter()
         self._cancel_event = cancel
-        # (future, expected length) of the ranged GETs in flight, in order.
-        self._window: deque[tuple[cf.Future[bytes], int]] = deque()
+        # The window is filled by the reader and by the lookup's completion callback.
+        self._lock = threading.Lock()
+        # (future, start, requested length) of the ranged GETs in flight, in order.
+        self._window: deque[tuple[cf.Future[bytes], int, int]] = deque()
         self._next_start = 0
         if first_part is not None:
             # Sent together with the size lookup, before the size was known.
-            first_length = min(FIRST_PART_BYTES, options.part_bytes, self.size)
-            if first_length:
-                self._window.append((first_part, first_length))
-            else:
-                first_part.cancel()
+            first_length = min(FIRST_PART_BYTES, options.part_bytes)
+            self._window.append((first_part, 0, first_length))
             self._next_start = first_length
         self._current = memoryview(b"")
         self._position = 0
+        self._tail: ByteSource | None = None
         self.offset = 0
         self.closed = False
         self._fell_back = False
 
-    def start(self) -> None:
-        """Put the first ``concurrency`` ranged GETs in flight (reading starts them anyway)."""
-        self._fill()
+    @property
+    def details(self) -> dict[str, Any]:
+        if not self._details.done():
+            start = time.perf_counter()
+            try:
+                cf.wait([self._details], timeout=self._options.stall_timeout_s)
+            finally:
+                self._stats.add(wait_s=time.perf_counter() - start)
+            if not self._details.done():
+                raise self._stalled()
+        return self._details.result()
+
+    @property
+    def size(self) -> int | None:
+        size = self.details.get("size")
+        return None if size is None else int(size)
+
+    def start(self, on_first_part: Callable[[], None] | None = None) -> None:
+        """Put the first ``concurrency`` ranged GETs in flight once the size is known; call
+        ``on_first_part`` when the first part has arrived (or failed)."""
+        self._details.add_done_callback(lambda _: self._fill())
+        if on_first_part is not None:
+            with self._lock:
+                first = self._window[0][0] if self._window else None
+            if first is None:
+                on_first_part()
+            else:
+                first.add_done_callback(lambda _: on_first_part())
+
+    def _known_size(self) -> int | None:
+        """The size if the lookup succeeded already, else None (never waits)."""
+        future = self._details
+        if not future.done() or future.cancelled() or future.exception() is not None:
+            return None
+        size = future.result().get("size")
+        return None if size is None else int(size)
 
     def _fill(self) -> None:
+        size = self._known_size()
+        if size is None:
+            return  # not known yet (the lookup's callback fills), or unknown (streamed)
         options = self._options
-        # The part being read counts against ``concurrency``: memory stays within
-        # (prefetch + 1) x concurrency x part_bytes.
-        held = 1 if self._position < len(self._current) else 0
-        while len(self._window) + held < options.concurrency and self._next_start < self.size:
-            start = self._next_start
-            # A small first part: the tar reader can start before a whole part has arrived.
-            part = FIRST_PART_BYTES if start == 0 else options.part_bytes
-            end = min(start + min(part, options.part_bytes), self.size)
-            self._next_start = end
-            future = self._executor.submit(
-                fetch_range,
-                self._fs,
-                self._path,
-                start,
-                end,
-                url=self.url,
-                size=self.size,
-                options=options,
-                stats=self._stats,
-                cancel=self._cancel_event,
-            )
-            self._window.append((future, end - start))
+        with self._lock:
+            # The part being read counts against ``concurrency``: memory stays within
+            # (prefetch + 1) x concurrency x part_bytes.
+            held = 1 if self._position < len(self._current) else 0
+            while (
+                not self.closed
+                and len(self._window) + held < options.concurrency
+                and self._next_start < size
+            ):
+                start = self._next_start
+                end = min(start + options.part_bytes, size)
+                self._next_start = end
+                future = self._executor.submit(
+                    fetch_range,
+                    self._fs,
+                    self._path,
+                    start,
+                    end,
+                    url=self.url,
+                    size=size,
+                    options=options,
+                    stats=self._stats,
+                    cancel=self._cancel_event,
+                )
+                self._window.append((future, start, end - start))
 
     def read(self, size: int = -1) -> bytes:
         """Return up to ``size`` bytes (a whole part when ``size`` is -1); ``b""`` at the end."""
         if self._position >= len(self._current):
             self._current = memoryview(b"")  # release the finished part before refilling
-            self._fill()
-            if not self._window:
+            if self._tail is not None:
+                return self._read_tail(size)
+            data = self._next_part()
+            if data is None:
                 return b""
-            future, expected = self._window.popleft()
-            data = self._wait(future)
-            if len(data) != expected and not self._fell_back:
-                raise ShardOpenError(
-                    f"ranged GET returned {len(data)} bytes, expected {expected} "
-                    "(the object changed while it was read?)",
-                    url=self.url,
-                    shard_index=self.shard_index,
-                    offset=self.offset,
-                )
             self._current = memoryview(data)
             self._position = 0
             self._fill()
@@ -157,17 +198,68 @@ class PartStream:
         self.offset += len(data)
         return data
 
+    def _next_part(self) -> bytes | None:
+        """The next part in order (waiting for it), or None at the end of the object."""
+        with self._lock:
+            entry = self._window.popleft() if self._window else None
+        if entry is None:
+            total = self.size  # waits for the lookup
+            if total is None:
+                return self._start_tail()
+            self._fill()
+            with self._lock:
+                entry = self._window.popleft() if self._window else None
+            if entry is None:
+                return None
+        future, start, requested = entry
+        data = self._wait(future)
+        if self._fell_back:
+            return data
+        expected = requested
+        if len(data) < requested:
+            # Short: the object ends inside this part, or it changed. The lookup decides.
+            total = self.size
+            expected = requested if total is None else max(0, min(requested, total - start))
+            if total is None and start == 0:
+                self._next_start = len(data)  # a small object of unknown size: all of it
+                return data
+        if len(data) != expected:
+            raise ShardOpenError(
+                f"ranged GET returned {len(data)} bytes, expected {expected} "
+                "(the object changed while it was read?)",
+                url=self.url,
+                shard_index=self.shard_index,
+                offset=self.offset,
+            )
+        return data
+
+    def _start_tail(self) -> bytes | None:
+        # No size from the store: after the first part, one resumable streaming GET.
+        if self._open_tail is None or self.offset < self._next_start:
+            return None
+        self._tail = self._open_tail(self.offset)
+        return self._read_tail(-1) or None
+
+    def _read_tail(self, size: int) -> bytes:
+        assert self._tail is not None
+        data = self._tail.read(size)
+        self.offset += len(data)
+        return data
+
+    def _stalled(self) -> ShardOpenError:
+        return ShardOpenError(
+            f"stalled: no bytes for {self._options.stall_timeout_s:.0f} s",
+            url=self.url,
+            shard_index=self.shard_index,
+            offset=self.offset,
+        )
+
     def _wait(self, future: cf.Future[bytes]) -> bytes:
         start = time.perf_counter()
         try:
             return future.result(timeout=self._options.stall_timeout_s)
         except cf.TimeoutError:
-            raise ShardOpenError(
-                f"stalled: no bytes for {self._options.stall_timeout_s:.0f} s",
-                url=self.url,
-                shard_index=self.shard_index,
-                offset=self.offset,
-            ) from None
+            raise self._stalled() from None
         except RangeIgnoredError as exc:
             return self._fall_back(exc.body)
         finally:
@@ -183,34 +275,39 @@ class PartStream:
                 "%s ignores Range requests; streaming its shards with one GET each",
                 redact_url(host),
             )
-        if len(body) != self.size:
+        size = self.size
+        if size is not None and len(body) != size:
             raise ShardOpenError(
-                f"server ignored Range and sent {len(body)} bytes of a {self.size}-byte object",
+                f"server ignored Range and sent {len(body)} bytes of a {size}-byte object",
                 url=self.url,
                 shard_index=self.shard_index,
                 offset=self.offset,
             )
         self._fell_back = True
         self._cancel()
-        self._next_start = self.size
+        self._next_start = len(body)
         return body[self.offset :]
 
     def _cancel(self) -> None:
-        for future, _ in self._window:
-            future.cancel()
-        self._window.clear()
+        with self._lock:
+            for future, _, _ in self._window:
+                future.cancel()
+            self._window.clear()
 
     def close(self) -> None:
         """Cancel the parts not yet started; parts in flight finish and are dropped."""
         if not self.closed:
             self.closed = True
             self._cancel()
+            self._details.cancel()
             self._current = memoryview(b"")
+            if self._tail is not None:
+                self._tail.close()
             record: dict[str, Any] = dict(self._stats.as_dict())
             del record["shards"]
             record.update(
                 url=redact_url(self.url),
-                size=self.size,
+                size=self._known_size(),
                 delivered=self.offset,
                 seconds=time.perf_counter() - self._started,
             )
@@ -260,6 +357,8 @@ class ShardPrefetcher:
         # Threads start on the first remote shard only: local datasets never create any.
         executor = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cloudshards")
         pending: deque[tuple[dict[str, Any], cf.Future[Opened | None]]] = deque()
+        first_bytes = threading.Event()
+        first_submitted = False
         try:
             while True:
                 while len(pending) <= fetch.prefetch:
@@ -271,7 +370,14 @@ class ShardPrefetcher:
                         later.set_result(None)
                         pending.append((shard, later))
                     else:
-                        pending.append((shard, executor.submit(self._open, shard, executor)))
+                        # The first remote shard goes out alone: the shards after it start
+                        # once its first bytes are in, so they do not slow its first sample.
+                        if first_submitted:
+                            task = executor.submit(self._open, shard, executor, first_bytes, None)
+                        else:
+                            first_submitted = True
+                            task = executor.submit(self._open, shard, executor, None, first_bytes)
+                        pending.append((shard, task))
                 if not pending:
                     return
                 shard, future = pending.popleft()
@@ -284,6 +390,7 @@ class ShardPrefetcher:
                 yield shard, opened
         finally:
             self._cancel.set()  # in-flight ranged GETs stop retrying
+            first_bytes.set()
             for _, future in pending:
                 future.cancel()
                 if future.done() and not future.cancelled() and future.exception() is None:
@@ -299,11 +406,29 @@ class ShardPrefetcher:
         """Local files, pipes and cached shards open at consumption time."""
         return self._cache is not None or protocol_of(url) in ("file", "pipe")
 
-    def _open(self, shard: dict[str, Any], executor: cf.ThreadPoolExecutor) -> Opened | None:
-        """Start fetching one remote shard: its size, then its first ranged GETs."""
-        stream = self.open_remote(shard, executor)
+    def _open(
+        self,
+        shard: dict[str, Any],
+        executor: cf.ThreadPoolExecutor,
+        wait_for: threading.Event | None,
+        signal: threading.Event | None,
+    ) -> Opened | None:
+        """Start fetching one remote shard: its size, then its first ranged GETs.
+
+        Waits for ``wait_for`` (bounded) first; sets ``signal`` when its first bytes are in.
+        """
+        if wait_for is not None:
+            wait_for.wait(self._fetch.stall_timeout_s)
+        try:
+            stream = self.open_remote(shard, executor)
+        except BaseException:
+            if signal is not None:
+                signal.set()
+            raise
         if isinstance(stream, PartStream):
-            stream.start()
+            stream.start(on_first_part=None if signal is None else signal.set)
+        elif signal is not None:
+            signal.set()
         return stream
 
     def executor(self) -> cf.ThreadPoolExecutor:
@@ -329,7 +454,8 @@ class ShardPrefetcher:
             details: dict[str, Any] = fs.info(path)
             return details
 
-        # The first (small) part goes out with the size lookup: one round trip to first byte.
+        # The first (small) part goes out with the size lookup: one round trip to first byte,
+        # and the reader starts on it without waiting for the lookup.
         first = executor.submit(
             fetch_range,
             fs,
@@ -342,17 +468,16 @@ class ShardPrefetcher:
             stats=self._stats,
             cancel=self._cancel,
         )
-        try:
-            details = retry(
-                info, url=url, offset=0, options=self._fetch, stats=self._stats, what="HEAD"
-            )
-        except BaseException:
-            first.cancel()
-            raise
-        if details.get("size") is None:
-            # No size (some HTTP servers): one streaming GET instead of ranged parts.
-            first.cancel()
-            return self._stream(url, index)
+        details = executor.submit(
+            retry,
+            info,
+            url=url,
+            offset=0,
+            options=self._fetch,
+            stats=self._stats,
+            what="HEAD",
+            cancel=self._cancel,
+        )
         return PartStream(
             url,
             fs,
@@ -364,11 +489,12 @@ class ShardPrefetcher:
             shard_index=index,
             cancel=self._cancel,
             first_part=first,
+            open_tail=lambda offset: self._stream(url, index, start=offset),
         )
 
-    def _stream(self, url: str, index: int | None) -> ResumableStream:
+    def _stream(self, url: str, index: int | None, *, start: int = 0) -> ResumableStream:
         return open_remote(
-            url, self._options, fetch=self._fetch, stats=self._stats, shard_index=index
+            url, self._options, fetch=self._fetch, stats=self._stats, shard_index=index, start=start
         )
 
 

@@ -31,6 +31,9 @@ class FaultyMemoryFileSystem(MemoryFileSystem):
     fail_all = False
     delay_s = 0.0
     ignore_range = False
+    no_size = False  # info() without a size, like some HTTP servers
+    info_gate: threading.Event | None = None  # info() waits for this (bounded)
+    log: ClassVar[list[tuple[str, str, int | None]]] = []
     calls = 0
     in_flight = 0
     peak_in_flight = 0
@@ -59,10 +62,22 @@ class FaultyMemoryFileSystem(MemoryFileSystem):
             if cls.ignore_range:
                 start = end = None
             data: bytes = super().cat_file(path, start=start, end=end, **kw)
+            if cls.info_gate is not None:
+                cls.log.append(("got", path, start))
             return data
         finally:
             with cls.lock:
                 cls.in_flight -= 1
+
+    def info(self, path: str, **kw: Any) -> dict[str, Any]:
+        cls = type(self)
+        if cls.info_gate is not None:
+            cls.log.append(("info", path, None))
+            cls.info_gate.wait(10)
+        details: dict[str, Any] = super().info(path, **kw)
+        if cls.no_size:
+            details = {**details, "size": None}
+        return details
 
 
 @pytest.fixture
@@ -71,6 +86,8 @@ def faultmem() -> Iterator[type[FaultyMemoryFileSystem]]:
     cls = FaultyMemoryFileSystem
     cls.store.clear()
     cls.fail_every, cls.fail_all, cls.delay_s, cls.ignore_range = 0, False, 0.0, False
+    cls.no_size, cls.info_gate = False, None
+    cls.log.clear()
     cls.calls = cls.in_flight = cls.peak_in_flight = 0
     prefetch._UNRANGED_HOSTS.clear()
     yield cls
@@ -158,6 +175,35 @@ def test_server_ignoring_range_is_detected(
     assert [r.getMessage() for r in caplog.records if "ignores Range" in r.getMessage()] == [
         "faultmem://bucket ignores Range requests; streaming its shards with one GET each"
     ]
+
+
+@pytest.mark.parametrize("sizes", [[9, 4, 11], [1]])
+def test_objects_without_a_size_are_read_whole(
+    make_shards: Any, faultmem: Any, sizes: list[int]
+) -> None:
+    # After the first ranged part the rest is one resumable stream ([1]: smaller than a part).
+    shards = upload(make_shards, sizes)
+    faultmem.no_size = True
+    assert read_all(shards) == expected(shards)
+
+
+def test_first_sample_does_not_wait_for_the_size_lookup(make_shards: Any, faultmem: Any) -> None:
+    shards = upload(make_shards, [6, 6, 6])
+    faultmem.info_gate = threading.Event()
+    it = iter(wds.WebDataset(spec(shards), shardshuffle=False, **SMALL))
+    first = next(it)  # the lookups are all still blocked
+    looked_up = not faultmem.info_gate.is_set()
+    faultmem.info_gate.set()
+    assert looked_up
+    assert [(first["__key__"], first["bin"])] + [(s["__key__"], s["bin"]) for s in it] == (
+        expected(shards)
+    )
+    # The second and third shards went out only after the first one's first bytes were in.
+    events = list(faultmem.log)
+    first_part = events.index(("got", "/bucket/shard-000000.tar", 0))
+    later = [i for i, (_, path, _) in enumerate(events) if "shard-000000" not in path]
+    assert later
+    assert min(later) > first_part
 
 
 def test_memory_bound_and_threads_gone_after_close(make_shards: Any, faultmem: Any) -> None:

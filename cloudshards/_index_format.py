@@ -1,30 +1,25 @@
-"""The tar index of indexed mode: in-memory form, JSON file format, reading and writing.
+"""The tar index of indexed mode: its in-memory form and its JSON layout.
 
-Private to :mod:`cloudshards.indexed`, which re-exports the public names. The file is JSON
-(gzip-compressed when its name ends in ``.gz``); shard URLs next to the index are stored
-relative to it. The layout is documented in ``docs/indexed.md``.
+Private to :mod:`cloudshards.indexed`, which re-exports the public names. Shard URLs next to
+the index are stored relative to it. The layout is documented in ``docs/indexed.md``.
 """
 
 from __future__ import annotations
 
 import bisect
-import contextlib
 import gzip
 import itertools
 import json
 import logging
 import os
-import uuid
 from array import array
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from cloudshards.errors import ConfigError, ShardFormatError, ShardOpenError
-from cloudshards.fetch import FetchOptions, retry
-from cloudshards.io import map_backend_error
+from cloudshards.errors import ConfigError, ShardFormatError
 from cloudshards.redact import redact_url
-from cloudshards.urls import PIPE_PREFIX, protocol_of, resolve
+from cloudshards.urls import PIPE_PREFIX, protocol_of
 
 __all__ = [
     "FORMAT",
@@ -33,11 +28,8 @@ __all__ = [
     "IndexedMember",
     "IndexedSample",
     "ShardIndex",
-    "default_index_url",
-    "load_index",
     "read_index",
     "shard_sample_counts",
-    "write_index",
 ]
 
 logger = logging.getLogger(__name__)
@@ -47,8 +39,6 @@ FORMAT = "cloudshards-index"
 #: The layout version this code reads and writes; any other is refused.
 VERSION = 1
 
-_INDEX_SUFFIX = ".index.json"
-_TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 _COLUMNS = ("starts", "ends", "member_counts")
 _MEMBER_COLUMNS = ("member_fields", "member_offsets", "member_sizes")
 
@@ -285,28 +275,6 @@ def shard_sample_counts(index: DatasetIndex) -> dict[str, int]:
     return {shard.url: shard.num_samples for shard in index.shards}
 
 
-def default_index_url(urls: Sequence[str]) -> str:
-    """Where ``cloudshards index`` writes by default: ``<dir of first shard>/<name>.index.json``.
-
-    ``<name>`` is the shard names' common prefix without trailing digits and separators
-    (``train-{000000..000099}.tar`` -> ``train.index.json``), or ``dataset`` when that is empty.
-    """
-    if not urls:
-        raise ConfigError("no shard URLs to index")
-    parent = _parent(urls[0])
-    stems = []
-    for url in urls:
-        base = _strip_query(url).rsplit("/", 1)[-1]
-        for suffix in _TAR_SUFFIXES:
-            if base.endswith(suffix):
-                base = base[: -len(suffix)]
-                break
-        stems.append(base)
-    # A string prefix, not a path: train-000000 and train-000001 share "train-00000".
-    name = os.path.commonprefix(stems).rstrip("0123456789-_.") or "dataset"  # noqa: RUF071
-    return f"{parent}/{name}{_INDEX_SUFFIX}"
-
-
 def _strip_query(url: str) -> str:
     return url.split("?", 1)[0] if protocol_of(url) in ("http", "https") else url
 
@@ -374,81 +342,3 @@ def read_index(data: bytes, url: str) -> DatasetIndex:
                 f"corrupt index: shard entry {position}: {exc}", url=url, shard_index=position
             ) from None
     return DatasetIndex(tuple(shards), url)
-
-
-def load_index(url: str, storage_options: Mapping[str, Any] | None = None) -> DatasetIndex:
-    """Read an index written by :func:`write_index` (or ``cloudshards index``) from any URL.
-
-    Relative shard URLs in the file are resolved against the index's own location.
-
-    Raises:
-        ShardOpenError: The index cannot be read (missing, denied, network).
-        ConfigError: The file is not a cloudshards index, or has another format version.
-        ShardFormatError: The file is corrupt.
-    """
-    data = _read_bytes(url, storage_options)
-    if data is None:
-        raise ShardOpenError("index not found; build it with `cloudshards index`", url=url)
-    return read_index(data, url)
-
-
-def _read_bytes(url: str, storage_options: Mapping[str, Any] | None) -> bytes | None:
-    """The whole object at ``url``, or None when it does not exist."""
-    fs, path = resolve(url, storage_options)
-
-    def call() -> bytes:
-        data: bytes = fs.cat_file(path)
-        return data
-
-    try:
-        return retry(call, url=url, offset=0, options=FetchOptions.from_env())
-    except ShardOpenError as exc:
-        if isinstance(exc.__cause__, FileNotFoundError):
-            return None
-        raise
-
-
-def write_index(
-    index: DatasetIndex, url: str, storage_options: Mapping[str, Any] | None = None
-) -> DatasetIndex:
-    """Write ``index`` as JSON to any fsspec URL (gzip-compressed when ``url`` ends in ``.gz``).
-
-    Shard URLs below the index's directory are stored relative to it, so the shards and their
-    index can move together. Local files are written to a temporary name and renamed into
-    place; object stores publish an object atomically when its single upload completes.
-
-    Returns:
-        The same index, with ``url`` set to where it was written.
-
-    Raises:
-        ShardOpenError: The store refused the write.
-    """
-    payload = json.dumps(index.to_json(url), separators=(",", ":")).encode()
-    if _strip_query(url).endswith(".gz"):
-        payload = gzip.compress(payload, mtime=0)
-    fs, path = resolve(url, storage_options)
-    try:
-        if protocol_of(url) == "file":
-            _write_local(path, payload)
-        else:
-            fs.pipe_file(path, payload)
-    except OSError as exc:
-        raise map_backend_error(exc, url, action="cannot write index") from exc
-    logger.debug("wrote index of %d shards to %s", len(index.shards), redact_url(url))
-    return DatasetIndex(index.shards, url)
-
-
-def _write_local(path: str, payload: bytes) -> None:
-    directory = os.path.dirname(path) or "."
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise

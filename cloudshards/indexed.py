@@ -6,46 +6,42 @@ one ranged GET, or a ``pread`` from the whole shard in the node cache.
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures as cf
-import contextlib
-import io
 import logging
 import os
-import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
 
 import torch.utils.data
 
-from cloudshards import config
+from cloudshards import _index_read, config
 from cloudshards._index_build import build_index
+from cloudshards._index_files import default_index_url, load_index, read_bytes, write_index
 from cloudshards._index_format import (
     DatasetIndex,
     IndexedMember,
     IndexedSample,
     ShardIndex,
-    _read_bytes,
-    default_index_url,
-    load_index,
     read_index,
     shard_sample_counts,
-    write_index,
+)
+from cloudshards._index_read import (
+    STALE_HINT,
+    OpenFile,
+    ProcessState,
+    check_length,
+    checked,
+    parse_sample,
 )
 from cloudshards._index_sampler import DistributedChunkedSampler
-from cloudshards._tarheader import ZERO_BLOCK
 from cloudshards.cache import ShardCache
 from cloudshards.errors import ConfigError, ShardError, ShardFormatError, ShardOpenError
 from cloudshards.fetch import FetchOptions, RangeIgnoredError, fetch_range, process_stats
-from cloudshards.grouping import group_members, make_name_filter, split_key
 from cloudshards.handlers import as_handler, reraise_exception
 from cloudshards.io import OpenOptions, ShardStream
 from cloudshards.prefetch import PartStream
 from cloudshards.redact import redact_url
-from cloudshards.tar import iter_members
-from cloudshards.types import ExceptionHandler, Member, Sample
+from cloudshards.types import ExceptionHandler, Sample
 from cloudshards.urls import expand_urls, protocol_of, resolve
 
 __all__ = [
@@ -65,23 +61,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_END_OF_ARCHIVE = ZERO_BLOCK * 2
-_NAME_FILTER = make_name_filter(None, None)
-#: Shard files (cache entries, local shards) kept open per process.
-MAX_OPEN_FILES = 128
 #: Following samples tried in place of one that failed, when the handler lets it pass.
 MAX_SUBSTITUTES = 16
-_state_lock = threading.Lock()
-
-
-def _new_state_lock() -> None:
-    global _state_lock
-    _state_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_new_state_lock)
-
-_STALE_HINT = "the shard changed since it was indexed? rebuild the index with `cloudshards index`"
 
 
 class IndexedDataset(torch.utils.data.Dataset[Any]):
@@ -146,7 +127,7 @@ class IndexedDataset(torch.utils.data.Dataset[Any]):
         self.options = OpenOptions(storage_options=storage_options)
         self.fetch = FetchOptions.from_env()
         self._max_member_bytes = self.options.member_limit()
-        self._state: _ProcessState | None = None
+        self._state: ProcessState | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -203,7 +184,7 @@ class IndexedDataset(torch.utils.data.Dataset[Any]):
         entry = shard.sample(within)
         try:
             data = self._fetch(position, shard, entry)
-            return _parse(data, shard, entry, position, self._max_member_bytes)
+            return parse_sample(data, shard, entry, position, self._max_member_bytes)
         except (ShardOpenError, ShardFormatError) as exc:
             if exc.member is not None and exc.shard_index is not None:
                 raise
@@ -228,7 +209,7 @@ class IndexedDataset(torch.utils.data.Dataset[Any]):
                 finally:
                     state.release(handle)
                 state.count("disk_reads")
-                return _check_length(data, length, shard, position)
+                return check_length(data, length, shard, position)
         fs, path = resolve(shard.url, self.storage_options)
         try:
             data = fetch_range(
@@ -239,7 +220,7 @@ class IndexedDataset(torch.utils.data.Dataset[Any]):
             if len(exc.body) != shard.size:
                 raise ShardFormatError(
                     f"server ignored Range and sent {len(exc.body)} bytes; the index says "
-                    f"{shard.size} ({_STALE_HINT})",
+                    f"{shard.size} ({STALE_HINT})",
                     url=shard.url,
                 ) from None
             state.warn_once(
@@ -248,9 +229,9 @@ class IndexedDataset(torch.utils.data.Dataset[Any]):
             )
             data = exc.body[entry.start : entry.end]
         state.count("ranged_gets")
-        return _check_length(data, length, shard, position)
+        return check_length(data, length, shard, position)
 
-    def _open_file(self, position: int, shard: ShardIndex) -> _OpenFile | None:
+    def _open_file(self, position: int, shard: ShardIndex) -> OpenFile | None:
         """Open a local shard or its cache entry (downloading it first); None: no file."""
         if protocol_of(shard.url) == "file":
             _, path = resolve(shard.url, self.storage_options)
@@ -262,7 +243,7 @@ class IndexedDataset(torch.utils.data.Dataset[Any]):
                     url=shard.url,
                     shard_index=position,
                 ) from exc
-            return _checked(_OpenFile(fd, lambda: os.close(fd)), shard, position)
+            return checked(OpenFile(fd, lambda: os.close(fd)), shard, position)
         assert self.cache is not None
         with cf.ThreadPoolExecutor(self.fetch.concurrency, "cloudshards-indexed-dl") as pool:
             stream = self._open_cached(position, shard, pool)
@@ -284,7 +265,7 @@ class IndexedDataset(torch.utils.data.Dataset[Any]):
                 )
                 return None
         fd = stream._raw.fileno()
-        return _checked(_OpenFile(fd, stream.close), shard, position)
+        return checked(OpenFile(fd, stream.close), shard, position)
 
     def _open_cached(self, position: int, shard: ShardIndex, pool: cf.ThreadPoolExecutor) -> Any:
         assert self.cache is not None
@@ -295,8 +276,7 @@ class IndexedDataset(torch.utils.data.Dataset[Any]):
             details: dict[str, Any] = fs.info(path)
             if details.get("size") is not None and int(details["size"]) != shard.size:
                 raise ShardFormatError(
-                    f"shard is {details['size']} bytes, the index says {shard.size} "
-                    f"({_STALE_HINT})",
+                    f"shard is {details['size']} bytes, the index says {shard.size} ({STALE_HINT})",
                     url=shard.url,
                     shard_index=position,
                 )
@@ -317,13 +297,13 @@ class IndexedDataset(torch.utils.data.Dataset[Any]):
             open_store=open_store,
         )
 
-    def _process(self) -> _ProcessState:
+    def _process(self) -> ProcessState:
         state = self._state
         if state is None or state.pid != os.getpid():
-            with _state_lock:
+            with _index_read.state_lock():
                 state = self._state
                 if state is None or state.pid != os.getpid():
-                    state = self._state = _ProcessState(os.getpid())
+                    state = self._state = ProcessState(os.getpid())
         return state
 
     def stats(self) -> dict[str, dict[str, float]]:
@@ -361,7 +341,7 @@ def _as_index(
         raise ConfigError(f"expected an index, an index URL or shard URLs, got {spec!r}")
     urls = expand_urls(spec, storage_options=storage_options)
     default = default_index_url(urls)
-    data = _read_bytes(default, storage_options)
+    data = read_bytes(default, storage_options)
     if data is not None:
         selected = read_index(data, default).select(urls)
         if selected is not None:
@@ -379,174 +359,3 @@ def _as_index(
 def _is_file(stream: Any) -> bool:
     # A complete cache entry (or a local file): a ShardStream over a real file.
     return isinstance(stream, ShardStream) and hasattr(stream._raw, "fileno")
-
-
-def _checked(handle: _OpenFile, shard: ShardIndex, position: int) -> _OpenFile:
-    size = os.fstat(handle.fd).st_size
-    if size != shard.size:
-        handle.close()
-        raise ShardFormatError(
-            f"shard is {size} bytes, the index says {shard.size} ({_STALE_HINT})",
-            url=shard.url,
-            shard_index=position,
-        )
-    return handle
-
-
-def _check_length(data: bytes, length: int, shard: ShardIndex, position: int) -> bytes:
-    if len(data) != length:
-        raise ShardFormatError(
-            f"got {len(data)} of the sample's {length} bytes: the shard is shorter than "
-            f"indexed ({_STALE_HINT})",
-            url=shard.url,
-            shard_index=position,
-        )
-    return data
-
-
-def _parse(
-    data: bytes, shard: ShardIndex, entry: IndexedSample, position: int, max_member_bytes: int
-) -> Sample:
-    """Parse a sample's bytes with the tar reader; check them against the index."""
-    start = entry.start
-    try:
-        members = [
-            member
-            for member in iter_members(
-                io.BytesIO(data + _END_OF_ARCHIVE),
-                url=shard.url,
-                name_filter=_NAME_FILTER,
-                max_member_bytes=max_member_bytes,
-            )
-            if split_key(member.name) is not None
-        ]
-    except ShardFormatError as exc:
-        raise ShardFormatError(
-            f"{exc.reason} ({_STALE_HINT})",
-            url=shard.url,
-            shard_index=position,
-            offset=None if exc.offset is None else start + exc.offset,
-            member=entry.members[0].name,
-        ) from exc
-    found = [IndexedMember(m.name, start + m.offset, len(m.data)) for m in members]
-    if found != list(entry.members):
-        raise ShardFormatError(
-            f"the shard's members here are {[m.name for m in found][:4]}, the index says "
-            f"{[m.name for m in entry.members][:4]} ({_STALE_HINT})",
-            url=shard.url,
-            shard_index=position,
-            offset=start,
-            member=entry.members[0].name,
-        )
-    relocated = (Member(m.name, m.data, start + m.offset) for m in members)
-    sample = next(group_members(relocated, url=shard.url, shard_index=position))
-    if protocol_of(shard.url) == "file":
-        # As the streaming reader (and webdataset 1.0.2) tell where a local shard lives.
-        url = shard.url
-        sample["__local_path__"] = urlsplit(url).path if url.startswith("file:") else url
-    return sample
-
-
-@dataclass(eq=False)
-class _OpenFile:
-    fd: int
-    closer: Callable[[], None]
-    refs: int = 0
-    retired: bool = False
-
-    def close(self) -> None:
-        self.closer()
-
-
-@dataclass(eq=False)
-class _ProcessState:
-    """What one process owns: open shard files (LRU), downloads in flight, a thread pool."""
-
-    pid: int
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    files: collections.OrderedDict[int, _OpenFile] = field(default_factory=collections.OrderedDict)
-    opening: dict[int, threading.Event] = field(default_factory=dict)
-    no_file: set[int] = field(default_factory=set)
-    counters: collections.Counter[str] = field(default_factory=collections.Counter)
-    warned: set[str] = field(default_factory=set)
-    executors: dict[int, cf.ThreadPoolExecutor] = field(default_factory=dict)
-
-    def count(self, name: str) -> None:
-        with self.lock:
-            self.counters[name] += 1
-
-    def warn_once(self, message: str) -> None:
-        if message not in self.warned:
-            self.warned.add(message)
-            logger.warning("%s", message)
-
-    def acquire(self, key: int, opener: Callable[[], _OpenFile | None]) -> _OpenFile | None:
-        """The open file for shard ``key`` (one opener per shard at a time); None: no file."""
-        while True:
-            with self.lock:
-                handle = self.files.get(key)
-                if handle is not None:
-                    self.files.move_to_end(key)
-                    handle.refs += 1
-                    return handle
-                if key in self.no_file:
-                    return None
-                event = self.opening.get(key)
-                mine = event is None
-                if mine:
-                    event = self.opening[key] = threading.Event()
-            assert event is not None
-            if not mine:
-                event.wait()
-                continue
-            handle = None
-            try:
-                handle = opener()
-            finally:
-                with self.lock:
-                    del self.opening[key]
-                    if handle is None:
-                        self.no_file.add(key)
-                    else:
-                        handle.refs += 1
-                        self.files[key] = handle
-                        self._retire_extra()
-                event.set()
-            return handle
-
-    def _retire_extra(self) -> None:
-        while len(self.files) > MAX_OPEN_FILES:
-            _, old = self.files.popitem(last=False)
-            old.retired = True
-            if old.refs == 0:
-                old.close()
-
-    def release(self, handle: _OpenFile) -> None:
-        with self.lock:
-            handle.refs -= 1
-            close = handle.retired and handle.refs == 0
-        if close:
-            handle.close()
-
-    def pool(self, workers: int) -> cf.ThreadPoolExecutor:
-        with self.lock:
-            executor = self.executors.get(workers)
-            if executor is None:
-                executor = self.executors[workers] = cf.ThreadPoolExecutor(
-                    workers, "cloudshards-indexed"
-                )
-            return executor
-
-    def close(self) -> None:
-        with self.lock:
-            executors = list(self.executors.values())
-            self.executors.clear()
-            files = list(self.files.values())
-            self.files.clear()
-        for executor in executors:
-            executor.shutdown(wait=True)
-        for handle in files:
-            handle.retired = True
-            if handle.refs == 0:
-                with contextlib.suppress(OSError):
-                    handle.close()

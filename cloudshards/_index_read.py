@@ -1,0 +1,230 @@
+"""Reading indexed samples: parse and check a sample's bytes, and per-process open files.
+
+Private to :mod:`cloudshards.indexed`.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import contextlib
+import io
+import logging
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from cloudshards._index_format import IndexedMember, IndexedSample, ShardIndex
+from cloudshards._tarheader import ZERO_BLOCK
+from cloudshards.errors import ShardFormatError
+from cloudshards.grouping import group_members, make_name_filter, split_key
+from cloudshards.tar import iter_members
+from cloudshards.types import Member, Sample
+from cloudshards.urls import protocol_of
+
+__all__ = [
+    "STALE_HINT",
+    "OpenFile",
+    "ProcessState",
+    "check_length",
+    "checked",
+    "parse_sample",
+    "state_lock",
+]
+
+logger = logging.getLogger(__name__)
+
+_END_OF_ARCHIVE = ZERO_BLOCK * 2
+_NAME_FILTER = make_name_filter(None, None)
+#: Shard files (cache entries, local shards) kept open per process.
+MAX_OPEN_FILES = 128
+_state_lock = threading.Lock()
+
+
+def _new_state_lock() -> None:
+    global _state_lock
+    _state_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_state_lock)
+
+
+def state_lock() -> threading.Lock:
+    """The lock that guards creating a dataset's per-process state (new after a fork)."""
+    return _state_lock
+
+
+STALE_HINT = "the shard changed since it was indexed? rebuild the index with `cloudshards index`"
+
+
+def checked(handle: OpenFile, shard: ShardIndex, position: int) -> OpenFile:
+    size = os.fstat(handle.fd).st_size
+    if size != shard.size:
+        handle.close()
+        raise ShardFormatError(
+            f"shard is {size} bytes, the index says {shard.size} ({STALE_HINT})",
+            url=shard.url,
+            shard_index=position,
+        )
+    return handle
+
+
+def check_length(data: bytes, length: int, shard: ShardIndex, position: int) -> bytes:
+    if len(data) != length:
+        raise ShardFormatError(
+            f"got {len(data)} of the sample's {length} bytes: the shard is shorter than "
+            f"indexed ({STALE_HINT})",
+            url=shard.url,
+            shard_index=position,
+        )
+    return data
+
+
+def parse_sample(
+    data: bytes, shard: ShardIndex, entry: IndexedSample, position: int, max_member_bytes: int
+) -> Sample:
+    """Parse a sample's bytes with the tar reader; check them against the index."""
+    start = entry.start
+    try:
+        members = [
+            member
+            for member in iter_members(
+                io.BytesIO(data + _END_OF_ARCHIVE),
+                url=shard.url,
+                name_filter=_NAME_FILTER,
+                max_member_bytes=max_member_bytes,
+            )
+            if split_key(member.name) is not None
+        ]
+    except ShardFormatError as exc:
+        raise ShardFormatError(
+            f"{exc.reason} ({STALE_HINT})",
+            url=shard.url,
+            shard_index=position,
+            offset=None if exc.offset is None else start + exc.offset,
+            member=entry.members[0].name,
+        ) from exc
+    found = [IndexedMember(m.name, start + m.offset, len(m.data)) for m in members]
+    if found != list(entry.members):
+        raise ShardFormatError(
+            f"the shard's members here are {[m.name for m in found][:4]}, the index says "
+            f"{[m.name for m in entry.members][:4]} ({STALE_HINT})",
+            url=shard.url,
+            shard_index=position,
+            offset=start,
+            member=entry.members[0].name,
+        )
+    relocated = (Member(m.name, m.data, start + m.offset) for m in members)
+    sample = next(group_members(relocated, url=shard.url, shard_index=position))
+    if protocol_of(shard.url) == "file":
+        # As the streaming reader (and webdataset 1.0.2) tell where a local shard lives.
+        url = shard.url
+        sample["__local_path__"] = urlsplit(url).path if url.startswith("file:") else url
+    return sample
+
+
+@dataclass(eq=False)
+class OpenFile:
+    fd: int
+    closer: Callable[[], None]
+    refs: int = 0
+    retired: bool = False
+
+    def close(self) -> None:
+        self.closer()
+
+
+@dataclass(eq=False)
+class ProcessState:
+    """What one process owns: open shard files (LRU), downloads in flight, a thread pool."""
+
+    pid: int
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    files: collections.OrderedDict[int, OpenFile] = field(default_factory=collections.OrderedDict)
+    opening: dict[int, threading.Event] = field(default_factory=dict)
+    no_file: set[int] = field(default_factory=set)
+    counters: collections.Counter[str] = field(default_factory=collections.Counter)
+    warned: set[str] = field(default_factory=set)
+    executors: dict[int, cf.ThreadPoolExecutor] = field(default_factory=dict)
+
+    def count(self, name: str) -> None:
+        with self.lock:
+            self.counters[name] += 1
+
+    def warn_once(self, message: str) -> None:
+        if message not in self.warned:
+            self.warned.add(message)
+            logger.warning("%s", message)
+
+    def acquire(self, key: int, opener: Callable[[], OpenFile | None]) -> OpenFile | None:
+        """The open file for shard ``key`` (one opener per shard at a time); None: no file."""
+        while True:
+            with self.lock:
+                handle = self.files.get(key)
+                if handle is not None:
+                    self.files.move_to_end(key)
+                    handle.refs += 1
+                    return handle
+                if key in self.no_file:
+                    return None
+                event = self.opening.get(key)
+                mine = event is None
+                if mine:
+                    event = self.opening[key] = threading.Event()
+            assert event is not None
+            if not mine:
+                event.wait()
+                continue
+            handle = None
+            try:
+                handle = opener()
+            finally:
+                with self.lock:
+                    del self.opening[key]
+                    if handle is None:
+                        self.no_file.add(key)
+                    else:
+                        handle.refs += 1
+                        self.files[key] = handle
+                        self._retire_extra()
+                event.set()
+            return handle
+
+    def _retire_extra(self) -> None:
+        while len(self.files) > MAX_OPEN_FILES:
+            _, old = self.files.popitem(last=False)
+            old.retired = True
+            if old.refs == 0:
+                old.close()
+
+    def release(self, handle: OpenFile) -> None:
+        with self.lock:
+            handle.refs -= 1
+            close = handle.retired and handle.refs == 0
+        if close:
+            handle.close()
+
+    def pool(self, workers: int) -> cf.ThreadPoolExecutor:
+        with self.lock:
+            executor = self.executors.get(workers)
+            if executor is None:
+                executor = self.executors[workers] = cf.ThreadPoolExecutor(
+                    workers, "cloudshards-indexed"
+                )
+            return executor
+
+    def close(self) -> None:
+        with self.lock:
+            executors = list(self.executors.values())
+            self.executors.clear()
+            files = list(self.files.values())
+            self.files.clear()
+        for executor in executors:
+            executor.shutdown(wait=True)
+        for handle in files:
+            handle.retired = True
+            if handle.refs == 0:
+                with contextlib.suppress(OSError):
+                    handle.close()

@@ -8,6 +8,11 @@ gives median samples/s, the ratio, and cloudshards' time to first sample.
 
     python benchmarks/bench_remote.py [--quick] [--repeats N] [--latency-s 0.03] [--mbps 25]
     python benchmarks/bench_remote.py --large [--large-mb 128]
+    python benchmarks/bench_remote.py --rss
+
+``--rss`` reads 6 shards of 16 MiB with a slow consumer (so every prefetch buffer fills) at
+prefetch K = 0, 2 and 4 in fresh processes and prints peak resident memory against DESIGN.md's
+budget: base + K x (part size x concurrency) + 64 MB, base being the process after imports.
 
 ``--large`` instead reads ONE large shard with cloudshards at concurrency 1, 2, 4 and 8 (one
 ranged GET at a time is "one stream") and prints MB/s, the speed-up over one stream, and the
@@ -113,6 +118,73 @@ def large_shard_child(url: str, concurrency: int) -> None:
     print(f"{total / seconds / 1e6:.3f} {peak_mib:.1f}")
 
 
+def rss_child(urls: list[str], prefetch: int) -> None:
+    """Read ``urls`` slowly with ``prefetch`` shards ahead; print base and peak RSS (MiB)."""
+    import resource
+
+    import cloudshards
+    from cloudshards.urls import resolve
+
+    resolve(urls[0])  # imports and the filesystem instance are part of the base
+    base_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    ds = cloudshards.WebDataset(urls, shardshuffle=False, prefetch=prefetch)
+    count = 0
+    for _ in ds:
+        count += 1
+        if count % 50 == 0:
+            time.sleep(0.02)  # slower than the link: every prefetch buffer fills
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"{base_mib:.1f} {peak_mib:.1f} {count}")
+
+
+def run_rss(args: argparse.Namespace) -> int:
+    """Peak resident memory with K shards prefetched, against the design's budget."""
+    import subprocess
+
+    from cloudshards.fetch import FetchOptions
+
+    fetch = FetchOptions()
+    window_mib = fetch.part_bytes * fetch.concurrency / (1 << 20)
+    shape = Shape(6, 16 * 1024 * 1024 // (20 * 1024), 20 * 1024)
+    rows = []
+    with served_shards(shape, args, "bench-remote-rss-") as base_url:
+        urls = [f"{base_url}/{shard_name(i)}" for i in range(shape.shards)]
+        for prefetch in (0, 2, 4):
+            out = subprocess.run(
+                [sys.executable, __file__, "--rss-child", ",".join(urls), str(prefetch)],
+                capture_output=True,
+                text=True,
+                check=True,
+                timeout=600,
+            ).stdout.split()
+            base, peak, count = float(out[0]), float(out[1]), int(out[2])
+            if count != shape.samples:
+                print(f"read {count} samples, expected {shape.samples}")
+                return 2
+            budget = base + prefetch * window_mib + 64
+            rows.append(
+                [
+                    str(prefetch),
+                    f"{base:.0f} MiB",
+                    f"{peak:.0f} MiB",
+                    f"+{peak - base:.0f} MiB",
+                    f"{budget:.0f} MiB",
+                    "yes" if peak <= budget else "NO",
+                ]
+            )
+    print("\n".join(versions()))
+    print(
+        f"data: {shape.describe()}; parts of {fetch.part_bytes >> 20} MiB, "
+        f"{fetch.concurrency} in flight per shard; slow consumer"
+    )
+    print(
+        format_table(
+            ["prefetch K", "base RSS", "peak RSS", "peak - base", "budget", "within"], rows
+        )
+    )
+    return 0
+
+
 def run_large(args: argparse.Namespace) -> int:
     """One large shard over a capped connection: N ranged GETs vs one stream."""
     import subprocess
@@ -150,6 +222,9 @@ def main() -> int:
     if len(sys.argv) == 4 and sys.argv[1] == "--child":
         large_shard_child(sys.argv[2], int(sys.argv[3]))
         return 0
+    if len(sys.argv) == 4 and sys.argv[1] == "--rss-child":
+        rss_child(sys.argv[2].split(","), int(sys.argv[3]))
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="4 shards x 500 samples, 2 repeats")
     parser.add_argument("--repeats", type=int, default=None)
@@ -157,9 +232,12 @@ def main() -> int:
     parser.add_argument("--mbps", type=float, default=25.0, help="per-connection cap, MB/s")
     parser.add_argument("--large", action="store_true", help="one large shard, N ranged GETs")
     parser.add_argument("--large-mb", type=int, default=128, help="size of the large shard")
+    parser.add_argument("--rss", action="store_true", help="peak memory with K shards ahead")
     args = parser.parse_args()
     if args.large:
         return run_large(args)
+    if args.rss:
+        return run_rss(args)
     if shutil.which("curl") is None:
         raise SystemExit("webdataset reads http:// URLs with curl; install curl first")
     shape = Shape(4, 500, 20 * 1024) if args.quick else Shape(8, 1000, 20 * 1024)

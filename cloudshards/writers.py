@@ -265,7 +265,9 @@ class TarWriter:
 
     def abort(self) -> None:
         """Stop without finishing the archive; a URL's shard is discarded. Idempotent."""
-        self.tarstream.closed = True  # skip the end-of-archive blocks
+        # Mark the archive and its compressing stream closed: no end-of-archive blocks, and
+        # no flush from tarfile's __del__ into a discarded output.
+        self.tarstream.closed = self.tarstream.fileobj.closed = True
         if self.own_fileobj is not None:
             self.own_fileobj.abort()
 

@@ -177,18 +177,20 @@ class ProcessState:
             if not mine:
                 event.wait()
                 continue
+            opened = False
             handle = None
             try:
                 handle = opener()
+                opened = True
             finally:
                 with self.lock:
                     del self.opening[key]
-                    if handle is None:
-                        self.no_file.add(key)
-                    else:
+                    if handle is not None:
                         handle.refs += 1
                         self.files[key] = handle
                         self._retire_extra()
+                    elif opened:
+                        self.no_file.add(key)
                 event.set()
             return handle
 

@@ -30,6 +30,7 @@ from cloudshards.errors import (
     ShardFormatError,
     ShardOpenError,
     StateMismatchError,
+    UnsupportedError,
 )
 from cloudshards.handlers import (
     ignore_and_continue,
@@ -82,6 +83,8 @@ from cloudshards.stages.transform import (
     select,
 )
 from cloudshards.urls import expand_urls
+from cloudshards.webdataset._install import install_as_webdataset, install_from_env
+from cloudshards.webdataset.shardlists import MultiShardSample
 from cloudshards.wrappers import with_epoch, with_length
 from cloudshards.writers import ShardWriter, TarWriter
 
@@ -101,6 +104,7 @@ __all__ = [
     "FluidInterface",
     "FluidWrapper",
     "IndexedDataset",
+    "MultiShardSample",
     "PipelineStage",
     "RandomMix",
     "ResampledShards",
@@ -113,6 +117,7 @@ __all__ = [
     "SimpleShardList",
     "StateMismatchError",
     "TarWriter",
+    "UnsupportedError",
     "WebDataset",
     "WebLoader",
     "WorkerInfo",
@@ -137,6 +142,7 @@ __all__ = [
     "ignore_and_stop",
     "imagehandler",
     "info",
+    "install_as_webdataset",
     "load_index",
     "map",
     "map_dict",
@@ -175,3 +181,7 @@ __all__ = [
     "write_index",
     "xdecode",
 ]
+
+# CLOUDSHARDS_AS_WEBDATASET=1 (set by install_as_webdataset for child processes) turns the
+# webdataset switch on in every process that imports cloudshards.
+install_from_env()

@@ -1,0 +1,309 @@
+"""webdataset 1.0.2's ``webdataset.gopen``: open any URL for reading or writing.
+
+Remote URLs open through fsspec (``s3://``, ``gs://``, ``http(s)://``, ``hf://`` and any other
+fsspec protocol) with retries, instead of webdataset's ``curl``/``gsutil``/``ais`` commands,
+which cloudshards never runs. ``pipe:`` URLs and :class:`Pipe` run shell commands only when
+allowed (``allow_pipe=True`` or ``CLOUDSHARDS_ALLOW_PIPE=1``). Handlers registered in
+:data:`gopen_schemes` are used, as in webdataset; unknown schemes go to fsspec.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from subprocess import PIPE
+from typing import Any
+from urllib.parse import urlparse
+from urllib.request import url2pathname
+
+from cloudshards import io as _io
+from cloudshards.errors import ConfigError
+from cloudshards.fetch import open_remote
+from cloudshards.io import OpenOptions
+from cloudshards.webdataset._unsupported import unsupported_function
+
+__all__ = [
+    "PIPE",
+    "Pipe",
+    "gopen",
+    "gopen_ais",
+    "gopen_curl",
+    "gopen_error",
+    "gopen_file",
+    "gopen_fsspec",
+    "gopen_gsutil",
+    "gopen_hf",
+    "gopen_htgs",
+    "gopen_pipe",
+    "gopen_schemes",
+    "info",
+    "reader",
+    "rewrite_url",
+    "set_options",
+]
+
+#: Extra information webdataset prints with pipe errors.
+info: dict[str, Any] = {}
+
+
+def _check_pipe_allowed(what: str, allow_pipe: bool | None) -> None:
+    if not OpenOptions(allow_pipe=allow_pipe).pipe_allowed():
+        raise ConfigError(
+            f"{what[:80]}: shell commands are off by default; pass allow_pipe=True or set "
+            "CLOUDSHARDS_ALLOW_PIPE=1 to allow them"
+        )
+
+
+class Pipe:
+    """A command's stdout (mode ``"r..."``) or stdin (``"w..."``) as a stream.
+
+    Needs the pipe opt-in (``allow_pipe=True`` or ``CLOUDSHARDS_ALLOW_PIPE=1``). Exit statuses
+    other than 0 and ``ignore_status`` raise ``OSError`` on reads after the end and on close.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        mode: str = "rb",
+        timeout: float = 7200.0,
+        ignore_errors: bool = False,
+        ignore_status: list[int] | None = None,
+        allow_pipe: bool | None = None,
+        **kw: Any,
+    ) -> None:
+        _check_pipe_allowed(f"pipe {args!r}", allow_pipe)
+        self.ignore_errors = ignore_errors
+        self.ignore_status = [0, *(ignore_status or [])]
+        self.timeout = timeout
+        self.args = (args, kw)
+        self.status: int | None = None
+        popen: Any = subprocess.Popen  # webdataset passes Popen's arguments through untyped
+        if mode[0] == "r":
+            self.proc = popen(*args, stdout=PIPE, **kw)
+            stream = self.proc.stdout
+        elif mode[0] == "w":
+            self.proc = popen(*args, stdin=PIPE, **kw)
+            stream = self.proc.stdin
+        else:
+            raise ValueError(f"{mode}: unknown mode")
+        if stream is None:
+            raise ValueError(f"{args}: couldn't open")
+        self.stream: Any = stream
+
+    def __str__(self) -> str:
+        return f"<Pipe {self.args}>"
+
+    def check_status(self) -> None:
+        """Raise if the command has exited with a bad status."""
+        if self.proc.poll() is not None:
+            self.wait_for_child()
+
+    def wait_for_child(self) -> None:
+        """Wait for the command; raise ``OSError`` on a bad exit status."""
+        self.status = self.proc.wait()
+        if self.status not in self.ignore_status and not self.ignore_errors:
+            raise OSError(f"{self.args}: exit {self.status} (read) {info}")
+
+    def read(self, *args: Any, **kw: Any) -> Any:
+        """Read from the command's stdout."""
+        result = self.stream.read(*args, **kw)
+        self.check_status()
+        return result
+
+    def write(self, *args: Any, **kw: Any) -> Any:
+        """Write to the command's stdin."""
+        result = self.stream.write(*args, **kw)
+        self.check_status()
+        return result
+
+    def close(self) -> None:
+        """Close the stream and wait for the command (up to ``timeout``)."""
+        if not self.stream.closed:
+            self.stream.close()
+            self.status = self.proc.wait(self.timeout)
+            self.wait_for_child()
+
+    def __enter__(self) -> Pipe:
+        return self
+
+    def __exit__(self, *args: object) -> None:
+        self.close()
+
+
+def set_options(
+    obj: Any,
+    timeout: float | None = None,
+    ignore_errors: bool | None = None,
+    ignore_status: list[int] | None = None,
+    handler: Any = None,
+) -> bool:
+    """Set a :class:`Pipe`'s options; False for other streams."""
+    if not isinstance(obj, Pipe):
+        return False
+    if timeout is not None:
+        obj.timeout = timeout
+    if ignore_errors is not None:
+        obj.ignore_errors = ignore_errors
+    if ignore_status is not None:
+        obj.ignore_status = ignore_status
+    if handler is not None:
+        obj.handler = handler  # type: ignore[attr-defined]
+    return True
+
+
+class _Reader:
+    """A retrying remote read stream with the file methods webdataset code uses."""
+
+    def __init__(self, stream: Any, url: str) -> None:
+        self._stream = stream
+        self.url = url
+
+    def read(self, size: int = -1) -> bytes:
+        data: bytes = self._stream.read(size)
+        return data
+
+    def readinto(self, buffer: bytearray | memoryview) -> int:
+        data = self.read(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
+
+    def readable(self) -> bool:
+        return True
+
+    @property
+    def closed(self) -> bool:
+        return bool(self._stream.closed)
+
+    def close(self) -> None:
+        self._stream.close()
+
+    def __enter__(self) -> _Reader:
+        return self
+
+    def __exit__(self, *args: object) -> None:
+        self.close()
+
+
+def gopen_fsspec(url: str, mode: str = "rb", bufsize: int = 8192, **kw: Any) -> Any:
+    """Open ``url`` through fsspec: reads stream with retries, writes commit on close.
+
+    Keyword arguments: ``storage_options`` (fsspec options, per protocol or flat).
+    """
+    options = OpenOptions(storage_options=kw.get("storage_options"))
+    if mode[0] == "r":
+        return _Reader(open_remote(url, options), url)
+    if mode[0] == "w":
+        return _io.gopen(url, "wb", storage_options=options.storage_options)
+    raise ValueError(f"{mode}: unknown mode")
+
+
+def gopen_file(url: str, mode: str = "rb", bufsize: int = 8192) -> Any:
+    """Open a local path or ``file:`` URL."""
+    if url.startswith("file:"):
+        url = re.sub("^file://?", "", url)
+    return open(url, mode)
+
+
+def gopen_pipe(url: str, mode: str = "rb", bufsize: int = 8192, **kw: Any) -> Pipe:
+    """Run ``pipe:CMD`` in a shell (needs ``allow_pipe=True`` or ``CLOUDSHARDS_ALLOW_PIPE=1``)."""
+    if not url.startswith("pipe:"):
+        raise ValueError(f"{url}: not a pipe: URL")
+    if mode[0] not in "rw":
+        raise ValueError(f"{mode}: unknown mode")
+    return Pipe(  # noqa: S604 - runs only after the pipe opt-in, checked in Pipe
+        url[5:],
+        mode=mode,
+        shell=True,
+        bufsize=bufsize,
+        ignore_status=[141],
+        allow_pipe=kw.get("allow_pipe"),
+    )
+
+
+def gopen_curl(url: str, mode: str = "rb", bufsize: int = 8192, **kw: Any) -> Any:
+    """http(s), sftp, ftps, scp: through fsspec instead of ``curl``."""
+    return gopen_fsspec(url, mode, bufsize, **kw)
+
+
+def gopen_gsutil(url: str, mode: str = "rb", bufsize: int = 8192, **kw: Any) -> Any:
+    """``gs://`` through fsspec (gcsfs) instead of ``gsutil``."""
+    return gopen_fsspec(url, mode, bufsize, **kw)
+
+
+def gopen_hf(url: str, mode: str = "rb", bufsize: int = 8192, **kw: Any) -> Any:
+    """``hf://`` through fsspec (huggingface_hub's filesystem) instead of ``curl``."""
+    if mode[0] == "w":
+        raise ValueError(f"{mode}: cannot write")
+    return gopen_fsspec(url, mode, bufsize, **kw)
+
+
+gopen_htgs = unsupported_function(
+    "gopen.gopen_htgs", "open gs:// URLs (through gcsfs) or the object's https:// URL instead"
+)
+gopen_ais = unsupported_function(
+    "gopen.gopen_ais",
+    "it runs the ais command; read AIStore through its S3 API with s3:// URLs and "
+    "storage_options={'s3': {'endpoint_url': ...}}",
+)
+
+
+def gopen_error(url: str, *args: Any, **kw: Any) -> Any:
+    """Raise: no handler for this URL."""
+    raise ValueError(f"{url}: no gopen handler defined")
+
+
+#: Scheme -> opener ``f(url, mode, bufsize, **kw)``. Add entries to handle more schemes;
+#: ``__default__`` (here fsspec, in webdataset an error) handles the rest.
+gopen_schemes: dict[str, Callable[..., Any]] = {
+    "__default__": gopen_fsspec,
+    "pipe": gopen_pipe,
+    "http": gopen_curl,
+    "https": gopen_curl,
+    "ais": gopen_ais,
+    "sftp": gopen_curl,
+    "ftps": gopen_curl,
+    "scp": gopen_curl,
+    "gs": gopen_gsutil,
+    "htgs": gopen_htgs,
+    "hf": gopen_hf,
+}
+
+
+def rewrite_url(url: str) -> str:
+    """Apply the first matching ``GOPEN_REWRITE`` rule (``prefix=replacement;...``)."""
+    rules = os.environ.get("GOPEN_REWRITE")
+    if rules is None:
+        return url
+    for rule in rules.split(";"):
+        prefix, replacement = rule.split("=", 1)
+        rewritten = re.sub("^" + prefix, replacement, url)
+        if rewritten != url:
+            return rewritten
+    return url
+
+
+def gopen(url: str, mode: str = "rb", bufsize: int = 8192, **kw: Any) -> Any:
+    """Open ``url`` (``"rb"`` or ``"wb"``): ``-`` is stdin/stdout, local paths open directly,
+    other schemes go to :data:`gopen_schemes`.
+
+    Keyword arguments reach the scheme's opener: ``storage_options``, ``allow_pipe``.
+    """
+    if mode not in ("rb", "wb"):
+        raise ValueError(f"gopen: mode must be 'rb' or 'wb', got {mode!r}")
+    if url == "-":
+        return sys.stdin.buffer if mode == "rb" else sys.stdout.buffer
+    url = rewrite_url(url)
+    parsed = urlparse(url)
+    if parsed.scheme in ("", "file"):
+        path = url if parsed.scheme == "" else url2pathname(parsed.path)
+        return open(path, mode, buffering=int(os.environ.get("GOPEN_BUFFER", -1)))
+    handler = gopen_schemes.get(parsed.scheme, gopen_schemes["__default__"])
+    return handler(url, mode, bufsize, **kw)
+
+
+def reader(url: str, **kw: Any) -> Any:
+    """``gopen(url, "rb", **kw)``."""
+    return gopen(url, "rb", **kw)

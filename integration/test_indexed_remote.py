@@ -271,7 +271,7 @@ def test_cache_downloads_each_shard_once_then_serves_from_disk(copy: Copy, tmp_p
     assert set(gets) == set(sizes)
     assert sum(gets.values()) < len(expected), "whole shards, not one GET per sample"
     if copy.protocol == "http":
-        sent = Counter()
+        sent: Counter[str] = Counter()
         for r in logged:
             if r.method == "GET":
                 sent[r.path] += r.sent or 0

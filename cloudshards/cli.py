@@ -6,11 +6,12 @@ Exit codes: 0 success, 1 a shard or data error, 2 a usage or configuration error
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from cloudshards import __version__
@@ -48,27 +49,147 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     return 0
 
 
-def _preview(value: bytes, width: int) -> str:
-    try:
-        text = value[:width].decode("utf-8")
-        return repr(text) + ("..." if len(value) > width else "")
-    except UnicodeDecodeError:
-        return f"<{len(value)} bytes>"
+def _cmd_cat(args: argparse.Namespace) -> int:
+    from cloudshards.preview import describe
 
-
-def _cmd_head(args: argparse.Namespace) -> int:
+    wanted = set(args.fields.split(",")) if args.fields else None
     shown = 0
     for url in expand_urls(args.urls):
+        if args.n is not None and shown >= args.n:
+            break
         with open_shard(url) as stream:
             for sample in group_members(iter_members(stream, url=url), url=url):
+                if args.n is not None and shown >= args.n:
+                    break
                 print(f"{sample['__key__']}  ({redact_url(url)})")
                 for field, value in sample.items():
-                    if not field.startswith("__"):
-                        print(f"  {field:12s} {len(value):>10d} B  {_preview(value, 40)}")
+                    if field[:2] != "__" and (wanted is None or field in wanted):
+                        preview = describe(field, value, args.width)
+                        print(f"  {field:12s} {len(value):>10,d} B  {preview}")
                 shown += 1
-                if shown >= args.n:
-                    return 0
     return 0
+
+
+_WRITE_HELP = """Shard a folder of files or a JSONL manifest into WebDataset tars.
+
+A folder: files are grouped into samples by WebDataset's rule (the key is the path up to the
+first dot of the file name: a/x.jpg and a/x.json make sample "a/x"), in sorted key order;
+hidden files are skipped. A manifest: one JSON object per line, e.g.
+  {"__key__": "x1", "jpg": "images/x1.jpg", "cls": 3, "json": {"w": 640}, "txt": "a dog"}
+String values of txt/json/cls-like fields are the content; other strings are paths (relative
+to the manifest) or URLs of files to copy in. Shards are published atomically."""
+
+#: Manifest fields whose string values are content, not file paths.
+_TEXT_FIELDS = frozenset(
+    {
+        *("txt", "text", "transcript", "html", "htm", "json", "jsn"),
+        *("cls", "cls2", "class", "count", "index", "inx", "id"),
+    }
+)
+
+
+def _folder_samples(root: str) -> Iterator[dict[str, Any]]:
+    from cloudshards.grouping import split_key
+
+    groups: dict[str, dict[str, str]] = {}
+    for directory, subdirs, files in os.walk(root):
+        subdirs[:] = sorted(d for d in subdirs if not d.startswith("."))
+        for name in files:
+            relative = os.path.relpath(os.path.join(directory, name), root).replace(os.sep, "/")
+            parts = None if name.startswith(".") else split_key(relative)
+            if parts is None:
+                if not name.startswith("."):
+                    logger.warning("skipped %s: not a KEY.FIELD file name", relative)
+                continue
+            groups.setdefault(parts[0], {})[parts[1]] = os.path.join(directory, name)
+    for key in sorted(groups):
+        fields = groups[key]
+        yield {"__key__": key, **{f: _read_file(fields[f]) for f in sorted(fields)}}
+
+
+def _manifest_samples(path: str) -> Iterator[dict[str, Any]]:
+    base = os.path.dirname(os.path.abspath(path))
+    with open(path, encoding="utf-8") as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as exc:
+                raise ConfigError(f"{path}:{number}: not a JSON object: {exc}") from exc
+            if not isinstance(record, dict):
+                raise ConfigError(f"{path}:{number}: expected a JSON object per line")
+            sample = {"__key__": str(record.pop("__key__", f"{number:09d}"))}
+            for field, value in record.items():
+                extension = field.rpartition(".")[2].lower()
+                if isinstance(value, str) and extension not in _TEXT_FIELDS:
+                    where = value if "://" in value else os.path.join(base, value)
+                    try:
+                        value = _read_file(where)
+                    except (OSError, CloudShardsError) as exc:
+                        raise ConfigError(f"{path}:{number}: field {field!r}: {exc}") from exc
+                sample[field] = value
+            yield sample
+
+
+def _read_file(where: str) -> bytes:
+    if "://" in where:
+        with open_shard(where) as stream:
+            return stream.read()
+    with open(where, "rb") as file:
+        return file.read()
+
+
+def _cmd_write(args: argparse.Namespace) -> int:
+    from cloudshards.writers import ShardWriter
+
+    if os.path.isdir(args.source):
+        samples = _folder_samples(args.source)
+    elif os.path.isfile(args.source):
+        samples = _manifest_samples(args.source)
+    else:
+        raise ConfigError(f"no such folder or manifest: {args.source}")
+    shards: list[str] = []
+
+    def published(name: str) -> None:
+        shards.append(f"{redact_url(name)}\t{sink.count} samples\t{sink.size:,} bytes")
+
+    sink = ShardWriter(
+        args.output,
+        maxcount=args.maxcount,
+        maxsize=args.maxsize,
+        start_shard=args.start_shard,
+        post=published,
+        verbose=0,
+        storage_options=_storage_options(args.storage_option),
+    )
+    with sink, _progress_bar("writing", args.quiet) as bar:
+        for sample in samples:
+            sink.write(sample)
+            bar.update()
+    print("\n".join(shards))
+    print(f"{sink.total} samples in {len(shards)} shards")
+    return 0
+
+
+def _progress_bar(description: str, quiet: bool) -> Any:
+    from tqdm import tqdm
+
+    # disable=None: a bar on a terminal only, so piped output and logs stay clean.
+    return tqdm(desc=description, unit=" samples", disable=True if quiet else None, file=sys.stderr)
+
+
+def _storage_options(items: Sequence[str]) -> dict[str, Any] | None:
+    options: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--storage-option takes KEY=VALUE, got {item!r}")
+        try:
+            options[key] = json.loads(text)
+        except ValueError:
+            options[key] = text
+    return options or None
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -81,20 +202,21 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         prefetch=args.prefetch,
         concurrency=args.concurrency,
     )
-    progress = _progress(args.quiet)
     start = time.perf_counter()
     samples = 0
     total = 0
-    for sample in dataset:
-        samples += 1
-        total += sum(len(v) for k, v in sample.items() if isinstance(v, bytes) and k[:2] != "__")
-        if samples % 1000 == 0:
-            progress(samples, time.perf_counter() - start)
+    with _progress_bar("reading", args.quiet) as bar:
+        for sample in dataset:
+            samples += 1
+            total += sum(
+                len(v) for k, v in sample.items() if isinstance(v, bytes) and k[:2] != "__"
+            )
+            if samples % 100 == 0:
+                bar.update(100)
+        bar.update(samples % 100)
     elapsed = time.perf_counter() - start
     stats = dataset.stats()
     io = stats["io"]
-    if not args.quiet:
-        print(file=sys.stderr)
     print(
         f"{samples} samples, {total / 1e6:.1f} MB in {elapsed:.2f} s: "
         f"{samples / elapsed:,.0f} samples/s, {total / 1e6 / elapsed:,.1f} MB/s"
@@ -112,14 +234,6 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             f"{int(cache['waits'])} followed, {int(cache['uncached'])} uncached"
         )
     return 0
-
-
-def _progress(quiet: bool) -> Any:
-    def show(samples: int, elapsed: float) -> None:
-        if not quiet:
-            print(f"\r{samples:,} samples, {samples / elapsed:,.0f}/s", end="", file=sys.stderr)
-
-    return show
 
 
 def _cmd_cache_info(args: argparse.Namespace) -> int:
@@ -167,7 +281,11 @@ def _cmd_index(args: argparse.Namespace) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="cloudshards", description="Inspect WebDataset tar shards at any fsspec URL."
+        prog="cloudshards",
+        description="Inspect, write and benchmark WebDataset tar shards at any fsspec URL.",
+        epilog="exit codes: 0 success, 1 a shard or data error (missing object, corrupt tar, "
+        "failed upload), 2 a usage or configuration error. Errors are one line; --debug shows "
+        "the traceback.",
     )
     parser.add_argument("--version", action="version", version=f"cloudshards {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
@@ -178,10 +296,39 @@ def _parser() -> argparse.ArgumentParser:
     ls.add_argument("--count", action="store_true", help="also count samples (reads shards)")
     ls.set_defaults(func=_cmd_ls)
 
-    head = commands.add_parser("head", help="show the first samples: keys, fields, sizes")
-    head.add_argument("urls", help="shard spec")
-    head.add_argument("-n", type=int, default=3, help="number of samples (default 3)")
-    head.set_defaults(func=_cmd_head)
+    for name, default, what in [("cat", None, "all samples"), ("head", 3, "the first samples")]:
+        cat = commands.add_parser(
+            name,
+            help=f"show {what}: keys, fields, sizes, previews (image WxH, JSON, ...)",
+            description=f"Show {what} of a dataset: each field's size and a decoded preview.",
+        )
+        cat.add_argument("urls", help="shard spec")
+        cat.add_argument(
+            "-n", type=int, default=default, help=f"most samples (default {default or 'all'})"
+        )
+        cat.add_argument("--fields", help="comma-separated fields to show (default: all)")
+        cat.add_argument("--width", type=int, default=60, help="longest text preview")
+        cat.set_defaults(func=_cmd_cat)
+
+    write = commands.add_parser(
+        "write",
+        help="shard a folder of files or a JSONL manifest into tars at a URL",
+        description=_WRITE_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    write.add_argument("source", help="a directory, or a .jsonl manifest (one sample per line)")
+    write.add_argument("output", help="shard URL pattern, e.g. 's3://bucket/train-%%06d.tar'")
+    write.add_argument("--maxcount", type=int, default=10000, help="most samples per shard (10000)")
+    write.add_argument(
+        "--maxsize", type=float, default=1e9, help="most bytes of data per shard (1e9)"
+    )
+    write.add_argument("--start-shard", type=int, default=0, help="number of the first shard")
+    write.add_argument(
+        "--storage-option", action="append", default=[], metavar="KEY=VALUE",
+        help="fsspec option for the output, repeatable; VALUE is JSON or text",
+    )  # fmt: skip
+    write.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    write.set_defaults(func=_cmd_write)
 
     bench = commands.add_parser(
         "bench", help="read a dataset; report samples/s, MB/s, time waiting for I/O, retries"
@@ -190,7 +337,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--cache-dir", default=None, help="read through this node cache")
     bench.add_argument("--prefetch", type=int, default=None, help="shards fetched ahead")
     bench.add_argument("--concurrency", type=int, default=None, help="ranged GETs per shard")
-    bench.add_argument("-q", "--quiet", action="store_true", help="no progress line")
+    bench.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     bench.set_defaults(func=_cmd_bench)
 
     cache = commands.add_parser("cache", help="inspect or clear a per-node shard cache")
@@ -217,7 +364,10 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING)
+    logging.basicConfig(
+        level=logging.DEBUG if args.debug else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s" if args.debug else "cloudshards: %(message)s",
+    )
     try:
         result: Any = args.func(args)
         return int(result)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from cloudshards._index_format import IndexedMember, IndexedSample, ShardIndex
-from cloudshards._tarheader import ZERO_BLOCK
+from cloudshards._tarheader import BLOCK, ZERO_BLOCK, checksum_ok, member_name, parse_number
 from cloudshards.errors import ShardFormatError
 from cloudshards.grouping import group_members, make_name_filter, split_key
 from cloudshards.tar import iter_members
@@ -37,6 +37,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _END_OF_ARCHIVE = ZERO_BLOCK * 2
+_REGULAR = frozenset(b"0\x007")  # type flags of regular files, as the tar reader accepts
 _NAME_FILTER = make_name_filter(None, None)
 #: Shard files (cache entries, local shards) kept open per process.
 MAX_OPEN_FILES = 128
@@ -85,7 +86,44 @@ def check_length(data: bytes, length: int, shard: ShardIndex, position: int) -> 
 def parse_sample(
     data: bytes, shard: ShardIndex, entry: IndexedSample, position: int, max_member_bytes: int
 ) -> Sample:
-    """Parse a sample's bytes with the tar reader; check them against the index."""
+    """Turn a sample's bytes into the streaming reader's sample dict, checked against the index.
+
+    Fast path: each member's own header (the block before its data) must have a good checksum
+    and the indexed name and size; then the fields are sliced out by offset. Anything else
+    (names in PAX or GNU long-name headers, or a shard that changed) goes through the tar
+    reader, which parses every header in the range and compares it with the index.
+    """
+    sample = _sliced(data, entry) or _parsed(data, shard, entry, position, max_member_bytes)
+    sample["__url__"] = shard.url
+    if protocol_of(shard.url) == "file":
+        # As the streaming reader (and webdataset 1.0.2) tell where a local shard lives.
+        url = shard.url
+        sample["__local_path__"] = urlsplit(url).path if url.startswith("file:") else url
+    return sample
+
+
+def _sliced(data: bytes, entry: IndexedSample) -> Sample | None:
+    start, key = entry.start, entry.key
+    sample: Sample = {"__key__": key, "__url__": None}
+    for name, offset, size in entry.members:
+        at = offset - start
+        header = data[at - BLOCK : at]
+        if (
+            at < BLOCK
+            or header[156] not in _REGULAR
+            or parse_number(header[124:136]) != size
+            or member_name(header) != name
+            or not checksum_ok(header)
+        ):
+            return None
+        # As group_members: the field is the name after the key, lower-cased.
+        sample[name[len(key) + 1 :].lower()] = data[at : at + size]
+    return sample
+
+
+def _parsed(
+    data: bytes, shard: ShardIndex, entry: IndexedSample, position: int, max_member_bytes: int
+) -> Sample:
     start = entry.start
     try:
         members = [
@@ -117,12 +155,7 @@ def parse_sample(
             member=entry.members[0].name,
         )
     relocated = (Member(m.name, m.data, start + m.offset) for m in members)
-    sample = next(group_members(relocated, url=shard.url, shard_index=position))
-    if protocol_of(shard.url) == "file":
-        # As the streaming reader (and webdataset 1.0.2) tell where a local shard lives.
-        url = shard.url
-        sample["__local_path__"] = urlsplit(url).path if url.startswith("file:") else url
-    return sample
+    return next(group_members(relocated, url=shard.url, shard_index=position))
 
 
 @dataclass(eq=False)

@@ -16,6 +16,7 @@ from typing import Any
 from torch.utils.data import DataLoader
 
 from cloudshards import config
+from cloudshards.balance import BALANCE_MODES, assign_samples, resolve_sample_counts
 from cloudshards.cache import ShardCache
 from cloudshards.dist import WorkerInfo
 from cloudshards.errors import ConfigError
@@ -31,6 +32,7 @@ from cloudshards.shards import (
     split_by_node,
     split_by_worker,
 )
+from cloudshards.stages.base import IterationContext, current_context
 from cloudshards.stages.read import read_shards
 from cloudshards.types import ExceptionHandler
 
@@ -69,6 +71,74 @@ class _EmptyCheck:
 def check_empty(source: Iterable[Any]) -> Iterator[Any]:
     """Pass samples through; raise ValueError if there were none (webdataset's check)."""
     return _EmptyCheck(-1)(source)
+
+
+class _Split:
+    """Stage: this consumer's shards of the epoch.
+
+    Balanced (``drop``/``pad``, or ``auto`` with several ranks and no ``with_epoch``): a
+    contiguous run of the epoch's samples, equal in length for every rank and worker (see
+    :mod:`cloudshards.balance`). Otherwise the node and worker splitters, with a warning when
+    some consumers get no shard at all.
+    """
+
+    def __init__(
+        self,
+        urls: list[str],
+        nodesplitter: Callable[..., Any] | None,
+        workersplitter: Callable[..., Any] | None,
+        balance: str | None,
+        sample_counts: Any,
+        counter: Callable[[Any], list[int]],
+    ) -> None:
+        self.urls = urls
+        self.nodesplitter = nodesplitter
+        self.workersplitter = workersplitter
+        self.balance = balance
+        self.sample_counts = sample_counts
+        self._counter = counter
+        self._counts: list[int] | None = None
+
+    def mode(self, context: IterationContext | None) -> str | None:
+        if self.balance != "auto":
+            return self.balance
+        if context is None or context.bounded or context.info.world_size < 2:
+            return None
+        return "drop"
+
+    def counts(self) -> list[int]:
+        if self._counts is None:
+            self._counts = self._counter(self.sample_counts)
+        return self._counts
+
+    def __call__(self, src: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        context = current_context()
+        mode = self.mode(context)
+        info = context.info if context is not None else WorkerInfo.detect()
+        if mode is not None:
+            counts = self.counts()
+            return assign_samples(
+                src,
+                dict(enumerate(counts)),
+                consumer=info.global_worker,
+                num_consumers=info.num_consumers,
+                mode=mode,
+            )
+        if len(self.urls) < info.num_consumers and self.nodesplitter is not None:
+            logger.warning(
+                "%d shards for %d consumers (%d ranks x %d workers): some get no shard and "
+                "ranks get unequal numbers of samples; use fewer workers, more shards, "
+                "balance='drop', or resampled=True with with_epoch()",
+                len(self.urls),
+                info.num_consumers,
+                info.world_size,
+                info.num_workers,
+            )
+        stream: Iterable[dict[str, Any]] = src
+        for splitter in (self.nodesplitter, self.workersplitter):
+            if splitter is not None:
+                stream = splitter(stream)
+        return iter(stream)
 
 
 class _ShardReader:
@@ -141,6 +211,16 @@ class WebDataset(DataPipeline, FluidInterface):
         concurrency: Ranged GETs in flight per shard (default 8).
         retries: Retries of a failed request, with exponential backoff (default 5).
         stall_timeout_s: A read with no progress for this long is an error (default 120).
+        balance: Equal epochs across ranks, so DDP never hangs on uneven shards: ``"drop"``
+            gives every rank and worker exactly ``T // C`` samples of the ``T`` in the epoch
+            (``C`` = ranks x workers; the ``T % C`` left over are skipped, a different few
+            each epoch), ``"pad"`` gives ``ceil(T / C)`` (the consumers one short repeat a
+            sample), None splits whole shards as webdataset does. ``"auto"`` (default) is
+            ``"drop"`` when there are several ranks and no ``with_epoch``, else None.
+        sample_counts: Samples per shard for balancing: an index (``cloudshards index``;
+            its URL or a ``DatasetIndex``), a mapping URL -> count, or a list in shard order.
+            Default: the index next to the shards if there is one, else counted once per
+            node and remembered (``CLOUDSHARDS_COUNTS_DIR``, default ``~/.cache/cloudshards``).
         max_member_bytes: Largest tar member accepted (default ``CLOUDSHARDS_MAX_MEMBER_BYTES``
             or 1 GiB); a larger one is a ``ShardFormatError`` before any memory is allocated.
 
@@ -177,6 +257,8 @@ class WebDataset(DataPipeline, FluidInterface):
         concurrency: int | None = None,
         retries: int | None = None,
         stall_timeout_s: float | None = None,
+        balance: str | None = "auto",
+        sample_counts: Any = None,
     ) -> None:
         super().__init__(seed=seed)
         handler = as_handler(handler)
@@ -197,11 +279,20 @@ class WebDataset(DataPipeline, FluidInterface):
             shuffled = bool(shardshuffle)
         self.append(source)
         self.num_shards = len(source)
-        for splitter in (nodesplitter, workersplitter):
-            if splitter is None or (resampled and splitter in _DEFAULT_SPLITTERS):
-                # Resampled workers draw from independent seeds; splitting would only waste draws.
-                continue
-            self.append(splitter)
+        if balance not in (None, "auto", *BALANCE_MODES):
+            raise ConfigError(f"balance={balance!r}; use 'drop', 'pad', 'auto' or None")
+        custom_split = any(
+            s not in (None, *_DEFAULT_SPLITTERS) for s in (nodesplitter, workersplitter)
+        )
+        if balance in BALANCE_MODES and (resampled or custom_split):
+            raise ConfigError(
+                f"balance={balance!r} splits the epoch's samples itself: it cannot be combined "
+                "with resampled=True or a custom nodesplitter/workersplitter"
+            )
+        if resampled:
+            for splitter in (nodesplitter, workersplitter):
+                if splitter is not None and splitter not in _DEFAULT_SPLITTERS:
+                    self.append(splitter)
         options = OpenOptions(
             storage_options=storage_options,
             allow_pipe=allow_pipe,
@@ -215,6 +306,32 @@ class WebDataset(DataPipeline, FluidInterface):
             retries=retries,
             stall_timeout_s=stall_timeout_s,
         )
+        if not resampled:
+            fetch_options = self.fetch
+            shard_cache = self.cache
+            shard_urls = source.urls
+
+            def counter(counts: Any) -> list[int]:
+                is_index = isinstance(counts, str) or hasattr(counts, "shards")
+                return resolve_sample_counts(
+                    shard_urls,
+                    counts=None if is_index else counts,
+                    index=counts if is_index else None,
+                    options=options,
+                    fetch=fetch_options,
+                    cache=shard_cache,
+                )
+
+            self.append(
+                _Split(
+                    source.urls,
+                    nodesplitter,
+                    workersplitter,
+                    None if custom_split and balance == "auto" else balance,
+                    sample_counts,
+                    counter,
+                )
+            )
         self.append(
             _ShardReader(handler, options, select_files, rename_files, self.cache, self.fetch)
         )

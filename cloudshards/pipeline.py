@@ -9,7 +9,6 @@ never modify the one they are called on.
 from __future__ import annotations
 
 import copy
-import itertools
 import logging
 import sys
 from collections.abc import Callable, Iterator
@@ -69,6 +68,8 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
         self._epoch = 0
         self._epoch_set = False
         self._length: int | None = None
+        self._live: dict[str, Any] | None = None  # the running epoch, for state_dict
+        self._resume: dict[str, Any] | None = None
         for arg in args:
             if arg is None:
                 continue
@@ -132,16 +133,38 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
         return iter(source)
 
     def iterator(self) -> Iterator[Any]:
-        """Run ``repetitions`` passes (stopping early if a pass yields nothing)."""
+        """Run ``repetitions`` passes (stopping early if a pass yields nothing), at most
+        ``nsamples`` items when ``with_epoch`` set it, resuming where ``load_state_dict`` says."""
         context = self._context()
-        for repetition in range(self.repetitions):
-            context.repetition = repetition
+        context.bounded = self.nsamples > 0
+        resume, self._resume = self._resume, None
+        first_repetition, yielded = 0, 0
+        if resume is not None:
+            self._check_consumer(resume, context.info)
+            context.seed = int(resume["seed"])
+            first_repetition, yielded = int(resume["repetition"]), int(resume["yielded"])
+            if resume["shards"] > 0:
+                context.resume = (int(resume["shards"]) - 1, int(resume["samples"]))
+        live = {"epoch": context.epoch, "seed": context.seed, "info": context.info}
+        live.update(repetition=first_repetition, yielded=yielded, position=context.position)
+        self._live = live
+        limit = self.nsamples if self.nsamples > 0 else sys.maxsize
+        for repetition in range(first_repetition, self.repetitions):
+            if yielded >= limit:
+                break
+            context.repetition = live["repetition"] = repetition
             count = 0
             for sample in _with_context(context, self.iterator1):
                 count += 1
+                yielded += 1
+                live["yielded"] = yielded
                 yield sample
+                if yielded >= limit:
+                    break
             if count == 0:
                 break
+        if self._live is live:
+            self._live = None
 
     def __iter__(self) -> Iterator[Any]:
         for stage in self.pipeline:
@@ -151,9 +174,87 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
                 dataset.set_epoch(self._epoch)
         it = self.iterator()
         self._epoch += 1
-        if self.nsamples > 0:
-            return itertools.islice(it, self.nsamples)
         return it
+
+    # --- state ---------------------------------------------------------------------------------
+
+    def _fingerprint(self) -> str:
+        """What a state must match: the source's shards and the stage layout."""
+        parts: list[Any] = [type(self).__name__]
+        for stage in self.pipeline:
+            parts.append(type(stage).__name__)
+            urls = getattr(stage, "urls", None)
+            if isinstance(urls, list):
+                parts.append(urls)
+        return str(derive_seed(*parts))
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this process's stream is: epoch, pass, items delivered, and the reader's
+        position (shards begun, samples from the last one).
+
+        Restoring it with :meth:`load_state_dict` continues exactly after the last item
+        delivered, unless a shuffle buffer held samples (those are lost: resume is then
+        approximate by at most the buffer size). Under ``StatefulDataLoader`` each worker
+        saves and restores its own.
+        """
+        live = self._live
+        state: dict[str, Any] = {"version": 1, "fingerprint": self._fingerprint()}
+        if live is None:
+            info = WorkerInfo.detect()
+            epoch, seed = self._epoch, None
+            state.update(repetition=0, yielded=0, shards=0, samples=0)
+        else:
+            info, epoch, seed = live["info"], live["epoch"], live["seed"]
+            position = live["position"]
+            state.update(
+                repetition=live["repetition"],
+                yielded=live["yielded"],
+                shards=position[0],
+                samples=position[1],
+            )
+        state.update(
+            epoch=epoch,
+            seed=seed,
+            consumer=[info.rank, info.world_size, info.worker, info.num_workers],
+        )
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a :meth:`state_dict`: the next ``iter()`` resumes that epoch.
+
+        Raises:
+            StateMismatchError: The state is from another dataset or configuration, or from
+                another rank/worker layout.
+        """
+        from cloudshards.errors import StateMismatchError
+
+        if not isinstance(state, dict) or state.get("version") != 1:
+            raise StateMismatchError(f"not a cloudshards pipeline state: {state!r:.200}")
+        if state.get("fingerprint") != self._fingerprint():
+            raise StateMismatchError(
+                "this state was saved by a different dataset or configuration (other shards "
+                "or stages); refusing to resume from it"
+            )
+        self._epoch = int(state["epoch"])
+        self._epoch_set = True
+        has_position = state["yielded"] or state["shards"] or state["repetition"]
+        if state.get("seed") is None or not has_position:
+            self._resume = None
+        else:
+            self._resume = dict(state)
+
+    @staticmethod
+    def _check_consumer(state: dict[str, Any], info: WorkerInfo) -> None:
+        saved = list(state["consumer"])
+        now = [info.rank, info.world_size, info.worker, info.num_workers]
+        if saved != now:
+            from cloudshards.errors import StateMismatchError
+
+            raise StateMismatchError(
+                f"state saved by rank {saved[0]}/{saved[1]}, worker {saved[2]}/{saved[3]} "
+                f"cannot resume rank {now[0]}/{now[1]}, worker {now[2]}/{now[3]}: restore "
+                "with the same number of ranks and DataLoader workers"
+            )
 
     def __len__(self) -> int:
         if self._length is None:

@@ -92,8 +92,9 @@ def make_shards(tmp_path: Path) -> Callable[..., Shards]:
 
 
 @pytest.fixture(autouse=True)
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Remove variables that change cloudshards' behaviour (rank, seeds, opt-ins)."""
+def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Remove variables that change cloudshards' behaviour (rank, seeds, opt-ins); sample
+    counts for balanced epochs go to a temporary directory, not the user's home."""
     import os
 
     for name in list(os.environ):
@@ -108,6 +109,7 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
             "NUM_WORKERS",
         ):
             monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("CLOUDSHARDS_COUNTS_DIR", str(tmp_path_factory.mktemp("counts")))
 
 
 @pytest.fixture(autouse=True)

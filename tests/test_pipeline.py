@@ -62,7 +62,9 @@ def test_ranks_get_disjoint_shards_covering_each_epoch(
         seen: Counter[str] = Counter()
         for rank in range(3):
             monkeypatch.setenv("RANK", str(rank))
-            ds = wds.WebDataset(shards.spec(), shardshuffle=True, seed=9, empty_check=False)
+            ds = wds.WebDataset(
+                shards.spec(), shardshuffle=True, seed=9, empty_check=False, balance=None
+            )
             ds.set_epoch(epoch)
             seen.update(keys_of(ds))
         assert seen == Counter(shards.keys)

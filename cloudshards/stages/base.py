@@ -96,6 +96,12 @@ class IterationContext:
     info: WorkerInfo
     repetition: int = 0
     _draws: int = field(default=0, repr=False)
+    #: Reader position for ``state_dict``: [shards begun this pass, samples from the last].
+    position: list[int] = field(default_factory=lambda: [0, 0])
+    #: Where to resume the first pass: (shards to skip, samples to skip in the next one).
+    resume: tuple[int, int] | None = None
+    #: The epoch's length is set by ``with_epoch`` (so it needs no balancing).
+    bounded: bool = False
 
     def stage_seed(self, salt: str) -> int:
         """A fresh seed for the next random stage: same on a rerun, new per epoch and worker."""

@@ -7,6 +7,7 @@ Resumption: exact at shard granularity (position = shard, samples delivered from
 
 from __future__ import annotations
 
+import itertools
 import logging
 import re
 from collections.abc import Callable, Generator, Iterable, Iterator
@@ -23,7 +24,7 @@ from cloudshards.handlers import reraise_exception
 from cloudshards.io import OpenOptions, open_shard
 from cloudshards.prefetch import ShardPrefetcher
 from cloudshards.redact import redact_url
-from cloudshards.stages.base import pipelinefilter
+from cloudshards.stages.base import current_context, pipelinefilter
 from cloudshards.tar import iter_members
 from cloudshards.types import ExceptionHandler, NameFilter, Sample
 from cloudshards.urls import protocol_of
@@ -111,11 +112,85 @@ def read_shards(
     read with parallel ranged GETs as ``fetch`` says (default :meth:`FetchOptions.from_env`).
     """
     options = options or OpenOptions()
-    shards = open_shards(src, handler=handler, options=options, cache=cache, fetch=fetch)
+    context = current_context()
+    position = context.position if context is not None else [0, 0]
+    position[:] = [0, 0]
+    resume = context.resume if context is not None else None
+    if context is not None:
+        context.resume = None  # only the first pass of a restored epoch resumes
+    shards = open_shards(
+        _positioned(src, resume), handler=handler, options=options, cache=cache, fetch=fetch
+    )
     try:
-        yield from _read_opened(shards, handler, options, name_filter)
+        yield from _read_opened(shards, handler, options, name_filter, position)
     finally:
         shards.close()  # stops the prefetcher's threads now, not when garbage-collected
+
+
+def _positioned(
+    src: Iterable[dict[str, Any]], resume: tuple[int, int] | None
+) -> Iterator[dict[str, Any]]:
+    """Number the shards (for ``state_dict``); on resume skip the shards already read
+    (without opening them) and the samples already delivered from the next one."""
+    skip_shards, skip_samples = resume or (0, 0)
+    for number, shard in enumerate(src):
+        if number < skip_shards:
+            continue
+        shard = {**shard, "__position__": number}
+        if number == skip_shards and skip_samples:
+            shard["skip"] = shard.get("skip", 0) + skip_samples
+            if "take" in shard:
+                shard["take"] = max(0, shard["take"] - skip_samples)
+            shard["__resumed__"] = skip_samples
+        yield shard
+
+
+def _skipping(name_filter: NameFilter | None, skip: int) -> NameFilter:
+    """A name filter that also drops the members of the first ``skip`` samples (without
+    reading their data), keyed exactly as :func:`group_members` keys them."""
+    seen = 0
+    last: str | None = None
+
+    def skipping(name: str) -> str | None:
+        nonlocal seen, last
+        mapped = name_filter(name) if name_filter is not None else name
+        if mapped is None or seen > skip:
+            return mapped
+        parts = split_key(mapped)
+        if parts is None:
+            return None
+        if parts[0] != last:
+            last = parts[0]
+            seen += 1
+        return None if seen <= skip else mapped
+
+    return skipping
+
+
+def _limited(samples: Iterator[Sample], shard: dict[str, Any]) -> Iterator[Sample]:
+    """At most ``take`` samples; a shard with fewer than its count said repeats its last
+    sample so that every rank still yields the same number (and says so)."""
+    take = shard.get("take")
+    if take is None:
+        yield from samples
+        return
+    delivered = 0
+    last: Sample | None = None
+    for sample in itertools.islice(samples, take):
+        delivered += 1
+        last = sample
+        yield sample
+    if delivered < take and last is not None:
+        logger.warning(
+            "%s has fewer samples than its count said (%d of %d from sample %d); repeating "
+            "its last sample to keep ranks in step: rebuild the index or the counts",
+            redact_url(shard["url"]),
+            delivered,
+            take,
+            shard.get("skip", 0),
+        )
+        for _ in range(take - delivered):
+            yield dict(last)
 
 
 def _read_opened(
@@ -123,27 +198,30 @@ def _read_opened(
     handler: ExceptionHandler,
     options: OpenOptions,
     name_filter: NameFilter | None,
+    position: list[int],
 ) -> Iterator[Sample]:
     for shard, stream in shards:
         url = shard["url"]
         index = shard.get("shard_index")
+        position[0] = shard.get("__position__", position[0]) + 1
+        position[1] = shard.get("__resumed__", 0)
+        skip = shard.get("skip", 0)
         try:
             members = iter_members(
                 stream,
                 url=url,
-                name_filter=name_filter,
+                name_filter=_skipping(name_filter, skip) if skip else name_filter,
                 block_bytes=options.block_bytes,
                 max_member_bytes=options.member_limit(),
             )
-            samples = group_members(members, url=url, shard_index=index)
+            samples = _limited(group_members(members, url=url, shard_index=index), shard)
             local_path = _local_path(url)
-            if local_path is None:
-                yield from samples
-            else:
-                # webdataset 1.0.2 tells consumers where a local shard lives.
-                for sample in samples:
+            for sample in samples:
+                if local_path is not None:
+                    # webdataset 1.0.2 tells consumers where a local shard lives.
                     sample["__local_path__"] = local_path
-                    yield sample
+                position[1] += 1
+                yield sample
         except ConfigError:
             raise
         except Exception as exn:

@@ -1,0 +1,253 @@
+"""Balanced epochs: every rank and DataLoader worker yields exactly the same number of samples.
+
+Unequal batch counts hang DDP: the rank that runs out first stops calling all-reduce and the
+others wait forever. Splitting *shards* across ranks cannot be equal when shards hold different
+numbers of samples, so balanced mode splits the epoch's *sample* sequence instead: the shards in
+the epoch's order (identical on every rank) are laid end to end, and consumer ``g`` of ``C``
+(rank x workers) takes a contiguous run of ``T // C`` samples ("drop": the ``T % C`` left over
+are skipped this epoch) or ``ceil(T / C)`` ("pad": consumers one short repeat their first
+sample). Runs are contiguous, so each consumer reads whole shards except at most two partial
+ones at its ends, and no sample is delivered twice within an epoch in "drop" mode.
+
+Per-shard sample counts come from an index (``cloudshards index``), from a mapping the user
+passes, or from one counting pass over the shards, remembered per node in a counts file.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from cloudshards import config
+from cloudshards.cache import ShardCache
+from cloudshards.errors import ConfigError, ShardOpenError
+from cloudshards.fetch import FetchOptions, open_remote
+from cloudshards.grouping import is_meta_name, split_key
+from cloudshards.io import OpenOptions, open_shard
+from cloudshards.redact import redact_url
+from cloudshards.tar import iter_members
+from cloudshards.urls import protocol_of
+
+__all__ = [
+    "BALANCE_MODES",
+    "assign_samples",
+    "count_shard_samples",
+    "resolve_sample_counts",
+]
+
+logger = logging.getLogger(__name__)
+
+BALANCE_MODES = ("drop", "pad")
+
+#: Most shards counted at once when no index exists.
+_COUNT_THREADS = 8
+
+
+def count_shard_samples(
+    url: str,
+    options: OpenOptions,
+    fetch: FetchOptions,
+    cache: ShardCache | None = None,
+) -> int:
+    """Count the samples of one shard by reading its member names (data is skipped: a local
+    or cached shard is read header by header; a remote one streams through once)."""
+    if cache is not None:
+        stream: Any = cache.open(url, options, wait_s=fetch.stall_timeout_s)
+    elif protocol_of(url) in ("file", "pipe"):
+        stream = open_shard(url, options)
+    else:
+        stream = open_remote(url, options, fetch=fetch)
+    count = 0
+    last_key: str | None = None
+
+    def name_filter(name: str) -> str | None:
+        nonlocal count, last_key
+        if name.startswith("__") and is_meta_name(name):
+            return None
+        parts = split_key(name)
+        if parts is not None and parts[0] != last_key:
+            last_key = parts[0]
+            count += 1
+        return None  # never copy member data
+
+    try:
+        for _ in iter_members(
+            stream, url=url, name_filter=name_filter, max_member_bytes=options.member_limit()
+        ):
+            pass
+    finally:
+        stream.close()
+    return count
+
+
+def _counts_dir() -> Path:
+    configured = config.env_str("COUNTS_DIR")
+    if configured:
+        return Path(configured)
+    return Path(os.path.expanduser("~")) / ".cache" / "cloudshards" / "counts"
+
+
+def _url_key(url: str) -> str:
+    # Hashed: a signed URL's query string must never land in a file.
+    key = url
+    if protocol_of(url) == "file":
+        path = url[len("file://") :] if url.startswith("file://") else url
+        with contextlib.suppress(OSError):
+            stat = os.stat(path)
+            key = f"{url}\0{stat.st_size}\0{stat.st_mtime_ns}"  # a rewritten file is recounted
+    return hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
+
+
+def _from_index(
+    urls: Sequence[str], index: Any, storage_options: Mapping[str, Any] | None, quiet: bool
+) -> list[int] | None:
+    from cloudshards._index_files import default_index_url, load_index
+    from cloudshards._index_format import DatasetIndex
+
+    try:
+        loaded = index if isinstance(index, DatasetIndex) else None
+        if loaded is None:
+            location = str(index) if index is not None else default_index_url(urls)
+            loaded = load_index(location, storage_options)
+    except (ShardOpenError, ConfigError, ValueError) as exc:
+        if not quiet:
+            raise
+        logger.debug("no usable index next to the shards (%s)", exc)
+        return None
+    by_url = {shard.url: shard.num_samples for shard in loaded.shards}
+    missing = [url for url in urls if url not in by_url]
+    if missing:
+        if not quiet:
+            raise ConfigError(
+                f"the index does not list {len(missing)} of the {len(urls)} shards "
+                f"(first: {redact_url(missing[0])}); rebuild it with `cloudshards index`"
+            )
+        return None
+    return [by_url[url] for url in urls]
+
+
+def resolve_sample_counts(
+    urls: Sequence[str],
+    *,
+    counts: Mapping[str, int] | Sequence[int] | None = None,
+    index: Any = None,
+    options: OpenOptions | None = None,
+    fetch: FetchOptions | None = None,
+    cache: ShardCache | None = None,
+) -> list[int]:
+    """Samples per shard, in ``urls`` order.
+
+    From ``counts`` (a mapping by URL or a list in order) when given; else from ``index`` (a
+    :class:`DatasetIndex` or its URL); else from an index at the default place next to the
+    shards; else from this node's counts file; else by counting once (and saving the counts
+    file, under a lock, so the other processes on the node wait and reuse it).
+    """
+    options = options or OpenOptions()
+    fetch = fetch or FetchOptions.from_env()
+    if counts is not None:
+        if isinstance(counts, Mapping):
+            missing = [url for url in urls if url not in counts]
+            if missing:
+                raise ConfigError(f"sample_counts has no entry for {redact_url(missing[0])}")
+            return [int(counts[url]) for url in urls]
+        if len(counts) != len(urls):
+            raise ConfigError(f"sample_counts has {len(counts)} entries for {len(urls)} shards")
+        return [int(n) for n in counts]
+    found = _from_index(urls, index, options.storage_options, quiet=index is None)
+    if found is not None:
+        return found
+    directory = _counts_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    keys = [_url_key(url) for url in urls]
+    path = directory / (hashlib.blake2b("\n".join(keys).encode(), digest_size=16).hexdigest())
+    with open(str(path) + ".lock", "a+b") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # one process per node counts
+        saved = _read_counts(path)
+        if saved is not None and all(key in saved for key in keys):
+            return [int(saved[key]) for key in keys]
+        where = "through the node cache" if cache is not None else "once"
+        logger.warning(
+            "counting the samples of %d shards %s to balance ranks (saved in %s); "
+            "`cloudshards index` or sample_counts= avoid this pass",
+            len(urls),
+            where,
+            directory,
+        )
+        with cf.ThreadPoolExecutor(min(_COUNT_THREADS, len(urls)) or 1) as pool:
+            result = list(
+                pool.map(lambda url: count_shard_samples(url, options, fetch, cache), urls)
+            )
+        _write_counts(path, dict(zip(keys, result, strict=True)))
+        return result
+
+
+def _read_counts(path: Path) -> dict[str, int] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _write_counts(path: Path, counts: dict[str, int]) -> None:
+    try:
+        fd, temp = tempfile.mkstemp(dir=path.parent, prefix=".counts-")
+        with os.fdopen(fd, "w") as handle:
+            json.dump(counts, handle)
+        os.replace(temp, path)
+    except OSError as exc:
+        logger.warning("cannot save sample counts in %s: %s", path.parent, exc)
+
+
+def assign_samples(
+    shards: Iterable[dict[str, Any]],
+    counts: Mapping[int, int],
+    *,
+    consumer: int,
+    num_consumers: int,
+    mode: str,
+) -> Iterator[dict[str, Any]]:
+    """This consumer's part of one epoch: shard dicts with ``skip``/``take`` sample counts.
+
+    Args:
+        shards: The epoch's shard dicts in order (with ``shard_index``), the same on every rank.
+        counts: Samples per shard index.
+        consumer: This consumer's index (``rank * num_workers + worker``).
+        num_consumers: Ranks x workers.
+        mode: ``"drop"`` (``T // C`` each) or ``"pad"`` (``ceil(T / C)`` each, the consumers
+            one short repeating their first sample).
+    """
+    order = list(shards)
+    total = sum(counts[shard["shard_index"]] for shard in order)
+    base, extra = divmod(total, num_consumers)
+    start = consumer * base + min(consumer, extra)
+    own = base + (1 if consumer < extra else 0)
+    take = base if mode == "drop" else own
+    wanted = base if mode == "drop" or extra == 0 else base + 1
+    end = start + take
+    position = 0
+    first: dict[str, Any] | None = None
+    for shard in order:
+        count = counts[shard["shard_index"]]
+        lo, hi = max(start, position), min(end, position + count)
+        if lo < hi:
+            segment = {**shard, "skip": lo - position, "take": hi - lo}
+            first = first or segment
+            yield segment
+        position += count
+        if position >= end:
+            break
+    if wanted > take:
+        if first is None:  # fewer samples than consumers: repeat the epoch's first sample
+            first = next(({**s, "skip": 0} for s in order if counts[s["shard_index"]] > 0), None)
+        if first is not None:
+            yield {**first, "take": wanted - take, "pad": True}

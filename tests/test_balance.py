@@ -146,11 +146,8 @@ def test_counts_come_from_an_index_a_mapping_or_one_counting_pass(
 ) -> None:
     shards = make_shards([2, 5, 3])
     urls = [str(p) for p in shards.paths]
-    assert resolve_sample_counts(urls, counts={u: n for u, n in zip(urls, [2, 5, 3])}) == [
-        2,
-        5,
-        3,
-    ]
+    mapping = dict(zip(urls, [2, 5, 3], strict=True))
+    assert resolve_sample_counts(urls, counts=mapping) == [2, 5, 3]
     with pytest.raises(ConfigError, match="3 shards"):
         resolve_sample_counts(urls, counts=[1, 2])
     with caplog.at_level(logging.WARNING):

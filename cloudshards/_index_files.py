@@ -107,7 +107,7 @@ def write_index(
             _write_local(path, payload)
         else:
             fs.pipe_file(path, payload)
-    except OSError as exc:
+    except Exception as exc:  # any backend failure, e.g. NotImplementedError on http://
         raise map_backend_error(exc, url, action="cannot write index") from exc
     logger.debug("wrote index of %d shards to %s", len(index.shards), redact_url(url))
     return DatasetIndex(index.shards, url)

@@ -199,6 +199,10 @@ class ShardIndex:
         )  # fmt: skip
 
 
+def _comparable(url: str) -> str:
+    return os.path.abspath(url) if "://" not in url and not url.startswith(PIPE_PREFIX) else url
+
+
 def _int_column(value: dict[str, Any], name: str) -> array[int]:
     column = value.get(name)
     if not isinstance(column, list):
@@ -249,10 +253,13 @@ class DatasetIndex:
         return list(itertools.pairwise([0, *self._ends]))
 
     def select(self, urls: Sequence[str]) -> DatasetIndex | None:
-        """The index of just these shards in this order, or None if one is not indexed."""
-        by_url = {shard.url: shard for shard in self.shards}
+        """The index of just these shards in this order, or None if one is not indexed.
+
+        Bare local paths match whether given relative or absolute.
+        """
+        by_url = {_comparable(shard.url): shard for shard in self.shards}
         try:
-            return DatasetIndex(tuple(by_url[url] for url in urls), self.url)
+            return DatasetIndex(tuple(by_url[_comparable(url)] for url in urls), self.url)
         except KeyError:
             return None
 

@@ -41,6 +41,7 @@ from cloudshards.indexed import (
     shard_sample_counts,
     write_index,
 )
+from cloudshards.redact import redact_url
 
 Sample = dict[str, Any]
 
@@ -737,3 +738,47 @@ def test_index_of_remote_shards_stores_metadata(
     assert methods == ["HEAD", "GET"]  # one metadata request, one streaming read
     with IndexedDataset(index) as ds:
         assert list(iter_keys(ds)) == shards.keys
+
+
+def test_index_next_to_shards_in_a_store(make_shards: Callable[..., Shards]) -> None:
+    shards = make_shards([2, 3])
+    fs = fsspec.filesystem("memory")
+    root = "/indexed-test"
+    try:
+        for path in shards.paths:
+            fs.pipe_file(f"{root}/data/{path.name}", path.read_bytes())
+        urls = [f"memory://{root}/data/{p.name}" for p in shards.paths]
+        expected = stream(urls)
+        target = default_index_url(urls)
+        assert target == f"memory://{root}/data/shard.index.json"
+        write_index(build_index(urls), target)
+        stored = json.loads(fs.cat_file(f"{root}/data/shard.index.json"))
+        assert [s["url"] for s in stored["shards"]] == [p.name for p in shards.paths]
+        with IndexedDataset(urls) as ds:  # finds the saved index next to the shards
+            assert ds.index.url == target
+            assert_same(ds, expected)
+    finally:
+        fs.rm(root, recursive=True)
+
+
+def test_relative_local_paths_find_the_saved_index(
+    make_shards: Callable[..., Shards], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shards = make_shards([2, 2])
+    write_index(build_index(shards.spec()), str(shards.paths[0].parent / "shard.index.json"))
+    monkeypatch.chdir(shards.paths[0].parent.parent)
+    relative = [f"{p.parent.name}/{p.name}" for p in shards.paths]
+    with IndexedDataset(relative) as ds:
+        assert ds.index.url is not None
+        assert [s.url for s in ds.index.shards] == [str(p) for p in shards.paths]
+
+
+def test_write_errors_name_the_index(
+    make_shards: Callable[..., Shards], requests: Requests
+) -> None:
+    shards = make_shards([1])
+    target = count_url(shards.paths[0].parent / "x.index.json")  # a read-only store
+    with pytest.raises(ShardOpenError) as info:
+        write_index(build_index(shards.spec()), target)
+    assert info.value.url == redact_url(target)
+    assert "x.index.json" in str(info.value)

@@ -61,8 +61,8 @@ def _describe_bytes(extension: str, data: bytes, width: int) -> str:
     if extension in VIDEO_EXTENSIONS or extension in AUDIO_EXTENSIONS:
         return _media(data)
     if extension in _JSON:
-        text = json.dumps(json.loads(data), ensure_ascii=False, separators=(", ", ": "))
-        return _clip(text, width)
+        compact = json.dumps(json.loads(data), ensure_ascii=False, separators=(", ", ": "))
+        return _clip(compact, width)
     if extension in _INTEGERS:
         return str(int(data))
     if extension == "npy":
@@ -74,9 +74,12 @@ def _describe_bytes(extension: str, data: bytes, width: int) -> str:
         return "torch.save payload (not loaded)"
     if extension in UNSAFE:
         return "pickle (not loaded: unsafe)"
+    text: str | None
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
+        text = None
+    if text is None or not all(c.isprintable() or c in "\n\r\t" for c in text[:1000]):
         return f"<{len(data):,} bytes binary: {data[:8].hex(' ')}{' ...' if len(data) > 8 else ''}>"
     return _clip(repr(text), width)
 
@@ -88,8 +91,11 @@ def _clip(text: str, width: int) -> str:
 def _image(data: bytes) -> str:
     import PIL.Image
 
-    with PIL.Image.open(io.BytesIO(data)) as image:  # reads the header only
-        return f"{image.format} {image.width}x{image.height} {image.mode}"
+    try:
+        with PIL.Image.open(io.BytesIO(data)) as image:  # reads the header only
+            return f"{image.format} {image.width}x{image.height} {image.mode}"
+    except PIL.UnidentifiedImageError:
+        raise ValueError("not an image Pillow can read") from None
 
 
 def _npy(data: bytes) -> str:

@@ -167,9 +167,15 @@ class IndexedDataset(torch.utils.data.Dataset[Any]):
         """Samples at ``indices``, in order, read on up to ``max_workers`` threads."""
         indices = list(indices)
         workers = self.max_workers if max_workers is None else max_workers
-        if len(indices) <= 1 or workers <= 1:
+        if len(indices) <= 1 or workers <= 1 or self._on_disk(indices):
             return [self[i] for i in indices]
         return list(self._process().pool(workers).map(self.__getitem__, indices))
+
+    def _on_disk(self, indices: list[int]) -> bool:
+        # Reads from open files take microseconds: threads would only add GIL contention.
+        opened = self._process().files
+        size = len(self)
+        return all(self.index.locate(i % size)[0] in opened for i in indices)
 
     def read_sample(self, index: int) -> Sample:
         """The raw sample at ``index`` (no transform, no handler).

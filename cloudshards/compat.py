@@ -57,7 +57,8 @@ class _EmptyCheck:
         for sample in source:
             count += 1
             yield sample
-        if count == 0:
+        context = current_context()
+        if count == 0 and not (context is not None and context.resumed):
             info = WorkerInfo.detect()
             raise ValueError(
                 f"No samples found in dataset (rank {info.rank}/{info.world_size}, worker "
@@ -71,6 +72,33 @@ class _EmptyCheck:
 def check_empty(source: Iterable[Any]) -> Iterator[Any]:
     """Pass samples through; raise ValueError if there were none (webdataset's check)."""
     return _EmptyCheck(-1)(source)
+
+
+class _Counter:
+    """Samples per shard for balancing (picklable, for spawned DataLoader workers)."""
+
+    def __init__(
+        self,
+        urls: list[str],
+        options: OpenOptions,
+        fetch: FetchOptions,
+        cache: ShardCache | None,
+    ) -> None:
+        self.urls = urls
+        self.options = options
+        self.fetch = fetch
+        self.cache = cache
+
+    def __call__(self, counts: Any) -> list[int]:
+        is_index = isinstance(counts, str) or hasattr(counts, "shards")
+        return resolve_sample_counts(
+            self.urls,
+            counts=None if is_index else counts,
+            index=counts if is_index else None,
+            options=self.options,
+            fetch=self.fetch,
+            cache=self.cache,
+        )
 
 
 class _Split:
@@ -307,21 +335,6 @@ class WebDataset(DataPipeline, FluidInterface):
             stall_timeout_s=stall_timeout_s,
         )
         if not resampled:
-            fetch_options = self.fetch
-            shard_cache = self.cache
-            shard_urls = source.urls
-
-            def counter(counts: Any) -> list[int]:
-                is_index = isinstance(counts, str) or hasattr(counts, "shards")
-                return resolve_sample_counts(
-                    shard_urls,
-                    counts=None if is_index else counts,
-                    index=counts if is_index else None,
-                    options=options,
-                    fetch=fetch_options,
-                    cache=shard_cache,
-                )
-
             self.append(
                 _Split(
                     source.urls,
@@ -329,7 +342,7 @@ class WebDataset(DataPipeline, FluidInterface):
                     workersplitter,
                     None if custom_split and balance == "auto" else balance,
                     sample_counts,
-                    counter,
+                    _Counter(source.urls, options, self.fetch, self.cache),
                 )
             )
         self.append(

@@ -94,7 +94,7 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
         """The epoch the next ``iter()`` will run."""
         return self._epoch
 
-    def _context(self) -> IterationContext:
+    def _context(self, epoch: int | None = None) -> IterationContext:
         info = WorkerInfo.detect()
         seed = self.seed
         if not self._epoch_set and info.world_size == 1:
@@ -105,7 +105,7 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
             base_seed = _torch_base_seed()
             if base_seed is not None:
                 seed = derive_seed(seed, base_seed)
-        return IterationContext(seed=seed, epoch=self._epoch, info=info)
+        return IterationContext(seed=seed, epoch=self._epoch if epoch is None else epoch, info=info)
 
     # --- iteration ---------------------------------------------------------------------------
 
@@ -132,10 +132,10 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
             source = self.invoke(step, source)
         return iter(source)
 
-    def iterator(self) -> Iterator[Any]:
+    def iterator(self, epoch: int | None = None) -> Iterator[Any]:
         """Run ``repetitions`` passes (stopping early if a pass yields nothing), at most
         ``nsamples`` items when ``with_epoch`` set it, resuming where ``load_state_dict`` says."""
-        context = self._context()
+        context = self._context(epoch)
         context.bounded = self.nsamples > 0
         resume, self._resume = self._resume, None
         first_repetition, yielded = 0, 0
@@ -143,6 +143,7 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
             self._check_consumer(resume, context.info)
             context.seed = int(resume["seed"])
             first_repetition, yielded = int(resume["repetition"]), int(resume["yielded"])
+            context.resumed = True
             if resume["shards"] > 0:
                 context.resume = (int(resume["shards"]) - 1, int(resume["samples"]))
         live = {"epoch": context.epoch, "seed": context.seed, "info": context.info}
@@ -172,7 +173,10 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
             dataset = getattr(stage, "dataset", None) if isinstance(stage, DataLoader) else None
             if dataset is not None and hasattr(dataset, "set_epoch"):
                 dataset.set_epoch(self._epoch)
-        it = self.iterator()
+        it = self.iterator(self._epoch)
+        # Until the first next(), state_dict() says "the start of this epoch".
+        self._live = {"epoch": self._epoch, "seed": None, "info": None, "repetition": 0}
+        self._live.update(yielded=0, position=[0, 0])
         self._epoch += 1
         return it
 
@@ -204,7 +208,7 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
             epoch, seed = self._epoch, None
             state.update(repetition=0, yielded=0, shards=0, samples=0)
         else:
-            info, epoch, seed = live["info"], live["epoch"], live["seed"]
+            info, epoch, seed = live["info"] or WorkerInfo.detect(), live["epoch"], live["seed"]
             position = live["position"]
             state.update(
                 repetition=live["repetition"],

@@ -102,6 +102,8 @@ class IterationContext:
     resume: tuple[int, int] | None = None
     #: The epoch's length is set by ``with_epoch`` (so it needs no balancing).
     bounded: bool = False
+    #: This epoch continues from a restored state (it may legitimately have nothing left).
+    resumed: bool = False
 
     def stage_seed(self, salt: str) -> int:
         """A fresh seed for the next random stage: same on a rerun, new per epoch and worker."""

@@ -1,0 +1,206 @@
+"""Exact resume: ``state_dict()`` after k items, ``load_state_dict()`` in a fresh pipeline, and
+the rest of the stream is what an uninterrupted run delivers (approximate only with a shuffle
+buffer, by at most its size); states from another dataset or layout are refused."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+import cloudshards as wds
+from cloudshards.errors import StateMismatchError
+
+UNEVEN = [3, 1, 4, 1, 5, 9, 2, 6]
+
+
+def keys(items: Any) -> list[str]:
+    result: list[str] = []
+    for item in items:
+        if isinstance(item, dict) and isinstance(item["__key__"], list):
+            result.extend(item["__key__"])
+        else:
+            result.append(item["__key__"])
+    return result
+
+
+def resume_after(build: Callable[[], Any], k: int, epoch: int = 0) -> tuple[list[Any], list[Any]]:
+    """(uninterrupted epoch, first k items + the items after restoring at k)."""
+    full = build()
+    full.set_epoch(epoch)
+    everything = list(full)
+    first = build()
+    first.set_epoch(epoch)
+    it = iter(first)
+    head = [next(it) for _ in range(k)]
+    state = first.state_dict()
+    it.close()  # type: ignore[attr-defined]
+    second = build()
+    second.load_state_dict(state)
+    return everything, head + list(second)
+
+
+@pytest.mark.parametrize("k", [0, 1, 3, 4, 9, 20, 31])
+def test_resume_is_exact_mid_shard_and_at_boundaries(make_shards: Any, k: int) -> None:
+    shards = make_shards(UNEVEN)
+    everything, resumed = resume_after(
+        lambda: wds.WebDataset(shards.spec(), shardshuffle=True, seed=4), k, epoch=2
+    )
+    assert keys(resumed) == keys(everything)
+
+
+def test_resume_with_batches_and_decoding(make_shards: Any) -> None:
+    shards = make_shards(UNEVEN)
+
+    def build() -> Any:
+        return (
+            wds.WebDataset(shards.spec(), shardshuffle=True, seed=1)
+            .decode()
+            .map(lambda s: {**s, "n": len(s["bin"])})
+            .batched(4)
+        )
+
+    everything, resumed = resume_after(build, 3)
+    assert keys(resumed) == keys(everything)
+
+
+def test_resume_resampled_with_epoch(make_shards: Any) -> None:
+    shards = make_shards(UNEVEN)
+
+    def build() -> Any:
+        return wds.WebDataset(shards.spec(), resampled=True, seed=2).with_epoch(50)
+
+    everything, resumed = resume_after(build, 37)
+    assert len(everything) == 50
+    assert keys(resumed) == keys(everything)
+
+
+def test_resume_balanced_rank(make_shards: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    shards = make_shards(UNEVEN)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("RANK", "1")
+    everything, resumed = resume_after(
+        lambda: wds.WebDataset(shards.spec(), shardshuffle=True, seed=8), 5, epoch=1
+    )
+    assert len(everything) == 31 // 3
+    assert keys(resumed) == keys(everything)
+
+
+def test_after_the_restored_epoch_the_next_one_follows(make_shards: Any) -> None:
+    shards = make_shards(UNEVEN)
+    reference = wds.WebDataset(shards.spec(), shardshuffle=True, seed=3)
+    epochs = [keys(reference) for _ in range(2)]
+    first = wds.WebDataset(shards.spec(), shardshuffle=True, seed=3)
+    it = iter(first)
+    head = [next(it)["__key__"] for _ in range(7)]
+    state = first.state_dict()
+    second = wds.WebDataset(shards.spec(), shardshuffle=True, seed=3)
+    second.load_state_dict(state)
+    assert head + keys(second) == epochs[0]
+    assert keys(second) == epochs[1]
+
+
+def test_a_finished_epoch_resumes_at_the_next(make_shards: Any) -> None:
+    shards = make_shards([2, 2])
+    ds = wds.WebDataset(shards.spec(), shardshuffle=True, seed=3)
+    list(ds)
+    state = ds.state_dict()
+    assert state["epoch"] == 1
+    again = wds.WebDataset(shards.spec(), shardshuffle=True, seed=3)
+    again.load_state_dict(state)
+    reference = wds.WebDataset(shards.spec(), shardshuffle=True, seed=3)
+    reference.set_epoch(1)
+    assert keys(again) == keys(reference)
+
+
+def test_shuffle_buffer_resume_loses_at_most_the_buffer(make_shards: Any) -> None:
+    shards = make_shards(UNEVEN)
+    buffer = 5
+
+    def build() -> Any:
+        return wds.WebDataset(shards.spec(), shardshuffle=True, seed=6).shuffle(buffer)
+
+    everything, resumed = resume_after(build, 10)
+    got = keys(resumed)
+    assert len(set(got)) == len(got)  # nothing twice
+    assert set(got) <= set(keys(everything))
+    assert len(everything) - len(got) <= buffer
+
+
+def test_state_from_another_dataset_is_refused(make_shards: Any, tmp_path: Any) -> None:
+    shards = make_shards([3, 3])
+    other = make_shards([3, 3, 3], directory=tmp_path / "other")
+    ds = wds.WebDataset(shards.spec(), shardshuffle=True)
+    it = iter(ds)
+    next(it)
+    state = ds.state_dict()
+    with pytest.raises(StateMismatchError, match="different dataset"):
+        wds.WebDataset(other.spec(), shardshuffle=True).load_state_dict(state)
+    with pytest.raises(StateMismatchError, match="not a cloudshards"):
+        wds.WebDataset(shards.spec()).load_state_dict({"epoch": 3})
+
+
+def test_state_from_another_rank_layout_is_refused(
+    make_shards: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shards = make_shards(UNEVEN)
+    ds = wds.WebDataset(shards.spec(), shardshuffle=True)
+    it = iter(ds)
+    next(it)
+    state = ds.state_dict()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    restored = wds.WebDataset(shards.spec(), shardshuffle=True)
+    restored.load_state_dict(state)
+    with pytest.raises(StateMismatchError, match="same number of ranks"):
+        next(iter(restored))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_stateful_dataloader_resumes_exactly(make_shards: Any, workers: int) -> None:
+    shards = make_shards(UNEVEN * 2)
+
+    def loader() -> StatefulDataLoader:
+        ds = wds.WebDataset(shards.spec(), shardshuffle=True, seed=7).batched(3)
+        ds.set_epoch(1)  # as training loops do; without it workers mix in torch's seed
+        return StatefulDataLoader(ds, batch_size=None, num_workers=workers)
+
+    everything = keys(loader())
+    first = loader()
+    it = iter(first)
+    head = [next(it) for _ in range(5)]
+    state = first.state_dict()
+    del it
+    second = loader()
+    second.load_state_dict(state)
+    assert keys(head) + keys(second) == everything
+
+
+def test_plain_dataloader_still_works_without_state(make_shards: Any) -> None:
+    shards = make_shards(UNEVEN)
+    ds = wds.WebDataset(shards.spec(), shardshuffle=False)
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
+    assert sorted(keys(loader)) == sorted(shards.keys)
+
+
+def test_stateful_dataloader_resume_keeps_the_workers_seed(make_shards: Any) -> None:
+    # No set_epoch: the workers' shard order mixes in torch's per-iteration seed, which the
+    # state carries, so the restored loader continues the interrupted run's own order.
+    shards = make_shards(UNEVEN * 2)
+
+    def loader() -> StatefulDataLoader:
+        ds = wds.WebDataset(shards.spec(), shardshuffle=True).batched(2)
+        return StatefulDataLoader(ds, batch_size=None, num_workers=2)
+
+    first = loader()
+    it = iter(first)
+    head = [next(it) for _ in range(4)]
+    state = first.state_dict()
+    tail = list(it)
+    second = loader()
+    second.load_state_dict(state)
+    assert keys(second) == keys(tail)
+    assert sorted(keys(head) + keys(tail)) == sorted(shards.keys)

@@ -20,7 +20,12 @@ from cloudshards.decoders import (
     torch_loads,
     torch_video,
 )
-from cloudshards.dist import WorkerInfo, pytorch_worker_info, pytorch_worker_seed
+from cloudshards.dist import (
+    WorkerInfo,
+    check_same_length,
+    pytorch_worker_info,
+    pytorch_worker_seed,
+)
 from cloudshards.errors import (
     CacheError,
     CloudShardsError,
@@ -128,6 +133,7 @@ __all__ = [
     "build_index",
     "cache_info",
     "check_empty",
+    "check_same_length",
     "clear_cache",
     "decode",
     "default_collation_fn",

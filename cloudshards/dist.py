@@ -11,7 +11,13 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["WorkerInfo", "derive_seed", "pytorch_worker_info", "pytorch_worker_seed"]
+__all__ = [
+    "WorkerInfo",
+    "check_same_length",
+    "derive_seed",
+    "pytorch_worker_info",
+    "pytorch_worker_seed",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -116,3 +122,37 @@ def derive_seed(*parts: object) -> int:
     """
     digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") >> 1
+
+
+def check_same_length(count: int, *, what: str = "batches", group: Any = None) -> None:
+    """Raise if the ranks disagree on ``count`` (e.g. this epoch's number of batches).
+
+    Call it on every rank at the start of an epoch, in the main process, before the first
+    step: a rank with fewer batches than the others finishes its epoch early, stops joining
+    DDP's gradient all-reduce, and the others wait forever. One small all-gather; nothing
+    happens when torch.distributed is not initialised.
+
+    Raises:
+        RuntimeError: Naming each rank's count and what to do.
+    """
+    import torch
+    import torch.distributed as torch_dist
+
+    if not (torch_dist.is_available() and torch_dist.is_initialized()):
+        return
+    world = torch_dist.get_world_size(group=group)
+    device = torch.device("cpu")
+    if torch_dist.get_backend(group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    mine = torch.tensor([int(count)], dtype=torch.int64, device=device)
+    gathered = [torch.zeros_like(mine) for _ in range(world)]
+    torch_dist.all_gather(gathered, mine, group=group)
+    counts = [int(t.item()) for t in gathered]
+    if len(set(counts)) > 1:
+        listing = ", ".join(f"rank {r}: {n}" for r, n in enumerate(counts))
+        raise RuntimeError(
+            f"ranks disagree on the number of {what} this epoch ({listing}); DDP would hang "
+            "when the shortest rank finishes. Use balanced epochs (WebDataset(..., "
+            "balance='drop'), the default with several ranks), resampled=True with "
+            ".with_epoch(n), or a DistributedChunkedSampler"
+        )

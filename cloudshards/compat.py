@@ -249,6 +249,9 @@ class WebDataset(DataPipeline, FluidInterface):
             its URL or a ``DatasetIndex``), a mapping URL -> count, or a list in shard order.
             Default: the index next to the shards if there is one, else counted once per
             node and remembered (``CLOUDSHARDS_COUNTS_DIR``, default ``~/.cache/cloudshards``).
+        rank: This process's rank, overriding detection (torch.distributed, then torchrun's
+            ``RANK``/``WORLD_SIZE``, then SLURM's ``SLURM_PROCID``/``SLURM_NTASKS``).
+        world_size: The number of ranks, overriding detection likewise (give both).
         max_member_bytes: Largest tar member accepted (default ``CLOUDSHARDS_MAX_MEMBER_BYTES``
             or 1 GiB); a larger one is a ``ShardFormatError`` before any memory is allocated.
 
@@ -287,8 +290,10 @@ class WebDataset(DataPipeline, FluidInterface):
         stall_timeout_s: float | None = None,
         balance: str | None = "auto",
         sample_counts: Any = None,
+        rank: int | None = None,
+        world_size: int | None = None,
     ) -> None:
-        super().__init__(seed=seed)
+        super().__init__(seed=seed, rank=rank, world_size=world_size)
         handler = as_handler(handler)
         if mode not in (None, "resampled"):
             raise ConfigError(f"mode={mode!r} is not supported; use resampled=True or None")

@@ -9,6 +9,7 @@ never modify the one they are called on.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import sys
 from collections.abc import Callable, Iterator
@@ -57,10 +58,29 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
     Args:
         *args: The source and the stages, in order.
         seed: Base seed for shard order and shuffles (default :func:`default_seed`).
+        rank: This process's rank, overriding detection (torch.distributed, then torchrun's
+            ``RANK``, then SLURM's ``SLURM_PROCID``).
+        world_size: The number of ranks, overriding detection likewise.
     """
 
-    def __init__(self, *args: Any, seed: int | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        seed: int | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__()
+        if (rank is None) != (world_size is None) or (
+            rank is not None and world_size is not None and not 0 <= rank < world_size
+        ):
+            from cloudshards.errors import ConfigError
+
+            raise ConfigError(
+                f"rank={rank}, world_size={world_size}: give both, with 0 <= rank < world_size"
+            )
+        self._ranks = None if rank is None or world_size is None else (rank, world_size)
         self.pipeline: list[Any] = []
         self.repetitions = 1
         self.nsamples = -1
@@ -96,6 +116,8 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
 
     def _context(self, epoch: int | None = None) -> IterationContext:
         info = WorkerInfo.detect()
+        if self._ranks is not None:
+            info = dataclasses.replace(info, rank=self._ranks[0], world_size=self._ranks[1])
         seed = self.seed
         if not self._epoch_set and info.world_size == 1:
             # Without set_epoch, non-persistent DataLoader workers get a fresh copy of the

@@ -205,3 +205,34 @@ def test_fewer_shards_than_consumers_is_explained(
     ranks_keys(shards.spec(), monkeypatch, 3, balance=None, empty_check=False)
     assert "2 shards for 3 consumers" in caplog.text
     assert "balance='drop'" in caplog.text
+
+
+def test_rank_and_world_size_can_be_given_explicitly(
+    make_shards: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shards = make_shards(UNEVEN)
+    from_env = ranks_keys(shards.spec(), monkeypatch, 3, shardshuffle=True)
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    explicit = [
+        keys_of(wds.WebDataset(shards.spec(), seed=3, shardshuffle=True, rank=r, world_size=3))
+        for r in range(3)
+    ]
+    assert explicit == from_env
+    with pytest.raises(ConfigError, match="give both"):
+        wds.WebDataset(shards.spec(), rank=1)
+    with pytest.raises(ConfigError, match="0 <= rank < world_size"):
+        wds.WebDataset(shards.spec(), rank=3, world_size=3)
+
+
+def test_slurm_variables_give_the_rank(make_shards: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    shards = make_shards(UNEVEN)
+    from_env = ranks_keys(shards.spec(), monkeypatch, 2, shardshuffle=True)
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    slurm = []
+    for rank in range(2):
+        monkeypatch.setenv("SLURM_PROCID", str(rank))
+        slurm.append(keys_of(wds.WebDataset(shards.spec(), seed=3, shardshuffle=True)))
+    assert slurm == from_env

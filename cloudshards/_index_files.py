@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from cloudshards._index_format import DatasetIndex, _parent, _strip_query, read_index
+from cloudshards._index_format import DatasetIndex, parent_url, read_index, strip_query
 from cloudshards.errors import ConfigError, ShardOpenError
 from cloudshards.fetch import FetchOptions, retry
 from cloudshards.io import map_backend_error
@@ -37,10 +37,10 @@ def default_index_url(urls: Sequence[str]) -> str:
     """
     if not urls:
         raise ConfigError("no shard URLs to index")
-    parent = _parent(urls[0])
+    parent = parent_url(urls[0])
     stems = []
     for url in urls:
-        base = _strip_query(url).rsplit("/", 1)[-1]
+        base = strip_query(url).rsplit("/", 1)[-1]
         for suffix in _TAR_SUFFIXES:
             if base.endswith(suffix):
                 base = base[: -len(suffix)]
@@ -99,7 +99,7 @@ def write_index(
         ShardOpenError: The store refused the write.
     """
     payload = json.dumps(index.to_json(url), separators=(",", ":")).encode()
-    if _strip_query(url).endswith(".gz"):
+    if strip_query(url).endswith(".gz"):
         payload = gzip.compress(payload, mtime=0)
     fs, path = resolve(url, storage_options)
     try:

@@ -28,8 +28,10 @@ __all__ = [
     "IndexedMember",
     "IndexedSample",
     "ShardIndex",
+    "parent_url",
     "read_index",
     "shard_sample_counts",
+    "strip_query",
 ]
 
 logger = logging.getLogger(__name__)
@@ -282,12 +284,14 @@ def shard_sample_counts(index: DatasetIndex) -> dict[str, int]:
     return {shard.url: shard.num_samples for shard in index.shards}
 
 
-def _strip_query(url: str) -> str:
+def strip_query(url: str) -> str:
+    """The URL without an HTTP query string (other protocols keep ``?`` in names)."""
     return url.split("?", 1)[0] if protocol_of(url) in ("http", "https") else url
 
 
-def _parent(url: str) -> str:
-    base = _strip_query(url)
+def parent_url(url: str) -> str:
+    """The directory part of a URL or path (the working directory for a bare file name)."""
+    base = strip_query(url)
     if "/" not in base:
         return os.getcwd() if protocol_of(url) == "file" else "."
     parent = base.rsplit("/", 1)[0]
@@ -295,7 +299,7 @@ def _parent(url: str) -> str:
 
 
 def _relative(shard_url: str, index_url: str) -> str:
-    parent = _parent(index_url).rstrip("/") + "/"
+    parent = parent_url(index_url).rstrip("/") + "/"
     if shard_url.startswith(parent) and len(shard_url) > len(parent):
         return shard_url[len(parent) :]
     return shard_url
@@ -304,7 +308,7 @@ def _relative(shard_url: str, index_url: str) -> str:
 def _absolute(stored: str, index_url: str) -> str:
     if "://" in stored or stored.startswith(("/", PIPE_PREFIX)):
         return stored
-    parent = _parent(index_url)
+    parent = parent_url(index_url)
     if protocol_of(index_url) == "file" and "://" not in index_url:
         parent = os.path.abspath(parent)
     return f"{parent.rstrip('/')}/{stored}"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import os
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
@@ -71,7 +72,8 @@ def build_index(
         max_member_bytes: Largest member accepted (default as for the streaming reader).
 
     Returns:
-        The index, in memory; save it with :func:`write_index`.
+        The index, in memory; save it with :func:`write_index`. Bare local paths become
+        absolute; URLs stay as given.
 
     Raises:
         ConfigError: Bad URLs, ``pipe:`` URLs, or ``max_workers`` < 1.
@@ -84,6 +86,8 @@ def build_index(
     shard_urls = expand_urls(urls, storage_options=storage_options)
     if any(protocol_of(url) == "pipe" for url in shard_urls):
         raise ConfigError("pipe: URLs cannot be indexed: indexed reads need ranged GETs")
+    # Bare local paths are made absolute, as an index loaded from a file resolves them.
+    shard_urls = [url if "://" in url else os.path.abspath(url) for url in shard_urls]
     options = OpenOptions(storage_options=storage_options, max_member_bytes=max_member_bytes)
     fetch = FetchOptions.from_env()
     start = time.perf_counter()

@@ -771,6 +771,7 @@ def test_relative_local_paths_find_the_saved_index(
     with IndexedDataset(relative) as ds:
         assert ds.index.url is not None
         assert [s.url for s in ds.index.shards] == [str(p) for p in shards.paths]
+    assert [s.url for s in build_index(relative).shards] == [str(p) for p in shards.paths]
 
 
 def test_write_errors_name_the_index(

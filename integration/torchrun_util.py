@@ -43,11 +43,11 @@ _INHERITED_NAMES = (
     "NUM_WORKERS",
 )
 _PORT_CLASH = re.compile(r"address already in use|EADDRINUSE", re.IGNORECASE)
-#: The one-line summary every example script prints per rank at the end.
+#: The one-line summary every example script prints per rank at the end. Not anchored at a
+#: line start: ranks share torchrun's stdout, and print() writes the newline separately.
 SUMMARY_LINE = re.compile(
-    r"^rank (?P<rank>\d+)/(?P<world>\d+): (?P<epochs>\d+) epochs, (?P<steps>\d+) steps, "
-    r"(?P<samples>\d+) samples",
-    re.MULTILINE,
+    r"rank (?P<rank>\d+)/(?P<world>\d+): (?P<epochs>\d+) epochs, (?P<steps>\d+) steps, "
+    r"(?P<samples>\d+) samples(?:, loss (?P<loss>nan|-?\d+\.\d+))?"
 )
 _TAIL_CHARS = 6000
 
@@ -65,6 +65,7 @@ class RankSummary:
     epochs: int
     steps: int
     samples: int
+    loss: str | None  # as printed: equal strings mean equal training (to 4 decimals)
 
 
 @dataclass
@@ -136,6 +137,7 @@ def _summary(match: re.Match[str]) -> RankSummary:
         epochs=int(match["epochs"]),
         steps=int(match["steps"]),
         samples=int(match["samples"]),
+        loss=match["loss"],
     )
 
 

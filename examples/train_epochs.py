@@ -1,0 +1,187 @@
+"""Classic epochs with DDP: every sample once per epoch, the same number of steps on every rank.
+
+Each epoch the shard order is a permutation seeded by (seed, epoch), identical on every rank;
+``balance="drop"`` (the default when there are several ranks) cuts that epoch's sample sequence
+so that every rank x DataLoader worker gets exactly the same number of samples, dropping at
+most ``ranks x workers - 1`` of them (``balance="pad"`` repeats a few instead). Equal sample
+counts mean equal batch counts, so DistributedDataParallel never waits at an all-reduce for a
+rank that has run out of data: the classic hang with shards of uneven sizes.
+
+Run it on one process, or on several with torchrun::
+
+    python examples/train_epochs.py "s3://bucket/train-{000000..000099}.tar" --epochs 2
+    torchrun --standalone --nproc_per_node=2 examples/train_epochs.py SHARDS --workers 2
+    # two nodes: the same command on each, with --node_rank=0 / 1
+    torchrun --nnodes=2 --node_rank=0 --nproc_per_node=8 --master_addr=HOST --master_port=29500 \\
+        examples/train_epochs.py SHARDS
+
+Resume after a crash with torchdata's ``StatefulDataLoader`` (``pip install torchdata``): it
+asks the dataset in every worker for its ``state_dict()``, so a restored run continues with the
+very next sample::
+
+    torchrun ... examples/train_epochs.py SHARDS --steps-limit 100 --state ckpt/   # stops
+    torchrun ... examples/train_epochs.py SHARDS --resume ckpt/                     # continues
+
+Data: each sample has ``npy`` (a float32 vector of ``--features`` values) and ``cls`` (an int
+label below ``--classes``), e.g. written with ``wds.ShardWriter``::
+
+    sink.write({"__key__": key, "npy": np.float32(vector), "cls": label})
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import cloudshards as wds
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("shards", help="shard spec: braces, a glob, or '::'-joined URLs")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--workers", type=int, default=2, help="DataLoader workers per rank")
+    parser.add_argument("--seed", type=int, default=0, help="the same on every rank")
+    parser.add_argument("--balance", choices=["auto", "drop", "pad"], default="auto")
+    parser.add_argument("--shuffle-buffer", type=int, default=0, help="sample shuffle buffer")
+    parser.add_argument("--cache-dir", help="per-node shard cache (downloads once per node)")
+    parser.add_argument("--features", type=int, default=8)
+    parser.add_argument("--classes", type=int, default=4)
+    parser.add_argument(
+        "--log-keys",
+        type=Path,
+        metavar="DIR",
+        help="write the keys of every batch to DIR/rankN.jsonl (not --log: torchrun takes it)",
+    )
+    parser.add_argument("--steps-limit", type=int, help="stop after this many steps in total")
+    parser.add_argument("--state", type=Path, help="save a checkpoint to DIR/rankN.pt at the end")
+    parser.add_argument("--resume", type=Path, help="continue from the checkpoint in DIR")
+    return parser.parse_args()
+
+
+def setup_distributed() -> tuple[int, int]:
+    """Join the process group when started by torchrun; otherwise run as rank 0 of 1."""
+    if "WORLD_SIZE" not in os.environ:
+        return 0, 1
+    dist.init_process_group("gloo")  # CPU; use "nccl" on GPUs
+    return dist.get_rank(), dist.get_world_size()
+
+
+def make_dataset(args: argparse.Namespace) -> wds.WebDataset:
+    dataset = wds.WebDataset(
+        args.shards,
+        shardshuffle=True,  # a new shard order every epoch, the same on every rank
+        seed=args.seed,
+        balance=args.balance,  # equal samples per rank x worker: no DDP hang, no duplicate
+        cache_dir=args.cache_dir,
+    )
+    return (
+        dataset.shuffle(args.shuffle_buffer)  # no-op with 0 (resume is exact without it)
+        .decode()
+        .to_tuple("__key__", "npy", "cls")
+        .batched(args.batch_size)  # batch in the worker: one pickle per batch, not per sample
+    )
+
+
+def make_loader(dataset: wds.WebDataset, args: argparse.Namespace) -> Any:
+    """A DataLoader over the (already batched) dataset; a stateful one to checkpoint it."""
+    if args.state is not None or args.resume is not None:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        return StatefulDataLoader(dataset, batch_size=None, num_workers=args.workers)
+    return wds.WebLoader(dataset, batch_size=None, num_workers=args.workers)
+
+
+class KeyLog:
+    """One JSON line per step: which samples this rank trained on (for tests and debugging)."""
+
+    def __init__(self, directory: Path | None, rank: int) -> None:
+        self.file = None
+        if directory is not None:
+            directory.mkdir(parents=True, exist_ok=True)
+            self.file = (directory / f"rank{rank}.jsonl").open("a")  # a resumed run appends
+
+    def write(self, epoch: int, step: int, keys: list[str]) -> None:
+        if self.file is not None:
+            self.file.write(json.dumps({"epoch": epoch, "step": step, "keys": keys}) + "\n")
+            self.file.flush()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
+def main() -> None:
+    args = parse_args()
+    rank, world_size = setup_distributed()
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
+    model: nn.Module = nn.Linear(args.features, args.classes)
+    if dist.is_initialized():
+        model = DistributedDataParallel(model)  # averages gradients across ranks every step
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    dataset = make_dataset(args)
+    loader = make_loader(dataset, args)
+    start_epoch, step, samples, loss = 0, 0, 0, float("nan")
+    loader_state = None
+    if args.resume is not None:
+        checkpoint = torch.load(args.resume / f"rank{rank}.pt", weights_only=True)
+        model.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        start_epoch, step, samples = checkpoint["epoch"], checkpoint["step"], checkpoint["samples"]
+        loader_state = checkpoint["loader"]
+
+    log = KeyLog(args.log_keys, rank)
+    epoch = start_epoch
+    while epoch < args.epochs and (args.steps_limit is None or step < args.steps_limit):
+        dataset.set_epoch(epoch)  # same value on every rank: same shard order everywhere
+        if loader_state is not None:
+            loader.load_state_dict(loader_state)  # continue mid-epoch, where the state stopped
+            loader_state = None
+        for keys, features, labels in loader:
+            optimizer.zero_grad()
+            logits = model(torch.as_tensor(features, dtype=torch.float32))
+            loss_tensor = nn.functional.cross_entropy(logits, torch.as_tensor(labels))
+            loss_tensor.backward()  # DDP's all-reduce: every rank must take every step
+            optimizer.step()
+            step += 1
+            samples += len(keys)
+            loss = loss_tensor.item()
+            log.write(epoch, step, list(keys))
+            if args.steps_limit is not None and step >= args.steps_limit:
+                break
+        else:
+            epoch += 1  # the epoch ran to its end
+
+    if args.state is not None:
+        args.state.mkdir(parents=True, exist_ok=True)
+        checkpoint = {
+            "epoch": epoch,
+            "step": step,
+            "samples": samples,
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "loader": loader.state_dict(),  # every worker's dataset.state_dict() inside
+        }
+        torch.save(checkpoint, args.state / f"rank{rank}.pt")
+    log.close()
+    print(
+        f"rank {rank}/{world_size}: {epoch} epochs, {step} steps, "
+        f"{samples} samples, loss {loss:.4f}",
+        flush=True,
+    )
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

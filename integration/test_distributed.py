@@ -1,0 +1,511 @@
+"""The three training modes across processes: the example scripts under torchrun, DDP on gloo.
+
+Each test launches ``examples/train_epochs.py``, ``train_resampled.py`` or ``train_indexed.py``
+with torchrun, as 2 ranks x 2 DataLoader workers (``--standalone``) or as 2 "nodes" x 2 ranks
+(two torchrun processes, static rendezvous on 127.0.0.1), over 7 shards of deliberately uneven
+sizes. Every rank writes the keys of each batch it trained on (``--log-keys``) and a final
+summary line; the tests read those back:
+
+- every rank takes the same number of steps (a DistributedDataParallel model on every rank: a
+  rank with fewer batches would leave the others in an all-reduce, which the launch timeout
+  turns into a failure with every node's output);
+- classic epochs (``balance="drop"``): within an epoch no sample twice, every rank and worker
+  the same count, and at most ``ranks x workers - 1`` samples missing; ``"pad"``: every sample,
+  at most ``ranks x workers - 1`` repeated; indexed: each rank gets exactly the sample numbers
+  ``DistributedChunkedSampler`` promises it, together the whole dataset;
+- epoch 2's order differs from epoch 1's, and a rerun with the same seed is identical;
+- a run stopped after k steps and resumed from its ``StatefulDataLoader`` state trains on
+  exactly the samples of an uninterrupted run, in the same order;
+- over S3 (moto) with the node cache: the same samples as from local disk, each shard fetched
+  from the store once.
+
+Runs are cached per module (a rerun with the same arguments is launched once) and every test
+is marked ``slow`` (a torchrun launch costs ~6-12 s here; 2 nodes, more).
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import json
+import math
+import re
+import tarfile
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pytest
+from torchrun_util import TorchrunResult, torchrun
+
+import cloudshards as wds
+
+if TYPE_CHECKING:
+    from servers import S3Server
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EPOCHS_SCRIPT = EXAMPLES / "train_epochs.py"
+RESAMPLED_SCRIPT = EXAMPLES / "train_resampled.py"
+INDEXED_SCRIPT = EXAMPLES / "train_indexed.py"
+
+SHARD_SIZES = (3, 40, 11, 7, 29, 5, 17)  # 112 samples; shard 1 holds 13x as many as shard 0
+NUM_SAMPLES = sum(SHARD_SIZES)
+FEATURES = 8
+CLASSES = 4
+SEED = 1234
+EPOCHS = 2
+BATCH_SIZE = 5  # 112 / (2 x 2) = 28 per worker: 5 full batches and a partial one
+WORKERS = 2
+RESAMPLED_SAMPLES_PER_EPOCH = 240  # 240 // (4 x 2 x 5) = 6 batches per worker with 2 nodes
+RUN_TIMEOUT_S = 240.0  # 2 nodes = 4 ranks + 8 workers on 2 busy cores
+TEST_TIMEOUT_S = 900  # covers the module's runs that the first test using them launches
+BUCKET = "cloudshards-distributed"
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(TEST_TIMEOUT_S)]
+
+
+# ------------------------------------------------------------------------------ data
+
+
+def sample_key(shard: int, index: int) -> str:
+    return f"s{shard}-{index:03d}"
+
+
+def write_shards(root: Path) -> list[str]:
+    """Write the uneven shards (``npy`` features, ``cls`` label) and return all keys in order."""
+    root.mkdir(parents=True, exist_ok=True)
+    keys: list[str] = []
+    rng = np.random.default_rng(SEED)
+    for shard, size in enumerate(SHARD_SIZES):
+        with tarfile.open(root / f"train-{shard:06d}.tar", "w", format=tarfile.PAX_FORMAT) as tar:
+            for index in range(size):
+                key = sample_key(shard, index)
+                features = io.BytesIO()
+                np.save(features, rng.standard_normal(FEATURES).astype(np.float32))
+                label = str((shard + index) % CLASSES).encode()
+                for ext, data in (("npy", features.getvalue()), ("cls", label)):
+                    info = tarfile.TarInfo(f"{key}.{ext}")
+                    info.size = len(data)
+                    info.mtime = 1_700_000_000
+                    tar.addfile(info, io.BytesIO(data))
+                keys.append(key)
+    return keys
+
+
+@dataclass(frozen=True)
+class Data:
+    """The shards on local disk.
+
+    Attributes:
+        root: Their directory (no index in it: balanced epochs count the samples themselves).
+        spec: Brace spec of the 7 shards.
+        index_url: An index of them, written elsewhere (for the indexed mode).
+        keys: Every sample key, in shard order (the indexed mode's sample numbering).
+    """
+
+    root: Path
+    spec: str
+    index_url: str
+    keys: list[str]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Data:
+    root = tmp_path_factory.mktemp("distributed-data")
+    keys = write_shards(root / "shards")
+    spec = f"{root}/shards/train-{{000000..{len(SHARD_SIZES) - 1:06d}}}.tar"
+    index_url = str(root / "index" / "train.index.json")
+    (root / "index").mkdir()
+    wds.write_index(wds.build_index(spec), index_url)
+    assert len(keys) == NUM_SAMPLES
+    return Data(root=root / "shards", spec=spec, index_url=index_url, keys=keys)
+
+
+# ------------------------------------------------------------------------------ runs
+
+
+@dataclass(frozen=True)
+class Step:
+    epoch: int
+    step: int
+    keys: tuple[str, ...]
+
+
+@dataclass
+class Run:
+    """One launch: its result and each rank's steps, read from ``--log-keys``."""
+
+    result: TorchrunResult
+    world_size: int
+    steps: dict[int, list[Step]]
+
+    def epochs(self) -> list[int]:
+        return sorted({s.epoch for steps in self.steps.values() for s in steps})
+
+    def keys(self, rank: int, epoch: int) -> list[str]:
+        """The keys rank ``rank`` trained on in ``epoch``, in order."""
+        return [k for s in self.steps[rank] if s.epoch == epoch for k in s.keys]
+
+    def epoch_keys(self, epoch: int) -> list[str]:
+        """Every rank's keys of ``epoch``, rank 0 first."""
+        return [k for rank in range(self.world_size) for k in self.keys(rank, epoch)]
+
+    def steps_in(self, rank: int, epoch: int) -> int:
+        return sum(1 for s in self.steps[rank] if s.epoch == epoch)
+
+
+def read_log(directory: Path, world_size: int) -> dict[int, list[Step]]:
+    steps: dict[int, list[Step]] = {}
+    for rank in range(world_size):
+        path = directory / f"rank{rank}.jsonl"
+        assert path.exists(), f"rank {rank} wrote no key log at {path}"
+        lines = path.read_text().splitlines()
+        steps[rank] = [
+            Step(int(d["epoch"]), int(d["step"]), tuple(d["keys"])) for d in map(json.loads, lines)
+        ]
+    return steps
+
+
+class Runner:
+    """Launches the example scripts; identical launches run once per module."""
+
+    def __init__(self, root: Path, env: dict[str, str]) -> None:
+        self.root = root
+        self.env = env
+        self._cache: dict[tuple[Any, ...], Run] = {}
+        self._count = 0
+
+    def new_dir(self, name: str) -> Path:
+        self._count += 1
+        path = self.root / f"{self._count:02d}-{name}"
+        path.mkdir(parents=True)
+        return path
+
+    def run(
+        self,
+        script: Path,
+        args: Sequence[str],
+        *,
+        nodes: int = 1,
+        ranks_per_node: int = 2,
+        log_dir: Path | None = None,
+        env: dict[str, str] | None = None,
+        cached: bool = True,
+    ) -> Run:
+        """Run ``script`` with ``args --log-keys DIR`` and check it ended well on every rank."""
+        key = (script.name, tuple(args), nodes, ranks_per_node)
+        if cached and log_dir is None and env is None and key in self._cache:
+            return self._cache[key]
+        log_dir = log_dir or self.new_dir(script.stem)
+        result = torchrun(
+            script,
+            [*args, "--log-keys", str(log_dir)],
+            nproc_per_node=ranks_per_node,
+            nnodes=nodes,
+            env={**self.env, **(env or {})},
+            timeout_s=RUN_TIMEOUT_S,
+        )
+        world_size = nodes * ranks_per_node
+        result.check(world_size)
+        run = Run(result=result, world_size=world_size, steps=read_log(log_dir, world_size))
+        if cached:
+            self._cache[key] = run
+        return run
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory: pytest.TempPathFactory) -> Runner:
+    root = tmp_path_factory.mktemp("distributed-runs")
+    # Balanced epochs remember sample counts per node; keep them out of ~/.cache.
+    return Runner(root, env={"CLOUDSHARDS_COUNTS_DIR": str(root / "counts")})
+
+
+def common_args(data_arg: str, *, seed: int = SEED) -> list[str]:
+    return [
+        data_arg,
+        f"--epochs={EPOCHS}",
+        f"--batch-size={BATCH_SIZE}",
+        f"--workers={WORKERS}",
+        f"--seed={seed}",
+        f"--features={FEATURES}",
+        f"--classes={CLASSES}",
+    ]
+
+
+def epochs_args(data: Data, *extra: str) -> list[str]:
+    return [*common_args(data.spec), *extra]
+
+
+def resampled_args(data: Data) -> list[str]:
+    return [*common_args(data.spec), f"--samples-per-epoch={RESAMPLED_SAMPLES_PER_EPOCH}"]
+
+
+def indexed_args(data: Data) -> list[str]:
+    return common_args(data.index_url)
+
+
+LAYOUTS = {"2x2": {"nodes": 1}, "2nodes": {"nodes": 2}}
+
+
+# ------------------------------------------------------------------------------ checks
+
+
+def check_lockstep(run: Run) -> None:
+    """Every rank took the same steps, each epoch, and said so in its summary."""
+    first = run.steps[0]
+    for rank in range(run.world_size):
+        steps = run.steps[rank]
+        assert [s.step for s in steps] == list(range(1, len(steps) + 1)), f"rank {rank} steps"
+        assert [s.epoch for s in steps] == [s.epoch for s in first], (
+            f"rank {rank} took {Counter(s.epoch for s in steps)} steps per epoch, "
+            f"rank 0 {Counter(s.epoch for s in first)}"
+        )
+        summary = run.result.summaries[rank]
+        assert summary.steps == len(steps), f"rank {rank}: summary {summary} vs log"
+        assert summary.samples == sum(len(s.keys) for s in steps)
+    assert run.epochs() == list(range(EPOCHS))
+
+
+def check_drop_epoch(run: Run, epoch: int, keys: list[str]) -> None:
+    """``balance="drop"``: no duplicate, equal counts per rank, at most C - 1 samples missing."""
+    consumers = run.world_size * WORKERS
+    seen = run.epoch_keys(epoch)
+    repeated = [k for k, n in Counter(seen).items() if n > 1]
+    assert not repeated, f"epoch {epoch}: samples delivered twice: {repeated}"
+    assert set(seen) <= set(keys), f"unknown keys: {set(seen) - set(keys)}"
+    missing = set(keys) - set(seen)
+    assert len(missing) <= consumers - 1, (
+        f"epoch {epoch}: {len(missing)} samples missing, more than {consumers} consumers - 1: "
+        f"{sorted(missing)}"
+    )
+    per_rank = {rank: len(run.keys(rank, epoch)) for rank in range(run.world_size)}
+    assert len(set(per_rank.values())) == 1, f"epoch {epoch}: samples per rank {per_rank}"
+
+
+def check_pad_epoch(run: Run, epoch: int, keys: list[str]) -> None:
+    """``balance="pad"``: every sample, equal counts per rank, at most C - 1 repeated."""
+    consumers = run.world_size * WORKERS
+    seen = run.epoch_keys(epoch)
+    assert set(seen) == set(keys), f"epoch {epoch}: missing {sorted(set(keys) - set(seen))}"
+    assert len(seen) == consumers * math.ceil(len(keys) / consumers), (
+        f"epoch {epoch}: {len(seen)} samples for {consumers} consumers"
+    )
+    assert len(seen) - len(keys) <= consumers - 1
+    per_rank = {rank: len(run.keys(rank, epoch)) for rank in range(run.world_size)}
+    assert len(set(per_rank.values())) == 1, f"epoch {epoch}: samples per rank {per_rank}"
+
+
+def check_new_order_each_epoch(run: Run) -> None:
+    for rank in range(run.world_size):
+        first, second = run.keys(rank, 0), run.keys(rank, 1)
+        assert first != second, f"rank {rank}: epoch 1 repeats epoch 0's order: {first}"
+
+
+def check_same_run(run: Run, again: Run) -> None:
+    for rank in range(run.world_size):
+        assert again.steps[rank] == run.steps[rank], f"rank {rank}: the rerun trained differently"
+
+
+# ------------------------------------------------------------------------------ classic epochs
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_epochs_balanced_drop(runner: Runner, data: Data, layout: str) -> None:
+    """Default balance ("auto" = "drop" with several ranks) over uneven shards: lockstep, each
+    epoch complete but for at most C - 1 samples, never a duplicate, a new order per epoch."""
+    run = runner.run(EPOCHS_SCRIPT, epochs_args(data), **LAYOUTS[layout])
+    check_lockstep(run)
+    for epoch in range(EPOCHS):
+        check_drop_epoch(run, epoch, data.keys)
+    check_new_order_each_epoch(run)
+
+
+def test_epochs_balanced_pad(runner: Runner, data: Data) -> None:
+    """``balance="pad"``: every sample each epoch, the few extra ones repeated, lockstep."""
+    run = runner.run(EPOCHS_SCRIPT, epochs_args(data, "--balance=pad"))
+    check_lockstep(run)
+    for epoch in range(EPOCHS):
+        check_pad_epoch(run, epoch, data.keys)
+    check_new_order_each_epoch(run)
+
+
+def test_epochs_rerun_is_identical(runner: Runner, data: Data) -> None:
+    """Same seed, same training: the shard order is a pure function of (seed, epoch)."""
+    run = runner.run(EPOCHS_SCRIPT, epochs_args(data))
+    again = runner.run(EPOCHS_SCRIPT, epochs_args(data), cached=False)
+    check_same_run(run, again)
+    other = runner.run(EPOCHS_SCRIPT, common_args(data.spec, seed=SEED + 1))
+    check_lockstep(other)
+    assert other.epoch_keys(0) != run.epoch_keys(0), "another seed gave the same order"
+
+
+@pytest.mark.parametrize("stop_after", [3, 17], ids=["mid-epoch-0", "mid-epoch-1"])
+def test_epochs_resume_from_state(runner: Runner, data: Data, stop_after: int) -> None:
+    """Stop after k steps saving ``StatefulDataLoader``'s state, resume from it: the steps of
+    both runs together are exactly the uninterrupted run's (no shuffle buffer), and so is the
+    training (the final loss printed by each rank)."""
+    reference = runner.run(EPOCHS_SCRIPT, epochs_args(data, f"--state={runner.root / 'ref'}"))
+    check_lockstep(reference)
+    per_epoch = reference.steps_in(0, 0)
+    assert stop_after != per_epoch, "stop mid-epoch, not at an epoch's end"
+    assert stop_after < EPOCHS * per_epoch
+
+    log_dir = runner.new_dir("resumed")
+    state = runner.new_dir("state")
+    args = epochs_args(data)
+    first = runner.run(
+        EPOCHS_SCRIPT,
+        [*args, f"--steps-limit={stop_after}", f"--state={state}"],
+        log_dir=log_dir,
+        cached=False,
+    )
+    assert {s.steps for s in first.result.summaries.values()} == {stop_after}
+    resumed = runner.run(EPOCHS_SCRIPT, [*args, f"--resume={state}"], log_dir=log_dir, cached=False)
+    for rank in range(reference.world_size):
+        got, want = resumed.steps[rank], reference.steps[rank]
+        assert got == want, (
+            f"rank {rank}: stopped after {stop_after} steps and resumed, trained on\n"
+            + "\n".join(map(str, got))
+            + "\ninstead of\n"
+            + "\n".join(map(str, want))
+        )
+        # Same steps, samples and final loss: the model and optimizer resumed too.
+        assert resumed.result.summaries[rank] == reference.result.summaries[rank]
+
+
+def test_webloader_and_stateful_loader_agree(runner: Runner, data: Data) -> None:
+    """The plain ``WebLoader`` run and the ``StatefulDataLoader`` run (``--state``) train on
+    the same batches: checkpointing does not change the stream."""
+    plain = runner.run(EPOCHS_SCRIPT, epochs_args(data))
+    stateful = runner.run(EPOCHS_SCRIPT, epochs_args(data, f"--state={runner.root / 'ref'}"))
+    check_same_run(plain, stateful)
+
+
+# ------------------------------------------------------------------------------ resampled
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_resampled_with_epoch(runner: Runner, data: Data, layout: str) -> None:
+    """``resampled=True`` + ``with_epoch``: exactly workers x n batches per rank per epoch,
+    valid keys, different draws on every rank and in every epoch."""
+    run = runner.run(RESAMPLED_SCRIPT, resampled_args(data), **LAYOUTS[layout])
+    check_lockstep(run)
+    consumers = run.world_size * WORKERS
+    per_worker = RESAMPLED_SAMPLES_PER_EPOCH // (consumers * BATCH_SIZE)
+    for rank in range(run.world_size):
+        for epoch in range(EPOCHS):
+            assert run.steps_in(rank, epoch) == WORKERS * per_worker
+            assert len(run.keys(rank, epoch)) == WORKERS * per_worker * BATCH_SIZE
+            assert set(run.keys(rank, epoch)) <= set(data.keys)
+    assert len({tuple(run.keys(rank, 0)) for rank in range(run.world_size)}) == run.world_size
+    check_new_order_each_epoch(run)
+
+
+def test_resampled_rerun_is_identical(runner: Runner, data: Data) -> None:
+    run = runner.run(RESAMPLED_SCRIPT, resampled_args(data))
+    again = runner.run(RESAMPLED_SCRIPT, resampled_args(data), cached=False)
+    check_same_run(run, again)
+
+
+# ------------------------------------------------------------------------------ indexed
+
+
+class _Sizes:
+    """Stands in for the dataset when asking the sampler what it promises."""
+
+    def __len__(self) -> int:
+        return NUM_SAMPLES
+
+    def shard_ranges(self) -> list[tuple[int, int]]:
+        return list(itertools.pairwise(itertools.accumulate(SHARD_SIZES, initial=0)))
+
+
+def promised(world_size: int, rank: int, epoch: int, keys: list[str]) -> list[str]:
+    sampler = wds.DistributedChunkedSampler(_Sizes(), num_replicas=world_size, rank=rank, seed=SEED)
+    sampler.set_epoch(epoch)
+    return [keys[i] for i in sampler]
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_indexed_chunked_sampler(runner: Runner, data: Data, layout: str) -> None:
+    """``IndexedDataset`` + ``DistributedChunkedSampler``: each rank trains on exactly the
+    samples the sampler assigns it (ceil(N / ranks), no repeat within a rank), the ranks
+    together on the whole dataset, padded by at most ranks - 1; a new order per epoch."""
+    run = runner.run(INDEXED_SCRIPT, indexed_args(data), **LAYOUTS[layout])
+    check_lockstep(run)
+    world = run.world_size
+    for epoch in range(EPOCHS):
+        for rank in range(world):
+            got = run.keys(rank, epoch)
+            assert got == promised(world, rank, epoch, data.keys), f"rank {rank} epoch {epoch}"
+            assert len(got) == math.ceil(NUM_SAMPLES / world)
+            assert len(set(got)) == len(got), f"rank {rank} epoch {epoch}: a repeated sample"
+        seen = run.epoch_keys(epoch)
+        assert set(seen) == set(data.keys)
+        assert len(seen) - NUM_SAMPLES == world * math.ceil(NUM_SAMPLES / world) - NUM_SAMPLES
+    check_new_order_each_epoch(run)
+
+
+def test_indexed_rerun_is_identical(runner: Runner, data: Data) -> None:
+    run = runner.run(INDEXED_SCRIPT, indexed_args(data))
+    again = runner.run(INDEXED_SCRIPT, indexed_args(data), cached=False)
+    check_same_run(run, again)
+
+
+# ------------------------------------------------------------------------------ S3
+
+
+def _moto_gets(log: Path, offset: int) -> Counter[str]:
+    """GETs per object path that moto logged after ``offset`` (werkzeug request lines)."""
+    text = log.read_bytes()[offset:].decode(errors="replace")
+    text = re.sub(r"\x1b\[[0-9;]*m", "", text)
+    lines = re.findall(r'"([A-Z]+) (\S+) HTTP/[\d.]+" (\d{3})', text)
+    # Balanced epochs look for an index next to the shards first: a 404 there is expected.
+    errors = [line for line in lines if int(line[2]) >= 400 and ".index.json" not in line[1]]
+    assert not errors, f"moto answered errors: {errors}"
+    return Counter(path.split("?", 1)[0] for method, path, _ in lines if method == "GET")
+
+
+@pytest.fixture(scope="module")
+def s3_shards(s3_server: S3Server, data: Data) -> str:
+    fs = s3_server.filesystem()
+    fs.mkdir(BUCKET)
+    names = sorted(p.name for p in data.root.glob("train-*.tar"))
+    fs.put([str(data.root / n) for n in names], [f"{BUCKET}/{n}" for n in names])
+    return f"s3://{BUCKET}/train-{{000000..{len(SHARD_SIZES) - 1:06d}}}.tar"
+
+
+def test_epochs_over_s3_with_node_cache(
+    runner: Runner, data: Data, s3_server: S3Server, s3_shards: str, tmp_path: Path
+) -> None:
+    """The epochs mode reading ``s3://`` (moto) through a node cache: the same steps as from
+    local disk with the same seed, and every shard crossed the network once for the whole
+    run (counting pass, 2 epochs, 2 ranks x 2 workers)."""
+    local = runner.run(EPOCHS_SCRIPT, epochs_args(data))
+    log = s3_server.process.log_path
+    offset = log.stat().st_size
+    cache_dir = tmp_path / "cache"
+    remote = runner.run(
+        EPOCHS_SCRIPT,
+        [*common_args(s3_shards), f"--cache-dir={cache_dir}"],
+        env={**s3_server.env(), "CLOUDSHARDS_COUNTS_DIR": str(tmp_path / "counts")},
+        cached=False,
+    )
+    check_lockstep(remote)
+    for rank in range(remote.world_size):
+        local_keys = [s.keys for s in local.steps[rank]]
+        assert [s.keys for s in remote.steps[rank]] == local_keys, f"rank {rank}"
+    # Other GETs are bucket listings (s3fs looking for the index that is not there).
+    gets = {path: n for path, n in _moto_gets(log, offset).items() if path.endswith(".tar")}
+    shard_paths = [f"/{BUCKET}/train-{i:06d}.tar" for i in range(len(SHARD_SIZES))]
+    assert gets == dict.fromkeys(shard_paths, 1), f"GETs per shard with a node cache: {gets}"
+    info = wds.cache_info(cache_dir)
+    dataset_bytes = sum(p.stat().st_size for p in data.root.glob("train-*.tar"))
+    assert (info["entries"], info["bytes"], info["partial"]) == (
+        len(SHARD_SIZES),
+        dataset_bytes,
+        0,
+    ), info

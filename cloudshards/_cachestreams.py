@@ -141,6 +141,12 @@ class TeeStream:
         self._written = 0
         self._fd: int | None = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self.closed = False
+        #: Set by the reader after a complete parse; saved next to the entry on commit.
+        self.member_table: list[tuple[str, int, int]] | None = None
+
+    def save_member_table(self, table: list[tuple[str, int, int]]) -> None:
+        """Keep the member table of this shard, to be saved with the entry when it commits."""
+        self.member_table = table
 
     def read(self, size: int = -1) -> bytes:
         """Read from the store, write to disk, return the bytes for the consumer."""

@@ -38,6 +38,7 @@ from cloudshards._cachestreams import (
     TeeStream,
     is_locked,
 )
+from cloudshards._membertable import MemberTable, load_table, write_table
 from cloudshards.errors import CacheError, ConfigError
 from cloudshards.fetch import open_remote
 from cloudshards.io import OpenOptions, ShardStream, discard, open_shard
@@ -252,7 +253,8 @@ class ShardCache:
         with contextlib.suppress(OSError):
             os.utime(entry)  # least-recently-used order
         self.stats.hits += 1
-        return _CachedFile(os.fdopen(fd, "rb", buffering=0), url, self, shard_index)
+        raw = os.fdopen(fd, "rb", buffering=0)
+        return _CachedFile(raw, url, self, shard_index, self._table_path(name))
 
     def _download(
         self,
@@ -286,9 +288,17 @@ class ShardCache:
             discard(remote, skip)
             return remote
 
+        tee: TeeStream | None = None
+
         def commit(nbytes: int) -> None:
             try:
                 self._write_meta(name, {"url": redact_url(url), "size": nbytes, "md5": md5})
+                table = tee.member_table if tee is not None else None
+                if table is not None:
+                    write_table(self._table_path(name), table, nbytes)
+                else:  # never leave an older entry's table next to this one
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(self._table_path(name))
                 os.replace(partial, self._path("data", name))
             except OSError as exc:
                 logger.warning("cache: cannot commit %s (%s); not cached", redact_url(url), exc)
@@ -304,7 +314,7 @@ class ShardCache:
 
         try:
             stats.misses += 1
-            return TeeStream(
+            tee = TeeStream(
                 remote,
                 partial,
                 commit=commit,
@@ -315,6 +325,7 @@ class ShardCache:
                 expected_md5=md5,
                 skip=skip,
             )
+            return tee
         except OSError as exc:
             stats.misses -= 1
             abandon()
@@ -406,8 +417,15 @@ class ShardCache:
             os.close(fd)
         return True
 
+    def _table_path(self, name: str) -> str:
+        return self._path("meta", name + ".members.json")
+
     def _remove_entry(self, name: str) -> None:
-        for path in (self._path("data", name), self._path("meta", name + ".json")):
+        for path in (
+            self._path("data", name),
+            self._path("meta", name + ".json"),
+            self._table_path(name),
+        ):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
 
@@ -450,11 +468,30 @@ class ShardCache:
 
 
 class _CachedFile(ShardStream):
-    """A complete entry; counts its bytes and releases its shared lock on close."""
+    """A complete entry; counts its bytes and releases its shared lock on close. Its member
+    table (see :mod:`cloudshards._membertable`) lets the reader slice members by offset."""
 
-    def __init__(self, raw: Any, url: str, cache: ShardCache, shard_index: int | None) -> None:
+    def __init__(
+        self, raw: Any, url: str, cache: ShardCache, shard_index: int | None, table_path: str
+    ) -> None:
         super().__init__(raw, url, shard_index=shard_index)
         self._cache = cache
+        self._table_path = table_path
+
+    def fileno(self) -> int:
+        return int(self._raw.fileno())
+
+    def member_table(self) -> MemberTable | None:
+        """The saved table of this entry, if there is a valid one."""
+        return load_table(self._table_path, os.fstat(self.fileno()).st_size)
+
+    def save_member_table(self, table: MemberTable) -> None:
+        """Save the table of this entry (recorded by a complete parse)."""
+        write_table(self._table_path, table, os.fstat(self.fileno()).st_size)
+
+    def count_bytes(self, nbytes: int) -> None:
+        """Count bytes read through the member table (they bypass ``read``)."""
+        self.offset += nbytes
 
     def close(self) -> None:
         if not self.closed:

@@ -1039,7 +1039,11 @@ def test_clear_cache_keeps_entries_in_use(make_shards: Any, store: Store, tmp_pa
     try:
         assert clear_cache(cache_dir) == 2
         assert data_files(cache_dir) == [entry_name(urls[0])]
-        assert sorted(os.listdir(cache_dir / "meta")) == [f"{entry_name(urls[0])}.json"]
+        held_name = entry_name(urls[0])
+        assert sorted(os.listdir(cache_dir / "meta")) == [
+            f"{held_name}.json",
+            f"{held_name}.members.json",  # its member table (see _membertable)
+        ]
         assert read_all(held) == shards.paths[0].read_bytes()
     finally:
         held.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import re
 from collections.abc import Callable, Generator, Iterable, Iterator
 from functools import partial
@@ -16,6 +17,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from cloudshards import config
+from cloudshards._membertable import iter_table
 from cloudshards.cache import ShardCache
 from cloudshards.errors import ConfigError
 from cloudshards.fetch import FetchOptions
@@ -25,8 +27,8 @@ from cloudshards.io import OpenOptions, open_shard
 from cloudshards.prefetch import ShardPrefetcher
 from cloudshards.redact import redact_url
 from cloudshards.stages.base import current_context, pipelinefilter
-from cloudshards.tar import iter_members
-from cloudshards.types import ExceptionHandler, NameFilter, Sample
+from cloudshards.tar import TABLE_END, iter_members
+from cloudshards.types import ExceptionHandler, Member, NameFilter, Sample
 from cloudshards.urls import protocol_of
 
 __all__ = [
@@ -206,15 +208,24 @@ def _read_opened(
         position[0] = shard.get("__position__", position[0]) + 1
         position[1] = shard.get("__resumed__", 0)
         skip = shard.get("skip", 0)
+        record: list[tuple[str, int, int]] | None = None
         try:
-            members = iter_members(
-                stream,
-                url=url,
-                name_filter=_skipping(name_filter, skip) if skip else name_filter,
-                block_bytes=options.block_bytes,
-                max_member_bytes=options.member_limit(),
-            )
-            samples = _limited(group_members(members, url=url, shard_index=index), shard)
+            members_filter = _skipping(name_filter, skip) if skip else name_filter
+            members = _members_by_table(stream, url, members_filter, options)
+            if members is None:
+                if hasattr(stream, "save_member_table"):
+                    record = []  # a complete parse lets later epochs slice by offset
+                members = iter_members(
+                    stream,
+                    url=url,
+                    name_filter=members_filter,
+                    block_bytes=options.block_bytes,
+                    max_member_bytes=options.member_limit(),
+                    record=record,
+                )
+            samples = group_members(members, url=url, shard_index=index)
+            if "take" in shard:
+                samples = _limited(samples, shard)
             local_path = _local_path(url)
             for sample in samples:
                 if local_path is not None:
@@ -222,6 +233,8 @@ def _read_opened(
                     sample["__local_path__"] = local_path
                 position[1] += 1
                 yield sample
+            if record and record[-1] == TABLE_END:
+                stream.save_member_table(record[:-1])
         except ConfigError:
             raise
         except Exception as exn:
@@ -230,6 +243,26 @@ def _read_opened(
             logger.debug("skipped rest of shard %s after error", redact_url(url))
         finally:
             stream.close()
+
+
+def _members_by_table(
+    stream: Any, url: str, name_filter: NameFilter | None, options: OpenOptions
+) -> Iterator[Member] | None:
+    """A cached shard's members sliced by its saved member table, or None to parse it."""
+    member_table = getattr(stream, "member_table", None)
+    if not callable(member_table):
+        return None
+    table = member_table()
+    if table is None:
+        return None
+    stream.count_bytes(os.fstat(stream.fileno()).st_size)
+    return iter_table(
+        stream.fileno(),
+        table,
+        url=url,
+        name_filter=name_filter,
+        max_member_bytes=options.member_limit(),
+    )
 
 
 def env_cache() -> ShardCache | None:

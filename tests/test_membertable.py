@@ -1,0 +1,130 @@
+"""Warm path: a shard parsed completely into the node cache gets a member table, and later
+epochs slice its members by offset. Same samples as parsing, always; a missing, stale or
+corrupt table, a gzip shard or an early stop fall back to parsing."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+from typing import Any
+
+import fakes
+import pytest
+
+import cloudshards as wds
+from cloudshards._membertable import iter_table, load_table
+from cloudshards.grouping import make_name_filter
+
+
+@pytest.fixture(autouse=True)
+def slowfile(monkeypatch: pytest.MonkeyPatch) -> None:
+    fakes.register()
+    for name in fakes.ENV_KNOBS:
+        monkeypatch.delenv(name, raising=False)
+
+
+def samples(ds: Any) -> list[tuple[str, dict[str, bytes]]]:
+    return [(s["__key__"], {k: v for k, v in s.items() if not k.startswith("__")}) for s in ds]
+
+
+def tables(cache_dir: Path) -> list[Path]:
+    return sorted((cache_dir / "meta").glob("*.members.json"))
+
+
+def forbid_parsing(monkeypatch: pytest.MonkeyPatch) -> None:
+    import cloudshards.stages.read as read_module
+
+    def no_parse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("parsed a shard that has a member table")
+
+    monkeypatch.setattr(read_module, "iter_members", no_parse)
+
+
+def dataset(urls: list[str], cache_dir: Path, **kw: Any) -> Any:
+    return wds.WebDataset(urls, shardshuffle=False, cache_dir=str(cache_dir), **kw)
+
+
+def test_second_epoch_slices_by_the_table_with_identical_samples(
+    make_shards: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shards = make_shards([3, 5, 4])
+    urls = [fakes.url_of(p) for p in shards.paths]
+    cache_dir = tmp_path / "cache"
+    first = samples(dataset(urls, cache_dir))
+    assert len(tables(cache_dir)) == 3  # written with the entries
+    forbid_parsing(monkeypatch)  # the warm epoch must come from the tables alone
+    assert samples(dataset(urls, cache_dir)) == first
+    assert [key for key, _ in first] == shards.keys
+
+
+def test_balanced_and_resumed_reads_skip_by_the_table(
+    make_shards: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shards = make_shards([3, 5, 4, 6])
+    urls = [fakes.url_of(p) for p in shards.paths]
+    cache_dir = tmp_path / "cache"
+    samples(dataset(urls, cache_dir))  # fills the cache and the tables
+    forbid_parsing(monkeypatch)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    per_rank = []
+    for rank in range(3):
+        monkeypatch.setenv("RANK", str(rank))
+        per_rank.append([key for key, _ in samples(dataset(urls, cache_dir))])
+    assert [len(keys) for keys in per_rank] == [6, 6, 6]
+    assert [key for keys in per_rank for key in keys] == shards.keys
+
+
+def test_a_stale_or_corrupt_table_is_ignored(make_shards: Any, tmp_path: Path) -> None:
+    shards = make_shards([4, 4])
+    urls = [fakes.url_of(p) for p in shards.paths]
+    cache_dir = tmp_path / "cache"
+    first = samples(dataset(urls, cache_dir))
+    stale, corrupt = tables(cache_dir)
+    value = json.loads(stale.read_text())
+    value["size"] += 512  # a table for another file
+    stale.write_text(json.dumps(value))
+    corrupt.write_text('{"version": 1, "size": 3, "members": [["x.bin", 0, 99]]}')
+    assert samples(dataset(urls, cache_dir)) == first
+    assert load_table(str(corrupt), 10240) is None
+
+
+def test_an_early_stop_or_a_gzip_shard_leaves_no_table(make_shards: Any, tmp_path: Path) -> None:
+    shards = make_shards([6])
+    urls = [fakes.url_of(p) for p in shards.paths]
+    cache_dir = tmp_path / "cache"
+    it = iter(dataset(urls, cache_dir))
+    next(it)
+    it.close()  # type: ignore[attr-defined]
+    assert tables(cache_dir) == []
+    zipped = tmp_path / "zipped.tar.gz"
+    zipped.write_bytes(gzip.compress(shards.paths[0].read_bytes()))
+    zipped_cache = tmp_path / "zipped-cache"
+    first = samples(dataset([fakes.url_of(zipped)], zipped_cache))
+    assert tables(zipped_cache) == []
+    assert samples(dataset([fakes.url_of(zipped)], zipped_cache)) == first
+
+
+def test_iter_table_applies_the_name_filter_and_member_limit(make_shards: Any) -> None:
+    shards = make_shards([2])
+    from cloudshards.tar import TABLE_END, iter_members
+
+    record: list[tuple[str, int, int]] = []
+    with open(shards.paths[0], "rb") as f:
+        parsed = list(iter_members(f, record=record, name_filter=make_name_filter(None, None)))
+    assert record[-1] == TABLE_END
+    with open(shards.paths[0], "rb") as f:
+        sliced = list(
+            iter_table(
+                f.fileno(),
+                record[:-1],
+                url="x",
+                name_filter=make_name_filter(None, None),
+                max_member_bytes=1 << 20,
+            )
+        )
+        assert sliced == parsed
+        from cloudshards.errors import ShardFormatError
+
+        with pytest.raises(ShardFormatError, match="max_member_bytes"):
+            list(iter_table(f.fileno(), record[:-1], url="x", name_filter=None, max_member_bytes=1))

@@ -217,9 +217,7 @@ def canon_list(items: Any) -> list[Any]:
     return [canon(x) for x in items]
 
 
-def both(
-    run: Callable[[types.ModuleType], Any], module: str = "", *, files: bool = False
-) -> tuple[Any, Any]:
+def both(run: Callable[..., Any], module: str = "", *, files: bool = False) -> tuple[Any, Any]:
     """(webdataset's result, cloudshards') of ``run(module)`` on each side; ``files`` when
     webdataset opens files."""
     theirs, ours = theirs_and_ours(module)
@@ -741,7 +739,7 @@ def test_small_filter_functions_match() -> None:
     assert ours.decode_text(stream) == "text"
     assert ours.decode_bin(io.BytesIO(b"\x00")) == theirs.decode_bin(io.BytesIO(b"\x00"))
     assert [p for p, _ in ours.default_decoders] == [p for p, _ in theirs.default_decoders]
-    decoders = [("*.txt", "t"), ("*.jpg", "j")]
+    decoders: list[tuple[str, Callable[[Any], Any]]] = [("*.txt", str), ("*.jpg", bytes)]
     for path in ("a/x.TXT", "__key__", "y.png"):
         assert (ours.find_decoder(decoders, path) is None) == (
             theirs.find_decoder(decoders, path) is None
@@ -894,6 +892,7 @@ def test_handler_helpers_match() -> None:
         )
     theirs = webdataset.autodecode.gzfilter(".txt.gz", gzip.compress(b"abc"))
     ours = cs.autodecode.gzfilter(".txt.gz", gzip.compress(b"abc"))
+    assert ours is not None
     assert (ours.key, ours.data) == (theirs.key, theirs.data)
     assert cs.autodecode.gzfilter(".txt", b"") is webdataset.autodecode.gzfilter(".txt", b"")
     assert sorted(cs.autodecode.decoders) == sorted(webdataset.autodecode.decoders)
@@ -1097,7 +1096,8 @@ def test_utils_match(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert list(ours.repeatedly0([1, 2, 3], nepochs=2, nbatches=2)) == list(
         theirs.repeatedly0([1, 2, 3], nepochs=2, nbatches=2)
     )
-    for kw in [{"nepochs": 3}, {"nbatches": 5}, {"nsamples": 7}]:
+    kws: list[dict[str, Any]] = [{"nepochs": 3}, {"nbatches": 5}, {"nsamples": 7}]
+    for kw in kws:
         batches = [([i, i], [i, i]) for i in range(3)]
         assert list(ours.repeatedly(batches, **kw)) == list(theirs.repeatedly(batches, **kw))
     assert ours.identity(5) == 5
@@ -1116,20 +1116,22 @@ def test_utils_match(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert ours.pytorch_worker_seed() == theirs.pytorch_worker_seed() == 2001
 
 
+def plus_one(x: int) -> int:
+    return x + 1
+
+
+def ran() -> str:
+    return "ran"
+
+
 def test_deprecated_and_obsolete_match(monkeypatch: pytest.MonkeyPatch) -> None:
     for mod in (webdataset.utils, cs.utils):
-
-        @mod.deprecated("use g")
-        def f(x: int) -> int:
-            return x + 1
-
+        f = mod.deprecated("use g")(plus_one)
         with pytest.warns(DeprecationWarning, match="Reason: use g"):
             assert f(1) == 2
-
-        @mod.obsolete(reason="gone")
-        def old() -> str:
-            return "ran"
-
+        with pytest.warns(DeprecationWarning, match="plus_one"):
+            assert mod.deprecated(plus_one)(2) == 3
+        old = mod.obsolete(reason="gone")(ran)
         with pytest.raises(mod.ObsoleteException, match="ALLOW_OBSOLETE"):
             old()
         monkeypatch.setenv("ALLOW_OBSOLETE", "1")
@@ -1157,7 +1159,7 @@ def test_handlers_match() -> None:
 
 
 def test_mix_matches() -> None:
-    sources = [[1, 2, 3], ["a"], [10, 20]]
+    sources: list[list[Any]] = [[1, 2, 3], ["a"], [10, 20]]
     for longest in (False, True):
         expected, actual = both(lambda mod, lg=longest: list(mod.RoundRobin(sources, lg)), "mix")
         assert actual == expected
@@ -1552,6 +1554,7 @@ def test_a_truncated_shard_is_caught_by_old_except_clauses(
 def test_shard_format_error_keeps_its_fields_across_pickling() -> None:
     exc = ShardFormatError("truncated tar", url="s3://b/k.tar", offset=1024, member="x.jpg")
     clone = pickle.loads(pickle.dumps(exc))
+    assert isinstance(clone, ShardFormatError)
     assert isinstance(clone, (tarfile.ReadError, OSError, ValueError))
     assert (clone.url, clone.offset, clone.member, str(clone)) == (
         exc.url,

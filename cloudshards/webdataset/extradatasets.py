@@ -38,7 +38,7 @@ class repeatedly(IterableDataset, PipelineStage):  # type: ignore[type-arg]
 
     def __init__(
         self,
-        source: Iterable[Any],
+        source: Iterable[Any] | None,
         nepochs: int | None = None,
         nbatches: int | None = None,
         length: int | None = None,
@@ -50,6 +50,10 @@ class repeatedly(IterableDataset, PipelineStage):  # type: ignore[type-arg]
         self.length = length
 
     def __iter__(self) -> Iterator[Any]:
+        if self.source is None:
+            raise TypeError(
+                "repeatedly(None, ...) is a pipeline stage; give it a source to iterate"
+            )
         return self.invoke(self.source)
 
     def invoke(self, source: Iterable[Any]) -> Iterator[Any]:

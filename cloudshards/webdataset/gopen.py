@@ -17,7 +17,6 @@ from collections.abc import Callable
 from subprocess import PIPE
 from typing import Any
 from urllib.parse import urlparse
-from urllib.request import url2pathname
 
 from cloudshards import io as _io
 from cloudshards.errors import ConfigError
@@ -298,6 +297,8 @@ def gopen(url: str, mode: str = "rb", bufsize: int = 8192, **kw: Any) -> Any:
     url = rewrite_url(url)
     parsed = urlparse(url)
     if parsed.scheme in ("", "file"):
+        from urllib.request import url2pathname  # urllib.request is slow to import
+
         path = url if parsed.scheme == "" else url2pathname(parsed.path)
         return open(path, mode, buffering=int(os.environ.get("GOPEN_BUFFER", -1)))
     handler = gopen_schemes.get(parsed.scheme, gopen_schemes["__default__"])

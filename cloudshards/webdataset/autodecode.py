@@ -30,12 +30,12 @@ from cloudshards.decoders import (
     msgpack_loads,
     npy_loads,
     npz_loads,
-    tenbin_loads,
     torch_audio,
     torch_loads,
     torch_video,
     unpickle_loads,
 )
+from cloudshards.webdataset._unsupported import unsupported_function
 
 __all__ = [
     "IMAGE_EXTENSIONS",
@@ -72,6 +72,12 @@ pytorch_weights_only = True
 #: Extension -> decoder used by :func:`basichandlers`. The live registry: adding an entry here
 #: registers a decoder (as in webdataset), like :func:`cloudshards.register_decoder`.
 decoders: dict[str, Callable[[bytes], Any]] = _decoders._registry
+
+#: Direct calls raise; a ``.ten``/``.tb`` field in a sample raises a ``DecodeError`` instead,
+#: which the pipeline's handler can skip.
+tenbin_loads = unsupported_function(
+    "autodecode.tenbin_loads", "store arrays as .npy or .npz fields, which decode by default"
+)
 
 #: imagespec -> (array type, element type, mode), webdataset's table (a copy: read only).
 imagespecs: dict[str, tuple[str, str | None, str]] = dict(IMAGE_SPECS)

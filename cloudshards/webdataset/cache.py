@@ -17,9 +17,9 @@ from urllib.parse import urlparse
 
 from cloudshards.cache import ShardCache
 from cloudshards.handlers import reraise_exception
-from cloudshards.stages.read import url_opener
 from cloudshards.webdataset._unsupported import unsupported_class, unsupported_function
 from cloudshards.webdataset.gopen import gopen
+from cloudshards.webdataset.tariterators import url_opener
 from cloudshards.webdataset.utils import obsolete
 
 __all__ = [

@@ -10,7 +10,7 @@ from cloudshards.compat import WebDataset, WebLoader, check_empty
 from cloudshards.handlers import reraise_exception
 from cloudshards.pipeline import DataPipeline, FluidInterface, FluidWrapper
 from cloudshards.stages.base import pipelinefilter
-from cloudshards.stages.read import group_by_keys, tar_file_expander
+from cloudshards.webdataset.tariterators import group_by_keys, tar_file_expander
 
 __all__ = [
     "DataPipeline",

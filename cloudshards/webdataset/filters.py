@@ -149,11 +149,11 @@ def pipeline(source: Any, *args: Callable[[Any], Any]) -> Any:
     return compose(*args)(source)
 
 
-def tuple2dict(value: Any) -> dict[Any, Any]:
+def tuple2dict(l: Any) -> dict[Any, Any]:  # noqa: E741 - webdataset's parameter name
     """A dict unchanged; a sequence as ``{index: item}``."""
-    if isinstance(value, dict):
-        return value
-    return dict(enumerate(value))
+    if isinstance(l, dict):
+        return l
+    return dict(enumerate(l))
 
 
 def dict2tuple(d: dict[int, Any]) -> tuple[Any, ...]:

@@ -50,11 +50,19 @@ __all__ = [
 torch_dumps = _torch_dumps
 numpy_dumps = _npy_dumps
 numpy_npz_dumps = _npz_dumps
-cbor_dumps = _cbor_dumps
-mp_dumps = _msgpack_dumps
 tenbin_dumps = unsupported_function(
     "writer.tenbin_dumps", "write arrays as .npy or .npz fields (numpy_dumps, numpy_npz_dumps)"
 )
+
+
+def cbor_dumps(x: Any) -> bytes:
+    """Encode as CBOR (needs ``cbor`` or ``cbor2``)."""
+    return _cbor_dumps(x)
+
+
+def mp_dumps(x: Any) -> bytes:
+    """Encode as msgpack (needs ``msgpack``)."""
+    return _msgpack_dumps(x)
 
 
 def bytestr(data: Any) -> bytes:

@@ -36,7 +36,8 @@ def write_table(path: str, table: MemberTable, file_size: int) -> None:
     tmp = f"{path}.{os.getpid()}.tmp"
     with contextlib.suppress(OSError):
         with open(tmp, "w") as f:
-            json.dump({"version": _VERSION, "size": file_size, "members": table}, f)
+            # dumps, not dump: dump runs the pure-Python encoder chunk by chunk (~10x slower).
+            f.write(json.dumps({"version": _VERSION, "size": file_size, "members": table}))
         os.replace(tmp, path)
     with contextlib.suppress(OSError):
         os.unlink(tmp)

@@ -1,8 +1,8 @@
 """Launch a script under torchrun (one or several "nodes" on this machine) from a test.
 
 Every launch has a timeout: a hang (the classic DDP hang at the last all-reduce) fails the test
-instead of stalling CI, and kills every process the launch started (each torchrun runs in its
-own session, so its ranks and their DataLoader workers go with it). A failed launch raises an
+instead of stalling CI, and kills every process the launch started: torchrun, its ranks (each
+in a session of its own) and their DataLoader workers. A failed launch raises an
 ``AssertionError`` that shows each node's exit status and the end of its stdout and stderr.
 """
 
@@ -23,7 +23,15 @@ from typing import IO
 
 from servers import free_port
 
-__all__ = ["NodeResult", "RankSummary", "TorchrunError", "TorchrunResult", "torchrun"]
+__all__ = [
+    "NodeResult",
+    "RankSummary",
+    "TorchrunError",
+    "TorchrunResult",
+    "descendants",
+    "is_running",
+    "torchrun",
+]
 
 DEFAULT_TIMEOUT_S = 180.0
 #: After one node fails, how long the others get to notice before they are killed (a peer
@@ -178,10 +186,50 @@ def _node_argv(
     ]
 
 
+def _parents() -> dict[int, int]:
+    """pid -> parent pid of every process (from /proc; empty where there is none)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            # The command name (field 2) may hold spaces and parentheses: split after it.
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            parents[int(entry.name)] = int(fields[1])
+    return parents
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid``: its children, theirs, and so on."""
+    children: dict[int, list[int]] = {}
+    for child, parent in _parents().items():
+        children.setdefault(parent, []).append(child)
+    found: list[int] = []
+    todo = list(children.get(pid, []))
+    while todo:
+        child = todo.pop()
+        found.append(child)
+        todo.extend(children.get(child, []))
+    return found
+
+
+def is_running(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie (an exited child nobody reaped yet)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
 def _kill(process: subprocess.Popen[bytes]) -> None:
-    # start_new_session=True made the torchrun process the leader of its own group.
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, signal.SIGKILL)
+    # torchrun runs each rank in a session of its own (so killing torchrun's group would leave
+    # the ranks running): find every process below it first, then kill them all, with their
+    # groups (a rank's DataLoader workers are in the rank's group).
+    pids = [process.pid, *descendants(process.pid)]
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)  # pid leads its group (start_new_session)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
         process.wait(timeout=10)
 

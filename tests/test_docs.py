@@ -6,11 +6,11 @@ The convention for ``docs/*.md``:
   directory as the working directory. The namespace starts with the page's variables from
   :data:`PAGE_VARIABLES` (local shards written by the fixture, ``urls``, ``epochs``, ...).
 - ``console`` blocks are CLI sessions: each ``$ cloudshards ...`` line runs the CLI in-process
-  (the working directory holds the page's files; ``/data`` in a command stands for its
-  ``data`` folder). Its output must match the lines under it, with every number a wildcard
-  (timings and sizes vary) and runs of spaces equal. ``$ echo $?`` prints the last exit code,
-  which must match exactly. A tqdm progress line in the docs is skipped (the bar only shows on
-  a terminal).
+  (the working directory holds the page's files; ``/data`` and ``/local_nvme`` in a command
+  stand for its ``data`` and ``local_nvme`` folders). Its output must match the lines under
+  it, with every number a wildcard (timings and sizes vary) and runs of spaces equal.
+  ``$ echo $?`` prints the last exit code, which must match exactly. A tqdm progress line in
+  the docs is skipped (the bar only shows on a terminal).
 - A block right after an HTML comment ``<!-- no-run: REASON -->`` is shown, not run (it needs
   S3, GCS, torchrun, a GPU, ...). The reason is required.
 - Other languages (``bash``, ``json``, ``text``) are shown only.
@@ -43,6 +43,7 @@ NO_RUN = re.compile(r"^\s*<!--\s*no-run\b(?P<colon>:?)(?P<reason>.*?)-->\s*$")
 FENCE = re.compile(r"^(?P<indent> *)(?P<fence>`{3,}|~{3,})\s*(?P<lang>[\w+-]*)[^`]*$")
 NUMBER = re.compile(r"((?<![A-Za-z])\d[\d,.]*)")  # not the 3 of s3 or the 264 of h264
 PROGRESS = re.compile(r"^\S[^:]*: .*\[\d\d:\d\d")
+DOC_ROOTS = ("data", "local_nvme")  # /data and /local_nvme in console blocks: folders of the cwd
 
 # Pages whose python/console blocks may all be no-run, and why.
 NOTHING_TO_RUN: dict[str, str] = {
@@ -158,6 +159,8 @@ def writing_data(root: Path) -> dict[str, Any]:
 
 def cli_data(root: Path) -> dict[str, Any]:
     """The files cli.md's sessions show: ``/data`` is ``root/data``, the cwd is ``root``."""
+    import cloudshards as wds
+
     data = root / "data"
     data.mkdir()
     write_media_shards(data)
@@ -167,11 +170,17 @@ def cli_data(root: Path) -> dict[str, Any]:
         for index in range(60):
             (folder / f"{index:03d}.jpg").write_bytes(jpeg(index, (24, 32)))
             (folder / f"{index:03d}.json").write_text(json.dumps({"animal": animal, "i": index}))
-    import cloudshards as wds
-
-    with wds.ShardWriter(str(data / "train-%06d.tar"), maxcount=20, verbose=0) as sink:
-        for index in range(200):
-            sink.write({"__key__": f"{index:06d}", "bin": bytes(2000), "cls": index % 10})
+    for target in [str(data / "train-%06d.tar"), "memory://bucket/train-%06d.tar"]:
+        with wds.ShardWriter(target, maxcount=20, verbose=0) as sink:
+            for index in range(200):
+                sink.write({"__key__": f"{index:06d}", "bin": bytes(2000), "cls": index % 10})
+    # A node cache after two epochs over a store's ten shards (memory:// is not local, so it is
+    # cached like s3://).
+    cache_dir = str(root / "local_nvme" / "cloudshards-cache")
+    dataset = wds.WebDataset("memory://bucket/train-{000000..000009}.tar", cache_dir=cache_dir)
+    for _epoch in range(2):
+        for _sample in dataset:
+            pass
     return {}
 
 
@@ -267,7 +276,6 @@ def run_console(block: Block, root: Path) -> None:
     """Run each ``$ command`` of a CLI session; compare its output with the block's."""
     from cloudshards.cli import main
 
-    data = str(root / "data")
     sessions: list[tuple[str, list[str]]] = []
     for line in block.code.splitlines():
         if line.startswith("$ "):
@@ -277,7 +285,9 @@ def run_console(block: Block, root: Path) -> None:
             sessions[-1][1].append(line)
     last_rc = 0
     for command, expected in sessions:
-        argv = shlex.split(re.sub(r"(?<![\w.])/data(?=/|\b)", data, command))
+        for name in DOC_ROOTS:
+            command = re.sub(rf"(?<![\w.])/{name}(?=/|\b)", str(root / name), command)
+        argv = shlex.split(command)
         if argv == ["echo", "$?"]:
             output = f"{last_rc}\n"
         else:
@@ -289,7 +299,9 @@ def run_console(block: Block, root: Path) -> None:
                 except SystemExit as exc:  # argparse
                     last_rc = int(exc.code or 0)
             output = out.getvalue()
-        actual = [" ".join(line.replace(data, "/data").split()) for line in output.splitlines()]
+        for name in DOC_ROOTS:
+            output = output.replace(str(root / name), f"/{name}")
+        actual = [" ".join(line.split()) for line in output.splitlines()]
         wanted = [line for line in expected if line.strip() and not PROGRESS.match(line)]
         assert len(actual) == len(wanted), (
             f"{block.where}: `{command}` printed {len(actual)} lines, the docs show "

@@ -451,3 +451,12 @@ def test_console_output_must_match(tmp_path: Path) -> None:
 def test_a_failing_block_fails(tmp_path: Path) -> None:
     with pytest.raises(NameError):
         run_python(Block("t.md", 1, "python", "undefined_name\n", None), {})
+
+
+def test_getting_started_shows_the_readme_commands() -> None:
+    def first_bash_block(text: str) -> str:
+        return next(b.code for b in parse_blocks("-", text) if b.lang == "bash")
+
+    readme = (DOCS.parent / "README.md").read_text(encoding="utf-8")
+    index = (DOCS / "index.md").read_text(encoding="utf-8")
+    assert first_bash_block(index) == first_bash_block(readme)

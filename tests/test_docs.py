@@ -170,14 +170,14 @@ def cli_data(root: Path) -> dict[str, Any]:
         for index in range(60):
             (folder / f"{index:03d}.jpg").write_bytes(jpeg(index, (24, 32)))
             (folder / f"{index:03d}.json").write_text(json.dumps({"animal": animal, "i": index}))
-    for target in [str(data / "train-%06d.tar"), "memory://bucket/train-%06d.tar"]:
+    for target in [str(data / "train-%06d.tar"), "memory://docs-store/train-%06d.tar"]:
         with wds.ShardWriter(target, maxcount=20, verbose=0) as sink:
             for index in range(200):
                 sink.write({"__key__": f"{index:06d}", "bin": bytes(2000), "cls": index % 10})
     # A node cache after two epochs over a store's ten shards (memory:// is not local, so it is
     # cached like s3://).
     cache_dir = str(root / "local_nvme" / "cloudshards-cache")
-    dataset = wds.WebDataset("memory://bucket/train-{000000..000009}.tar", cache_dir=cache_dir)
+    dataset = wds.WebDataset("memory://docs-store/train-{000000..000009}.tar", cache_dir=cache_dir)
     for _epoch in range(2):
         for _sample in dataset:
             pass

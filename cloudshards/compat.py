@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 from torch.utils.data import DataLoader
 
@@ -205,8 +205,9 @@ class WebDataset(DataPipeline, FluidInterface):
 
     Args:
         urls: Shard spec: braces (``s3://b/train-{000000..000999}.tar``), ``::``-joined specs,
-            globs, or a list of URLs. Local paths, ``file://``, ``s3://``, ``gs://``,
-            ``http(s)://`` and any fsspec protocol.
+            globs, or a list of URLs; or webdataset's dataset spec (a YAML file or a dict
+            with ``datasets``, read by :class:`MultiShardSample`). Local paths, ``file://``,
+            ``s3://``, ``gs://``, ``http(s)://`` and any fsspec protocol.
         handler: What a bad shard or sample does: a webdataset handler function
             (``reraise_exception``, ``warn_and_continue``...) or ``"raise"``/``"warn"``/``"skip"``.
         mode: ``"resampled"`` is the same as ``resampled=True``.
@@ -304,27 +305,38 @@ class WebDataset(DataPipeline, FluidInterface):
         if cache_size == -1 and env_size is not None:
             cache_size = env_size
         self.cache = ShardCache(cache_dir, max_bytes=cache_size) if cache_dir is not None else None
-        if resampled:
-            source: Any = ResampledShards(urls, seed=self.seed)
+        multi = _is_multi_spec(urls)
+        if multi:
+            # webdataset's dataset specs (YAML file or dict): several datasets mixed per epoch.
+            from cloudshards.webdataset.shardlists import MultiShardSample
+
+            source: Any = MultiShardSample(cast("str | Mapping[str, Any]", urls))
+            shuffled = False
+        elif resampled:
+            source = ResampledShards(urls, seed=self.seed)
             shuffled = False
         else:
             source = ShardList(urls, shuffle=bool(shardshuffle), storage_options=storage_options)
             shuffled = bool(shardshuffle)
         self.append(source)
-        self.num_shards = len(source)
+        self.num_shards = len(source) if hasattr(source, "__len__") else -1
         if balance not in (None, "auto", *BALANCE_MODES):
             raise ConfigError(f"balance={balance!r}; use 'drop', 'pad', 'auto' or None")
         custom_split = any(
             s not in (None, *_DEFAULT_SPLITTERS) for s in (nodesplitter, workersplitter)
         )
-        if balance in BALANCE_MODES and (resampled or custom_split):
+        if balance in BALANCE_MODES and (resampled or custom_split or multi):
             raise ConfigError(
                 f"balance={balance!r} splits the epoch's samples itself: it cannot be combined "
-                "with resampled=True or a custom nodesplitter/workersplitter"
+                "with resampled=True, a dataset spec, or a custom nodesplitter/workersplitter"
             )
-        if resampled:
+        if resampled and not multi:
             for splitter in (nodesplitter, workersplitter):
                 if splitter is not None and splitter not in _DEFAULT_SPLITTERS:
+                    self.append(splitter)
+        elif multi:
+            for splitter in (nodesplitter, workersplitter):
+                if splitter is not None:
                     self.append(splitter)
         options = OpenOptions(
             storage_options=storage_options,
@@ -339,7 +351,7 @@ class WebDataset(DataPipeline, FluidInterface):
             retries=retries,
             stall_timeout_s=stall_timeout_s,
         )
-        if not resampled:
+        if not resampled and not multi:
             self.append(
                 _Split(
                     source.urls,
@@ -382,12 +394,20 @@ class WebDataset(DataPipeline, FluidInterface):
         self.close()
 
 
+def _is_multi_spec(urls: Any) -> bool:
+    """A webdataset dataset spec: a YAML file or a dict with ``datasets``."""
+    if isinstance(urls, Mapping):
+        if "datasets" not in urls:
+            raise ConfigError("a dataset spec dict needs a 'datasets' list")
+        return True
+    return isinstance(urls, str) and urls.endswith((".yaml", ".yml"))
+
+
 def _check_urls(urls: Any) -> None:
-    if isinstance(urls, Mapping) or (
-        isinstance(urls, str) and urls.endswith((".yaml", ".yml", ".json"))
-    ):
+    if isinstance(urls, str) and urls.endswith(".json"):
         raise ConfigError(
-            "dataset spec files (yaml/json) are not supported; pass a brace spec or URL list"
+            "wids JSON dataset specs are not supported; pass a brace spec, a URL list, or a "
+            "YAML/dict spec (webdataset's MultiShardSample format)"
         )
     if isinstance(urls, str) and urls.endswith("/"):
         raise ConfigError(

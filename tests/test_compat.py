@@ -687,3 +687,21 @@ def test_warn_and_continue_does_not_sleep(monkeypatch: pytest.MonkeyPatch) -> No
     with pytest.warns(UserWarning, match="boom"):
         assert cloudshards.warn_and_continue(ValueError("boom")) is True
     assert slept == []
+
+
+def test_dataset_specs_read_through_multishardsample(make_shards: Any, tmp_path: Path) -> None:
+    """webdataset's YAML / dict dataset specs: every shard of each dataset, once an epoch."""
+    shards = make_shards([3, 2, 4])
+    spec = {"datasets": [{"name": "all", "shards": [str(p) for p in shards.paths]}]}
+    from_dict = [s["__key__"] for s in cloudshards.WebDataset(spec)]
+    assert sorted(from_dict) == sorted(shards.keys)
+    spec_file = tmp_path / "spec.yaml"
+    import yaml
+
+    spec_file.write_text(yaml.safe_dump(spec))
+    from_yaml = [s["__key__"] for s in cloudshards.WebDataset(str(spec_file))]
+    assert sorted(from_yaml) == sorted(shards.keys)
+    with pytest.raises(cloudshards.ConfigError, match="wids JSON"):
+        cloudshards.WebDataset(str(tmp_path / "spec.json"))
+    with pytest.raises(cloudshards.ConfigError, match="datasets"):
+        cloudshards.WebDataset({"shards": []})

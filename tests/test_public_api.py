@@ -71,10 +71,6 @@ MUST_EXIST = [
     "ShardWriter",
 ]
 
-#: Also "must exist" in DESIGN.md section 6, but not built yet: each test fails (strict xfail)
-#: until the name arrives, and then XPASS tells whoever builds it to drop the mark.
-NOT_BUILT_YET: dict[str, str] = {}
-
 #: webdataset 1.0.2 exports these too; DESIGN.md does not require them, cloudshards has them.
 ALSO_PROVIDED = [
     "FluidInterface",
@@ -104,7 +100,7 @@ def test_every_name_in_all_imports() -> None:
 
 def test_name_lists_are_webdataset_exports() -> None:
     # Keeps the lists above honest: every name is something webdataset code can use.
-    names = MUST_EXIST + list(NOT_BUILT_YET) + ALSO_PROVIDED
+    names = MUST_EXIST + ALSO_PROVIDED
     assert [name for name in names if not hasattr(webdataset, name)] == []
     assert len(set(names)) == len(names)
 
@@ -114,18 +110,6 @@ def test_webdataset_name_exists(name: str) -> None:
     assert hasattr(cloudshards, name)
     assert name in cloudshards.__all__
     assert callable(getattr(cloudshards, name))
-
-
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=why))
-        for name, why in NOT_BUILT_YET.items()
-    ],
-)
-def test_webdataset_name_not_built_yet(name: str) -> None:
-    assert hasattr(cloudshards, name)
-    assert name in cloudshards.__all__
 
 
 # --- signatures: webdataset code passes arguments by position and by name -------------------

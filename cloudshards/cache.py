@@ -115,9 +115,11 @@ class ShardCache:
 
     @property
     def stats(self) -> CacheStats:
-        """This process's counters (fresh in each DataLoader worker)."""
+        """This process's counters for this directory (fresh in each DataLoader worker),
+        shared by every ShardCache of the process on the same directory: they are saved to
+        one file per process, so separate counters would overwrite each other's."""
         if self._stats is None or self._stats_pid != os.getpid():
-            self._stats = CacheStats()
+            self._stats = _PROCESS_STATS.setdefault(self.directory, CacheStats())
             self._stats_pid = os.getpid()
         return self._stats
 
@@ -465,6 +467,11 @@ class ShardCache:
     def info(self) -> dict[str, Any]:
         """Entries, bytes and summed per-process counters of this cache directory."""
         return cache_info(self.directory)
+
+
+#: This process's counters per cache directory (see :attr:`ShardCache.stats`).
+_PROCESS_STATS: dict[str, CacheStats] = {}
+os.register_at_fork(after_in_child=_PROCESS_STATS.clear)
 
 
 class _CachedFile(ShardStream):

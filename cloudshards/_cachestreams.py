@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from cloudshards.errors import CacheError, ShardOpenError
 from cloudshards.redact import redact_url
-from cloudshards.types import ByteSource
+from cloudshards.types import ByteSource, ClosingStream
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ def is_locked(path: str) -> bool:
     return True
 
 
-class TeeStream:
+class TeeStream(ClosingStream):
     """Reads the store and writes every byte to ``partial``; commits the entry at the end.
 
     The consumer gets the bytes as they arrive (stream-through), so a cold read through the
@@ -253,7 +253,7 @@ class TeeStream:
             self._write(data)
 
 
-class FollowStream:
+class FollowStream(ClosingStream):
     """Reads a cache file that another process is still downloading, as it grows.
 
     At the current end of the file it checks: the entry was committed (the file we hold was

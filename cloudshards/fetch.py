@@ -25,6 +25,7 @@ from cloudshards import config
 from cloudshards.errors import CloudShardsError, ConfigError, ShardOpenError
 from cloudshards.io import OpenOptions, ShardStream, discard, map_backend_error, open_shard
 from cloudshards.redact import redact_url
+from cloudshards.types import ClosingStream
 
 __all__ = [
     "FetchOptions",
@@ -316,7 +317,7 @@ def fetch_range(
     return retry(call, url=url, offset=start, options=options, stats=stats, cancel=cancel)
 
 
-class ResumableStream:
+class ResumableStream(ClosingStream):
     """One streaming GET that survives resets: a failed read reopens the object and continues
     at the current offset (seeking where the backend can, else re-reading and dropping the
     prefix, which also works with servers that ignore Range), with bounded retries.

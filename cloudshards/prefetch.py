@@ -32,7 +32,7 @@ from cloudshards.fetch import (
 )
 from cloudshards.io import OpenOptions, ShardStream
 from cloudshards.redact import redact_url
-from cloudshards.types import ByteSource
+from cloudshards.types import ByteSource, ClosingStream
 from cloudshards.urls import protocol_of, resolve
 
 __all__ = ["PartStream", "ShardPrefetcher"]
@@ -51,7 +51,7 @@ def _host_key(url: str) -> str:
     return f"{parts.scheme}://{parts.netloc}"
 
 
-class PartStream:
+class PartStream(ClosingStream):
     """The bytes of one remote object, fetched as a window of ranged GETs in flight.
 
     The object's metadata (size, ETag) comes from a lookup sent together with the first ranged

@@ -8,6 +8,7 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 
 __all__ = [
     "ByteSource",
+    "ClosingStream",
     "DecodeFn",
     "ExceptionHandler",
     "Member",
@@ -60,6 +61,22 @@ class ShardInfo:
 
     url: str
     index: int = 0
+
+
+class ClosingStream:
+    """Mixin: a stream is its own context manager (``with stream:`` closes it), as files are."""
+
+    def close(self) -> None:  # pragma: no cover - every stream defines it
+        raise NotImplementedError
+
+    def __enter__(self: _S) -> _S:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+_S = TypeVar("_S", bound=ClosingStream)
 
 
 class ByteSource(Protocol):

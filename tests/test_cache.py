@@ -1138,3 +1138,20 @@ def test_two_datasets_on_one_cache_count_together(
     _iterate_once(wds.WebDataset(urls, shardshuffle=False, cache_dir=str(cache_dir)))
     counters = cache_info(cache_dir)["counters"]
     assert (counters["misses"], counters["hits"]) == (3, 3)
+
+
+def test_every_stream_is_a_context_manager(make_shards: Any, store: Store, tmp_path: Path) -> None:
+    # webdataset's FileCache yields real files, so its users write `with source["stream"]:`.
+    shards = make_shards([2])
+    url = urls_of(shards.paths)[0]
+    cache = ShardCache(tmp_path / "cache")
+    for _ in range(2):  # a download (tee), then a hit
+        with cache.open(url) as stream:
+            assert read_all(stream) == shards.paths[0].read_bytes()
+        assert stream.closed
+    from cloudshards.fetch import open_remote
+    from cloudshards.io import OpenOptions
+
+    with open_remote(url, OpenOptions()) as remote:
+        assert read_all(remote) == shards.paths[0].read_bytes()
+    assert remote.closed

@@ -5,6 +5,7 @@ Explicit arguments always win over the environment; the environment wins over th
 
 from __future__ import annotations
 
+import math
 import os
 
 from cloudshards.errors import ConfigError
@@ -68,4 +69,12 @@ def cache_defaults() -> tuple[str | None, int | None]:
     try:
         return directory, int(size_text)
     except ValueError:
-        raise ConfigError(f"cache size {size_text!r} is not an integer number of bytes") from None
+        pass
+    try:
+        # webdataset writes its default as a float ("1e18"); accept whole numbers of bytes.
+        value = float(size_text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or not value.is_integer():
+        raise ConfigError(f"cache size {size_text!r} is not a whole number of bytes")
+    return directory, int(value)

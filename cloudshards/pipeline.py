@@ -456,6 +456,18 @@ class FluidInterface:
         """Turn samples into tuples of fields matched by glob patterns."""
         return self.compose(fields.extract_keys(*args, **kw))
 
+    def mcached(self) -> Any:
+        """Keep the first pass's samples in memory and replay them on later passes."""
+        from cloudshards.webdataset.filters import Cached
+
+        return self.compose(Cached())
+
+    def lmdb_cached(self, *args: Any, **kw: Any) -> Any:
+        """Not supported (it pickles samples into LMDB): raises ``UnsupportedError``."""
+        from cloudshards.webdataset.filters import LMDBCached
+
+        return self.compose(LMDBCached(*args, **kw))
+
     def xdecode(self, *args: Any, **kw: Any) -> Any:
         """Decode fields by glob patterns (decoders receive a stream)."""
         return self.compose(fields.xdecode(*args, **kw))

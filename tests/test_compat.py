@@ -705,3 +705,16 @@ def test_dataset_specs_read_through_multishardsample(make_shards: Any, tmp_path:
         cloudshards.WebDataset(str(tmp_path / "spec.json"))
     with pytest.raises(cloudshards.ConfigError, match="datasets"):
         cloudshards.WebDataset({"shards": []})
+
+
+def test_mcached_replays_the_first_pass_and_lmdb_cached_says_what_to_use(
+    make_shards: Any,
+) -> None:
+    shards = make_shards([3, 2])
+    ds = cloudshards.WebDataset(shards.spec(), shardshuffle=False).mcached()
+    assert [s["__key__"] for s in ds] == shards.keys
+    for path in shards.paths:
+        path.unlink()  # the second epoch must come from memory
+    assert [s["__key__"] for s in ds] == shards.keys
+    with pytest.raises(cloudshards.ConfigError, match="cache_dir"):
+        cloudshards.WebDataset(shards.spec()).lmdb_cached("/tmp/x.lmdb")

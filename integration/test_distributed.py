@@ -249,7 +249,7 @@ def indexed_args(data: Data) -> list[str]:
     return common_args(data.index_url)
 
 
-LAYOUTS = {"2x2": {"nodes": 1}, "2nodes": {"nodes": 2}}
+LAYOUTS = {"2x2": 1, "2nodes": 2}  # number of nodes (torchrun processes), 2 ranks each
 
 
 # ------------------------------------------------------------------------------ checks
@@ -321,7 +321,7 @@ def check_same_run(run: Run, again: Run) -> None:
 def test_epochs_balanced_drop(runner: Runner, data: Data, layout: str) -> None:
     """Default balance ("auto" = "drop" with several ranks) over uneven shards: lockstep, each
     epoch complete but for at most C - 1 samples, never a duplicate, a new order per epoch."""
-    run = runner.run(EPOCHS_SCRIPT, epochs_args(data), **LAYOUTS[layout])
+    run = runner.run(EPOCHS_SCRIPT, epochs_args(data), nodes=LAYOUTS[layout])
     check_lockstep(run)
     for epoch in range(EPOCHS):
         check_drop_epoch(run, epoch, data.keys)
@@ -388,7 +388,7 @@ def test_epochs_resume_from_state(runner: Runner, data: Data) -> None:
 def test_resampled_with_epoch(runner: Runner, data: Data, layout: str) -> None:
     """``resampled=True`` + ``with_epoch``: exactly workers x n batches per rank per epoch,
     valid keys, different draws on every rank and in every epoch."""
-    run = runner.run(RESAMPLED_SCRIPT, resampled_args(data), **LAYOUTS[layout])
+    run = runner.run(RESAMPLED_SCRIPT, resampled_args(data), nodes=LAYOUTS[layout])
     check_lockstep(run)
     consumers = run.world_size * WORKERS
     per_worker = RESAMPLED_SAMPLES_PER_EPOCH // (consumers * BATCH_SIZE)
@@ -431,7 +431,7 @@ def test_indexed_chunked_sampler(runner: Runner, data: Data, layout: str) -> Non
     """``IndexedDataset`` + ``DistributedChunkedSampler``: each rank trains on exactly the
     samples the sampler assigns it (ceil(N / ranks), no repeat within a rank), the ranks
     together on the whole dataset, padded by at most ranks - 1; a new order per epoch."""
-    run = runner.run(INDEXED_SCRIPT, indexed_args(data), **LAYOUTS[layout])
+    run = runner.run(INDEXED_SCRIPT, indexed_args(data), nodes=LAYOUTS[layout])
     check_lockstep(run)
     world = run.world_size
     for epoch in range(EPOCHS):

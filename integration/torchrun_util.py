@@ -82,7 +82,8 @@ class NodeResult:
 
     node_rank: int
     argv: list[str]
-    returncode: int | None = None  # None: killed on timeout
+    returncode: int | None = None  # None: killed
+    killed: str = ""  # why it was killed
     stdout: str = ""
     stderr: str = ""
 
@@ -97,6 +98,13 @@ class TorchrunResult:
     timed_out: bool = False
     attempts: int = 1
     summaries: dict[int, RankSummary] = field(default_factory=dict)
+
+    def __repr__(self) -> str:  # pytest prints it in tracebacks: keep it short
+        statuses = [node.returncode for node in self.nodes]
+        return (
+            f"TorchrunResult(exit={statuses}, timed_out={self.timed_out}, "
+            f"elapsed_s={self.elapsed_s:.1f})"
+        )
 
     @property
     def ok(self) -> bool:
@@ -116,7 +124,7 @@ class TorchrunResult:
         )
         parts = [head]
         for node in self.nodes:
-            status = "killed (timeout)" if node.returncode is None else f"exit {node.returncode}"
+            status = f"killed ({node.killed})" if node.killed else f"exit {node.returncode}"
             parts.append(f"=== node {node.node_rank}: {status}: {' '.join(node.argv)}")
             parts.append(f"--- stdout (tail) ---\n{node.stdout[-_TAIL_CHARS:]}")
             parts.append(f"--- stderr (tail) ---\n{node.stderr[-_TAIL_CHARS:]}")
@@ -293,11 +301,12 @@ def _launch_once(
                     break  # a peer failed; the rest would wait for it forever
                 time.sleep(0.05)
         finally:
-            for node, process, out, err in running:
+            for node, process, node_out, node_err in running:
                 if process.poll() is None:
                     _kill(process)
                     node.returncode = None
-                node.stdout, node.stderr = _read(out), _read(err)
+                    node.killed = "timeout" if timed_out else "a peer failed"
+                node.stdout, node.stderr = _read(node_out), _read(node_err)
     return TorchrunResult(
         nodes=nodes, elapsed_s=time.monotonic() - t0, timeout_s=timeout_s, timed_out=timed_out
     )

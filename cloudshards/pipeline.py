@@ -191,10 +191,23 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
 
     def __iter__(self) -> Iterator[Any]:
         for stage in self.pipeline:
-            # WebLoader: keep the wrapped dataset's epoch in step with ours.
+            # WebLoader: keep the wrapped dataset's epoch in step with ours. An epoch the user
+            # set on the dataset since our last push wins (a job restarted at epoch k calls
+            # dataset.set_epoch(k)), unless the loader's own epoch was set explicitly.
             dataset = getattr(stage, "dataset", None) if isinstance(stage, DataLoader) else None
             if dataset is not None and hasattr(dataset, "set_epoch"):
+                theirs = getattr(dataset, "epoch", None)
+                pushed = getattr(self, "_pushed_epoch", None)
+                changed = isinstance(theirs, int) and theirs != pushed
+                if (
+                    changed
+                    and not self._epoch_set
+                    and (pushed is not None or getattr(dataset, "_epoch_set", False))
+                ):
+                    self._epoch = int(theirs)  # type: ignore[arg-type]
+                self._epoch_set = False
                 dataset.set_epoch(self._epoch)
+                self._pushed_epoch = self._epoch
         it = self.iterator(self._epoch)
         # Until the first next(), state_dict() says "the start of this epoch".
         self._live = {"epoch": self._epoch, "seed": None, "info": None, "repetition": 0}

@@ -263,3 +263,24 @@ def test_member_size_limit(make_shards: Any, monkeypatch: pytest.MonkeyPatch) ->
     assert (
         len(keys_of(wds.WebDataset(shards.spec(), shardshuffle=False, max_member_bytes=5000))) == 2
     )
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_webloader_follows_the_datasets_explicit_epoch(make_shards: Any, workers: int) -> None:
+    shards = make_shards([3] * 6)
+
+    def order(epoch: int) -> list[str]:
+        ds = wds.WebDataset(shards.spec(), shardshuffle=True, seed=5)
+        ds.set_epoch(epoch)
+        return keys_of(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers))
+
+    assert order(3) != order(4)
+    ds = wds.WebDataset(shards.spec(), shardshuffle=True, seed=5)
+    loader = wds.WebLoader(ds, batch_size=None, num_workers=workers)
+    ds.set_epoch(3)  # a job restarted at epoch 3
+    assert keys_of(loader) == order(3)
+    assert keys_of(loader) == order(4)  # and counts on from there
+    loader.set_epoch(1)  # the loader's own explicit epoch wins
+    assert keys_of(loader) == order(1)
+    ds.set_epoch(7)
+    assert keys_of(loader) == order(7)

@@ -147,9 +147,10 @@ def resolve_sample_counts(
     """Samples per shard, in ``urls`` order.
 
     From ``counts`` (a mapping by URL or a list in order) when given; else from ``index`` (a
-    :class:`DatasetIndex` or its URL); else from an index at the default place next to the
-    shards; else from this node's counts file; else by counting once (and saving the counts
-    file, under a lock, so the other processes on the node wait and reuse it).
+    :class:`DatasetIndex` or its URL); else from this node's counts file; else from an index
+    at the default place next to the shards; else by counting once. What the last two find
+    is saved in the counts file, under a lock, so the other processes on the node wait and
+    reuse it instead of asking the store again.
     """
     options = options or OpenOptions()
     fetch = fetch or FetchOptions.from_env()
@@ -162,18 +163,28 @@ def resolve_sample_counts(
         if len(counts) != len(urls):
             raise ConfigError(f"sample_counts has {len(counts)} entries for {len(urls)} shards")
         return [int(n) for n in counts]
-    found = _from_index(urls, index, options.storage_options, quiet=index is None)
-    if found is not None:
-        return found
+    if index is not None:  # given explicitly: it wins
+        explicit = _from_index(urls, index, options.storage_options, quiet=False)
+        assert explicit is not None
+        return explicit
     directory = _counts_dir()
     directory.mkdir(parents=True, exist_ok=True)
     keys = [_url_key(url) for url in urls]
     path = directory / (hashlib.blake2b("\n".join(keys).encode(), digest_size=16).hexdigest())
+    # The node's counts file first: every DataLoader worker of every epoch asks, and a local
+    # read is free where probing the store for an index is a request (or two) each time.
+    saved = _read_counts(path)
+    if saved is not None and all(key in saved for key in keys):
+        return [int(saved[key]) for key in keys]
     with open(str(path) + ".lock", "a+b") as lock:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # one process per node counts
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # one process per node looks or counts
         saved = _read_counts(path)
         if saved is not None and all(key in saved for key in keys):
             return [int(saved[key]) for key in keys]
+        found = _from_index(urls, None, options.storage_options, quiet=True)
+        if found is not None:
+            _write_counts(path, dict(zip(keys, found, strict=True)))
+            return found
         where = "through the node cache" if cache is not None else "once"
         logger.warning(
             "counting the samples of %d shards %s to balance ranks (saved in %s); "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import random
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -236,3 +237,19 @@ def test_slurm_variables_give_the_rank(make_shards: Any, monkeypatch: pytest.Mon
         monkeypatch.setenv("SLURM_PROCID", str(rank))
         slurm.append(keys_of(wds.WebDataset(shards.spec(), seed=3, shardshuffle=True)))
     assert slurm == from_env
+
+
+def test_the_index_next_to_the_shards_is_found_once_then_remembered(
+    make_shards: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    shards = make_shards([2, 5, 3])
+    urls = [str(p) for p in shards.paths]
+    from cloudshards._index_files import default_index_url
+
+    location = default_index_url(urls)
+    wds.write_index(wds.build_index(urls), location)
+    with caplog.at_level(logging.WARNING):
+        assert resolve_sample_counts(urls) == [2, 5, 3]
+        Path(location).unlink()  # later asks never go back to the store
+        assert resolve_sample_counts(urls) == [2, 5, 3]
+    assert "counting" not in caplog.text

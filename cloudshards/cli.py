@@ -257,20 +257,10 @@ def _cmd_cache_clear(args: argparse.Namespace) -> int:
 
 
 def _cmd_index(args: argparse.Namespace) -> int:
-    import json
 
     from cloudshards.indexed import build_index, default_index_url, write_index
 
-    options: dict[str, Any] = {}
-    for item in args.storage_option:
-        key, sep, text = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--storage-option takes KEY=VALUE, got {item!r}")
-        try:
-            options[key] = json.loads(text)
-        except ValueError:
-            options[key] = text
-    storage_options = options or None
+    storage_options = _storage_options(args.storage_option)
     urls = expand_urls(args.urls, storage_options=storage_options)
     index = build_index(urls, storage_options, max_workers=args.workers)
     output = args.output or default_index_url(urls)

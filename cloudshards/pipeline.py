@@ -442,8 +442,14 @@ class FluidInterface:
         return self.compose(transform.select(predicate, **kw))
 
     def to_tuple(self, *args: Any, **kw: Any) -> Any:
-        """Turn dict samples into tuples of fields (``"jpg;png"`` takes the first present)."""
-        return self.compose(fields.to_tuple(*args, **kw))
+        """Turn dict samples into tuples of fields (``"jpg;png"`` takes the first present).
+
+        Right after ``.decode(...)``, the decoder is narrowed to the fields kept here: the
+        others would be decoded only to be dropped.
+        """
+        result = self.compose(fields.to_tuple(*args, **kw))
+        _narrow_decoder(result.pipeline, args)
+        return result
 
     def map_tuple(self, *args: Any, handler: ExceptionHandler = reraise_exception) -> Any:
         """Apply one function per tuple element."""
@@ -484,6 +490,25 @@ class FluidInterface:
     def xdecode(self, *args: Any, **kw: Any) -> Any:
         """Decode fields by glob patterns (decoders receive a stream)."""
         return self.compose(fields.xdecode(*args, **kw))
+
+
+def _narrow_decoder(stages: list[Any], kept: tuple[Any, ...]) -> None:
+    """If the stage before the last (a ``to_tuple``) decodes every field, make it decode only
+    the fields ``to_tuple`` keeps. Replaces the stage in ``stages``; shared objects are not
+    modified."""
+    from cloudshards.decoders import Decoder
+
+    if len(stages) < 2 or not kept or not all(isinstance(k, str) for k in kept):
+        return
+    stage = stages[-2]
+    if not (isinstance(stage, base.FilterFunction) and stage.f is transform._map):
+        return
+    decoder = stage.args[0] if stage.args else None
+    if type(decoder) is not Decoder or decoder.only is not None:
+        return
+    narrowed = copy.copy(decoder)
+    narrowed.only = {name for spec in kept for name in spec.split(";")}
+    stages[-2] = base.FilterFunction(stage.f, narrowed, *stage.args[1:], **stage.kw)
 
 
 class FluidWrapper(DataPipeline, FluidInterface):

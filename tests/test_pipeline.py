@@ -284,3 +284,23 @@ def test_webloader_follows_the_datasets_explicit_epoch(make_shards: Any, workers
     assert keys_of(loader) == order(1)
     ds.set_epoch(7)
     assert keys_of(loader) == order(7)
+
+
+def test_decode_then_to_tuple_decodes_only_the_kept_fields(make_shards: Any) -> None:
+    shards = make_shards([4, 3])
+    decoded: list[str] = []
+
+    def spy(key: str, data: bytes) -> Any:
+        decoded.append(key)
+        return None  # leave it to the default handlers
+
+    narrowed = wds.WebDataset(shards.spec(), shardshuffle=False).decode(spy).to_tuple("cls")
+    full = wds.WebDataset(shards.spec(), shardshuffle=False).decode().to_tuple("cls")
+    assert list(narrowed) == list(full)
+    assert set(decoded) == {".cls"}
+    assert len(decoded) == 7
+    # Nothing narrows a decode that is not directly followed by to_tuple.
+    decoded.clear()
+    ds = wds.WebDataset(shards.spec(), shardshuffle=False).decode(spy)
+    list(ds.map(lambda s: s).to_tuple("cls"))
+    assert {".cls", ".bin", ".json"} <= set(decoded)

@@ -87,6 +87,7 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
         self.seed = default_seed() if seed is None else int(seed)
         self._epoch = 0
         self._epoch_set = False
+        self._epoch_from_user = False  # set_epoch was called since a WebLoader last pushed
         self._length: int | None = None
         self._live: dict[str, Any] | None = None  # the running epoch, for state_dict
         self._resume: dict[str, Any] | None = None
@@ -108,6 +109,12 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
         """
         self._epoch = int(epoch)
         self._epoch_set = True
+        self._epoch_from_user = True
+
+    def _push_epoch(self, epoch: int) -> None:
+        # A WebLoader keeping this dataset in step: like set_epoch, but not the user's choice.
+        self.set_epoch(epoch)
+        self._epoch_from_user = False
 
     @property
     def epoch(self) -> int:
@@ -195,19 +202,13 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
             # set on the dataset since our last push wins (a job restarted at epoch k calls
             # dataset.set_epoch(k)), unless the loader's own epoch was set explicitly.
             dataset = getattr(stage, "dataset", None) if isinstance(stage, DataLoader) else None
-            if dataset is not None and hasattr(dataset, "set_epoch"):
-                theirs = getattr(dataset, "epoch", None)
-                pushed = getattr(self, "_pushed_epoch", None)
-                changed = isinstance(theirs, int) and theirs != pushed
-                if (
-                    changed
-                    and not self._epoch_set
-                    and (pushed is not None or getattr(dataset, "_epoch_set", False))
-                ):
-                    self._epoch = int(theirs)  # type: ignore[arg-type]
-                self._epoch_set = False
+            if isinstance(dataset, DataPipeline):
+                if dataset._epoch_from_user and not self._epoch_from_user:
+                    self._epoch = dataset.epoch
+                dataset._push_epoch(self._epoch)
+                self._epoch_from_user = False
+            elif dataset is not None and hasattr(dataset, "set_epoch"):
                 dataset.set_epoch(self._epoch)
-                self._pushed_epoch = self._epoch
         it = self.iterator(self._epoch)
         # Until the first next(), state_dict() says "the start of this epoch".
         self._live = {"epoch": self._epoch, "seed": None, "info": None, "repetition": 0}
@@ -276,6 +277,7 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
             )
         self._epoch = int(state["epoch"])
         self._epoch_set = True
+        self._epoch_from_user = True  # a WebLoader around it continues from this epoch
         has_position = state["yielded"] or state["shards"] or state["repetition"]
         if state.get("seed") is None or not has_position:
             self._resume = None

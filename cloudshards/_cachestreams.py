@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from cloudshards._membertable import MemberTable
 from cloudshards.errors import CacheError, ShardOpenError
 from cloudshards.redact import redact_url
 from cloudshards.types import ByteSource, ClosingStream
@@ -142,9 +143,9 @@ class TeeStream(ClosingStream):
         self._fd: int | None = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self.closed = False
         #: Set by the reader after a complete parse; saved next to the entry on commit.
-        self.member_table: list[tuple[str, int, int]] | None = None
+        self.member_table: MemberTable | None = None
 
-    def save_member_table(self, table: list[tuple[str, int, int]]) -> None:
+    def save_member_table(self, table: MemberTable) -> None:
         """Keep the member table of this shard, to be saved with the entry when it commits."""
         self.member_table = table
 

@@ -15,6 +15,7 @@ import contextlib
 import json
 import mmap
 import os
+from array import array
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,8 +24,30 @@ from cloudshards.types import Member, NameFilter
 
 __all__ = ["MemberTable", "iter_table", "load_table", "write_table"]
 
-#: ``(name, data offset, size)`` of each regular member, in archive order.
-MemberTable = list[tuple[str, int, int]]
+
+class MemberTable:
+    """Name, data offset and size of each regular member, in archive order, as columns (a
+    list of names and two int arrays: nothing per member for the garbage collector to track).
+
+    Attributes:
+        complete: The archive was read to its proper end (only then is the table usable).
+    """
+
+    __slots__ = ("complete", "names", "offsets", "sizes")
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.offsets = array("q")
+        self.sizes = array("q")
+        self.complete = False
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def rows(self) -> Iterator[tuple[str, int, int]]:
+        """``(name, offset, size)`` per member."""
+        return zip(self.names, self.offsets, self.sizes, strict=True)
+
 
 _VERSION = 1
 _new_member = tuple.__new__
@@ -34,10 +57,17 @@ def write_table(path: str, table: MemberTable, file_size: int) -> None:
     """Save ``table`` for a file of ``file_size`` bytes (atomically; errors are ignored:
     without a table the shard is simply parsed)."""
     tmp = f"{path}.{os.getpid()}.tmp"
+    value = {
+        "version": _VERSION,
+        "size": file_size,
+        "names": table.names,
+        "offsets": table.offsets.tolist(),
+        "sizes": table.sizes.tolist(),
+    }
     with contextlib.suppress(OSError):
         with open(tmp, "w") as f:
             # dumps, not dump: dump runs the pure-Python encoder chunk by chunk (~10x slower).
-            f.write(json.dumps({"version": _VERSION, "size": file_size, "members": table}))
+            f.write(json.dumps(value))
         os.replace(tmp, path)
     with contextlib.suppress(OSError):
         os.unlink(tmp)
@@ -56,23 +86,23 @@ def load_table(path: str, file_size: int) -> MemberTable | None:
         or value.get("size") != file_size
     ):
         return None
-    members = value.get("members")
-    if not isinstance(members, list):
+    names, offsets, sizes = value.get("names"), value.get("offsets"), value.get("sizes")
+    if not (isinstance(names, list) and isinstance(offsets, list) and isinstance(sizes, list)):
         return None
-    table: MemberTable = []
-    for row in members:
-        if (
-            not isinstance(row, list)
-            or len(row) != 3
-            or not isinstance(row[0], str)
-            or not isinstance(row[1], int)
-            or not isinstance(row[2], int)
-            or row[1] < 0
-            or row[2] < 0
-            or row[1] + row[2] > file_size
-        ):
-            return None
-        table.append((row[0], row[1], row[2]))
+    if not len(names) == len(offsets) == len(sizes):
+        return None
+    table = MemberTable()
+    try:
+        table.offsets.fromlist(offsets)
+        table.sizes.fromlist(sizes)
+    except (TypeError, OverflowError):
+        return None
+    if not all(isinstance(name, str) for name in names):
+        return None
+    if any(o < 0 or n < 0 or o + n > file_size for o, n in zip(offsets, sizes, strict=True)):
+        return None
+    table.names = names
+    table.complete = True
     return table
 
 
@@ -90,7 +120,7 @@ def iter_table(
     if size == 0:
         return
     with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as view:
-        for name, offset, length in table:
+        for name, offset, length in table.rows():
             if name_filter is not None:
                 renamed = name_filter(name)
                 if renamed is None:

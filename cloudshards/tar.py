@@ -9,6 +9,7 @@ import logging
 from collections.abc import Iterator
 from typing import Protocol
 
+from cloudshards._membertable import MemberTable
 from cloudshards._tarheader import (
     BLOCK,
     ZERO_BLOCK,
@@ -24,7 +25,7 @@ from cloudshards.config import DEFAULT_BLOCK_BYTES, DEFAULT_MAX_MEMBER_BYTES
 from cloudshards.errors import ConfigError, ShardFormatError
 from cloudshards.types import Member, NameFilter
 
-__all__ = ["TABLE_END", "ReadableStream", "iter_members"]
+__all__ = ["ReadableStream", "iter_members"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ def iter_members(
     name_filter: NameFilter | None = None,
     max_member_bytes: int = DEFAULT_MAX_MEMBER_BYTES,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
-    record: list[tuple[str, int, int]] | None = None,
+    record: MemberTable | None = None,
 ) -> Iterator[Member]:
     """Yield the regular files of a tar stream, in order, without reading it all into memory.
 
@@ -79,10 +80,10 @@ def iter_members(
             anything is allocated. Members skipped by ``name_filter`` are not read, so not
             limited.
         block_bytes: Read size; large blocks amortise the per-read overhead.
-        record: When given, receives ``(name, data offset, size)`` of every regular member
-            (before ``name_filter``), and :data:`TABLE_END` once the archive has ended
-            properly, so that a complete uncompressed shard can later be read by offset
-            (gzip shards record nothing).
+        record: When given, receives the name, data offset and size of every regular member
+            (before ``name_filter``) and is marked ``complete`` once the archive has ended
+            properly, so that an uncompressed shard can later be read by offset (gzip shards
+            record nothing).
 
     Returns:
         An iterator of ``Member(name, data, offset)``; ``offset`` is where the data starts in
@@ -100,21 +101,23 @@ def iter_members(
     return _iter_members(stream, url, name_filter, max_member_bytes, block_bytes, record)
 
 
-#: The last row :func:`iter_members` records for an archive read to its proper end.
-TABLE_END = ("", -1, -1)
-
-
 def _iter_members(
     stream: ReadableStream,
     url: str | None,
     name_filter: NameFilter | None,
     max_member_bytes: int,
     block_bytes: int,
-    record: list[tuple[str, int, int]] | None = None,
+    record: MemberTable | None = None,
 ) -> Iterator[Member]:
     rd = BlockReader(stream, url, block_bytes)
     if rd.gzip is not None:
         record = None  # offsets in the uncompressed stream are no use for reading the file
+    if record is not None:
+        add_name, add_offset, add_size = (
+            record.names.append,
+            record.offsets.append,
+            record.sizes.append,
+        )
     buf, pos = rd.buf, rd.pos
     long_name: str | None = None  # from a GNU 'L' header, for the next member
     pax_path: str | None = None  # from a PAX 'x' header, for the next member
@@ -137,7 +140,7 @@ def _iter_members(
                 rd.pos = pos
                 rd.finish_at_zero_block(offset, ext_offset)
                 if record is not None:
-                    record.append(TABLE_END)
+                    record.complete = True
                 return
             raise ShardFormatError(
                 "bad tar header checksum (corrupt shard)", url=url, offset=offset
@@ -161,7 +164,9 @@ def _iter_members(
             ext_offset = -1
             data_offset = rd.base + pos
             if record is not None:
-                record.append((name, data_offset, size))
+                add_name(name)
+                add_offset(data_offset)
+                add_size(size)
             if name_filter is not None:
                 new_name = name_filter(name)
                 if new_name is None:

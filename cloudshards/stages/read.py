@@ -16,7 +16,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from cloudshards import config
-from cloudshards._membertable import iter_table
+from cloudshards._membertable import MemberTable, iter_table
 from cloudshards.cache import ShardCache
 from cloudshards.errors import ConfigError
 from cloudshards.fetch import FetchOptions
@@ -26,7 +26,7 @@ from cloudshards.io import OpenOptions, open_shard
 from cloudshards.prefetch import ShardPrefetcher
 from cloudshards.redact import redact_url
 from cloudshards.stages.base import current_context, pipelinefilter
-from cloudshards.tar import TABLE_END, iter_members
+from cloudshards.tar import iter_members
 from cloudshards.types import ExceptionHandler, Member, NameFilter, Sample
 from cloudshards.urls import protocol_of
 
@@ -201,13 +201,13 @@ def _read_opened(
         position[0] = shard.get("__position__", position[0]) + 1
         position[1] = shard.get("__resumed__", 0)
         skip = shard.get("skip", 0)
-        record: list[tuple[str, int, int]] | None = None
+        record: MemberTable | None = None
         try:
             members_filter = _skipping(name_filter, skip) if skip else name_filter
             members = _members_by_table(stream, url, members_filter, options)
             if members is None:
                 if hasattr(stream, "save_member_table"):
-                    record = []  # a complete parse lets later epochs slice by offset
+                    record = MemberTable()  # a complete parse lets later epochs slice by offset
                 members = iter_members(
                     stream,
                     url=url,
@@ -226,8 +226,8 @@ def _read_opened(
                     sample["__local_path__"] = local_path
                 position[1] += 1
                 yield sample
-            if record and record[-1] == TABLE_END:
-                stream.save_member_table(record[:-1])
+            if record is not None and record.complete:
+                stream.save_member_table(record)
         except ConfigError:
             raise
         except Exception as exn:

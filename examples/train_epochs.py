@@ -31,15 +31,11 @@ label below ``--classes``), e.g. written with ``wds.ShardWriter``::
 from __future__ import annotations
 
 import argparse
-import json
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
+from _ddp import KeyLog, finish, make_model, setup_distributed, train_step
 
 import cloudshards as wds
 
@@ -68,14 +64,6 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def setup_distributed() -> tuple[int, int]:
-    """Join the process group when started by torchrun; otherwise run as rank 0 of 1."""
-    if "WORLD_SIZE" not in os.environ:
-        return 0, 1
-    dist.init_process_group("gloo")  # CPU; use "nccl" on GPUs
-    return dist.get_rank(), dist.get_world_size()
-
-
 def make_dataset(args: argparse.Namespace) -> wds.WebDataset:
     dataset = wds.WebDataset(
         args.shards,
@@ -101,33 +89,10 @@ def make_loader(dataset: wds.WebDataset, args: argparse.Namespace) -> Any:
     return wds.WebLoader(dataset, batch_size=None, num_workers=args.workers)
 
 
-class KeyLog:
-    """One JSON line per step: which samples this rank trained on (for tests and debugging)."""
-
-    def __init__(self, directory: Path | None, rank: int) -> None:
-        self.file = None
-        if directory is not None:
-            directory.mkdir(parents=True, exist_ok=True)
-            self.file = (directory / f"rank{rank}.jsonl").open("a")  # a resumed run appends
-
-    def write(self, epoch: int, step: int, keys: list[str]) -> None:
-        if self.file is not None:
-            self.file.write(json.dumps({"epoch": epoch, "step": step, "keys": keys}) + "\n")
-            self.file.flush()
-
-    def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
-
-
 def main() -> None:
     args = parse_args()
     rank, world_size = setup_distributed()
-    torch.manual_seed(args.seed)  # the same initial weights on every rank
-    model: nn.Module = nn.Linear(args.features, args.classes)
-    if dist.is_initialized():
-        model = DistributedDataParallel(model)  # averages gradients across ranks every step
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = make_model(args)
 
     dataset = make_dataset(args)
     loader = make_loader(dataset, args)
@@ -148,14 +113,9 @@ def main() -> None:
             loader.load_state_dict(loader_state)  # continue mid-epoch, where the state stopped
             loader_state = None
         for keys, features, labels in loader:
-            optimizer.zero_grad()
-            logits = model(torch.as_tensor(features, dtype=torch.float32))
-            loss_tensor = nn.functional.cross_entropy(logits, torch.as_tensor(labels))
-            loss_tensor.backward()  # DDP's all-reduce: every rank must take every step
-            optimizer.step()
+            loss = train_step(model, optimizer, features, labels)
             step += 1
             samples += len(keys)
-            loss = loss_tensor.item()
             log.write(epoch, step, list(keys))
             if args.steps_limit is not None and step >= args.steps_limit:
                 break
@@ -174,13 +134,7 @@ def main() -> None:
         }
         torch.save(checkpoint, args.state / f"rank{rank}.pt")
     log.close()
-    print(
-        f"rank {rank}/{world_size}: {epoch} epochs, {step} steps, "
-        f"{samples} samples, loss {loss:.4f}",
-        flush=True,
-    )
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    finish(rank, world_size, epoch, step, samples, loss)
 
 
 if __name__ == "__main__":

@@ -22,15 +22,11 @@ label below ``--classes``).
 from __future__ import annotations
 
 import argparse
-import json
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
+from _ddp import KeyLog, finish, make_model, setup_distributed, train_step
 from torch.utils.data import DataLoader
 
 import cloudshards as wds
@@ -58,14 +54,6 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def setup_distributed() -> tuple[int, int]:
-    """Join the process group when started by torchrun; otherwise run as rank 0 of 1."""
-    if "WORLD_SIZE" not in os.environ:
-        return 0, 1
-    dist.init_process_group("gloo")  # CPU; use "nccl" on GPUs
-    return dist.get_rank(), dist.get_world_size()
-
-
 DECODER = wds.Decoder([])  # webdataset's default decoding: npy -> array, cls -> int
 
 
@@ -75,33 +63,10 @@ def to_example(sample: dict[str, Any]) -> tuple[str, torch.Tensor, int]:
     return sample["__key__"], torch.as_tensor(sample["npy"], dtype=torch.float32), sample["cls"]
 
 
-class KeyLog:
-    """One JSON line per step: which samples this rank trained on (for tests and debugging)."""
-
-    def __init__(self, directory: Path | None, rank: int) -> None:
-        self.file = None
-        if directory is not None:
-            directory.mkdir(parents=True, exist_ok=True)
-            self.file = (directory / f"rank{rank}.jsonl").open("a")
-
-    def write(self, epoch: int, step: int, keys: list[str]) -> None:
-        if self.file is not None:
-            self.file.write(json.dumps({"epoch": epoch, "step": step, "keys": keys}) + "\n")
-            self.file.flush()
-
-    def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
-
-
 def main() -> None:
     args = parse_args()
     rank, world_size = setup_distributed()
-    torch.manual_seed(args.seed)  # the same initial weights on every rank
-    model: nn.Module = nn.Linear(args.features, args.classes)
-    if dist.is_initialized():
-        model = DistributedDataParallel(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = make_model(args)
 
     dataset = wds.IndexedDataset(args.data, transform=to_example, cache_dir=args.cache_dir)
     sampler = wds.DistributedChunkedSampler(  # rank and world size from torch.distributed
@@ -115,13 +80,9 @@ def main() -> None:
     while epoch < args.epochs and (args.steps_limit is None or step < args.steps_limit):
         sampler.set_epoch(epoch)  # same value on every rank: a new, agreed order each epoch
         for keys, features, labels in loader:
-            optimizer.zero_grad()
-            loss_tensor = nn.functional.cross_entropy(model(features), labels)
-            loss_tensor.backward()  # DDP's all-reduce: every rank must take every step
-            optimizer.step()
+            loss = train_step(model, optimizer, features, labels)
             step += 1
             samples += len(keys)
-            loss = loss_tensor.item()
             log.write(epoch, step, list(keys))
             if args.steps_limit is not None and step >= args.steps_limit:
                 break
@@ -130,13 +91,7 @@ def main() -> None:
 
     log.close()
     dataset.close()
-    print(
-        f"rank {rank}/{world_size}: {epoch} epochs, {step} steps, {samples} samples, "
-        f"loss {loss:.4f}",
-        flush=True,
-    )
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    finish(rank, world_size, epoch, step, samples, loss)
 
 
 if __name__ == "__main__":

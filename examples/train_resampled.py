@@ -22,14 +22,9 @@ label below ``--classes``).
 from __future__ import annotations
 
 import argparse
-import json
-import os
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
+from _ddp import KeyLog, finish, make_model, setup_distributed, train_step
 
 import cloudshards as wds
 
@@ -61,14 +56,6 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def setup_distributed() -> tuple[int, int]:
-    """Join the process group when started by torchrun; otherwise run as rank 0 of 1."""
-    if "WORLD_SIZE" not in os.environ:
-        return 0, 1
-    dist.init_process_group("gloo")  # CPU; use "nccl" on GPUs
-    return dist.get_rank(), dist.get_world_size()
-
-
 def batches_per_worker(args: argparse.Namespace, world_size: int) -> int:
     """Split the job's epoch among ranks x workers (the main process counts as one worker)."""
     consumers = world_size * max(args.workers, 1)
@@ -97,33 +84,10 @@ def make_dataset(args: argparse.Namespace, world_size: int) -> wds.WebDataset:
     )
 
 
-class KeyLog:
-    """One JSON line per step: which samples this rank trained on (for tests and debugging)."""
-
-    def __init__(self, directory: Path | None, rank: int) -> None:
-        self.file = None
-        if directory is not None:
-            directory.mkdir(parents=True, exist_ok=True)
-            self.file = (directory / f"rank{rank}.jsonl").open("a")
-
-    def write(self, epoch: int, step: int, keys: list[str]) -> None:
-        if self.file is not None:
-            self.file.write(json.dumps({"epoch": epoch, "step": step, "keys": keys}) + "\n")
-            self.file.flush()
-
-    def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
-
-
 def main() -> None:
     args = parse_args()
     rank, world_size = setup_distributed()
-    torch.manual_seed(args.seed)  # the same initial weights on every rank
-    model: nn.Module = nn.Linear(args.features, args.classes)
-    if dist.is_initialized():
-        model = DistributedDataParallel(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = make_model(args)
 
     dataset = make_dataset(args, world_size)
     loader = wds.WebLoader(dataset, batch_size=None, num_workers=args.workers)
@@ -132,14 +96,9 @@ def main() -> None:
     while epoch < args.epochs and (args.steps_limit is None or step < args.steps_limit):
         dataset.set_epoch(epoch)  # new draws each epoch, reproducible from (seed, epoch)
         for keys, features, labels in loader:
-            optimizer.zero_grad()
-            logits = model(torch.as_tensor(features, dtype=torch.float32))
-            loss_tensor = nn.functional.cross_entropy(logits, torch.as_tensor(labels))
-            loss_tensor.backward()  # DDP's all-reduce: every rank must take every step
-            optimizer.step()
+            loss = train_step(model, optimizer, features, labels)
             step += 1
             samples += len(keys)
-            loss = loss_tensor.item()
             log.write(epoch, step, list(keys))
             if args.steps_limit is not None and step >= args.steps_limit:
                 break
@@ -147,13 +106,7 @@ def main() -> None:
             epoch += 1
 
     log.close()
-    print(
-        f"rank {rank}/{world_size}: {epoch} epochs, {step} steps, {samples} samples, "
-        f"loss {loss:.4f}",
-        flush=True,
-    )
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    finish(rank, world_size, epoch, step, samples, loss)
 
 
 if __name__ == "__main__":

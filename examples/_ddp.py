@@ -17,6 +17,27 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 
+def training_arguments(description: str, data_help: str) -> argparse.ArgumentParser:
+    """The options every example takes; each adds its own."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("data", help=data_help)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--workers", type=int, default=2, help="DataLoader workers per rank")
+    parser.add_argument("--seed", type=int, default=0, help="the same on every rank")
+    parser.add_argument("--cache-dir", help="per-node shard cache (downloads once per node)")
+    parser.add_argument("--features", type=int, default=8)
+    parser.add_argument("--classes", type=int, default=4)
+    parser.add_argument(
+        "--log-keys",
+        type=Path,
+        metavar="DIR",
+        help="write the keys of every batch to DIR/rankN.jsonl (not --log: torchrun takes it)",
+    )
+    parser.add_argument("--steps-limit", type=int, help="stop after this many steps in total")
+    return parser
+
+
 def setup_distributed() -> tuple[int, int]:
     """Join the process group when started by torchrun; otherwise run as rank 0 of 1."""
     if "WORLD_SIZE" not in os.environ:

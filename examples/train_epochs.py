@@ -35,30 +35,24 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _ddp import KeyLog, finish, make_model, setup_distributed, train_step
+from _ddp import (
+    KeyLog,
+    finish,
+    make_model,
+    setup_distributed,
+    train_step,
+    training_arguments,
+)
 
 import cloudshards as wds
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("shards", help="shard spec: braces, a glob, or '::'-joined URLs")
-    parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--workers", type=int, default=2, help="DataLoader workers per rank")
-    parser.add_argument("--seed", type=int, default=0, help="the same on every rank")
+    parser = training_arguments(
+        __doc__.split("\n", 1)[0], "shard spec: braces, a glob, or '::'-joined URLs"
+    )
     parser.add_argument("--balance", choices=["auto", "drop", "pad"], default="auto")
     parser.add_argument("--shuffle-buffer", type=int, default=0, help="sample shuffle buffer")
-    parser.add_argument("--cache-dir", help="per-node shard cache (downloads once per node)")
-    parser.add_argument("--features", type=int, default=8)
-    parser.add_argument("--classes", type=int, default=4)
-    parser.add_argument(
-        "--log-keys",
-        type=Path,
-        metavar="DIR",
-        help="write the keys of every batch to DIR/rankN.jsonl (not --log: torchrun takes it)",
-    )
-    parser.add_argument("--steps-limit", type=int, help="stop after this many steps in total")
     parser.add_argument("--state", type=Path, help="save a checkpoint to DIR/rankN.pt at the end")
     parser.add_argument("--resume", type=Path, help="continue from the checkpoint in DIR")
     return parser.parse_args()
@@ -66,7 +60,7 @@ def parse_args() -> argparse.Namespace:
 
 def make_dataset(args: argparse.Namespace) -> wds.WebDataset:
     dataset = wds.WebDataset(
-        args.shards,
+        args.data,
         shardshuffle=True,  # a new shard order every epoch, the same on every rank
         seed=args.seed,
         balance=args.balance,  # equal samples per rank x worker: no DDP hang, no duplicate

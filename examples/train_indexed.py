@@ -22,35 +22,28 @@ label below ``--classes``).
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Any
 
 import torch
-from _ddp import KeyLog, finish, make_model, setup_distributed, train_step
+from _ddp import (
+    KeyLog,
+    finish,
+    make_model,
+    setup_distributed,
+    train_step,
+    training_arguments,
+)
 from torch.utils.data import DataLoader
 
 import cloudshards as wds
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("data", help="an index URL (*.index.json), or shards next to their index")
-    parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--workers", type=int, default=2, help="DataLoader workers per rank")
-    parser.add_argument("--seed", type=int, default=0, help="the same on every rank")
+    parser = training_arguments(
+        __doc__.split("\n", 1)[0], "an index URL (*.index.json), or shards next to their index"
+    )
     parser.add_argument("--chunk-size", type=int, help="largest chunk (default: whole shards)")
     parser.add_argument("--drop-last", action="store_true", help="drop the tail, do not repeat")
-    parser.add_argument("--cache-dir", help="per-node shard cache (downloads once per node)")
-    parser.add_argument("--features", type=int, default=8)
-    parser.add_argument("--classes", type=int, default=4)
-    parser.add_argument(
-        "--log-keys",
-        type=Path,
-        metavar="DIR",
-        help="write the keys of every batch to DIR/rankN.jsonl (not --log: torchrun takes it)",
-    )
-    parser.add_argument("--steps-limit", type=int, help="stop after this many steps in total")
     return parser.parse_args()
 
 

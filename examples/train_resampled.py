@@ -22,37 +22,30 @@ label below ``--classes``).
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-from _ddp import KeyLog, finish, make_model, setup_distributed, train_step
+from _ddp import (
+    KeyLog,
+    finish,
+    make_model,
+    setup_distributed,
+    train_step,
+    training_arguments,
+)
 
 import cloudshards as wds
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("shards", help="shard spec: braces, a glob, or '::'-joined URLs")
-    parser.add_argument("--epochs", type=int, default=2)
+    parser = training_arguments(
+        __doc__.split("\n", 1)[0], "shard spec: braces, a glob, or '::'-joined URLs"
+    )
     parser.add_argument(
         "--samples-per-epoch",
         type=int,
         default=256,
         help="samples per epoch for the whole job, all ranks together (rounded down to batches)",
     )
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--workers", type=int, default=2, help="DataLoader workers per rank")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--shuffle-buffer", type=int, default=100, help="sample shuffle buffer")
-    parser.add_argument("--cache-dir", help="per-node shard cache (downloads once per node)")
-    parser.add_argument("--features", type=int, default=8)
-    parser.add_argument("--classes", type=int, default=4)
-    parser.add_argument(
-        "--log-keys",
-        type=Path,
-        metavar="DIR",
-        help="write the keys of every batch to DIR/rankN.jsonl (not --log: torchrun takes it)",
-    )
-    parser.add_argument("--steps-limit", type=int, help="stop after this many steps in total")
     return parser.parse_args()
 
 
@@ -70,7 +63,7 @@ def batches_per_worker(args: argparse.Namespace, world_size: int) -> int:
 
 def make_dataset(args: argparse.Namespace, world_size: int) -> wds.WebDataset:
     dataset = wds.WebDataset(
-        args.shards,
+        args.data,
         resampled=True,  # draw shards with replacement, forever; no node/worker split needed
         seed=args.seed,
         cache_dir=args.cache_dir,

@@ -134,6 +134,22 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
             base_seed = _torch_base_seed()
             if base_seed is not None:
                 seed = derive_seed(seed, base_seed)
+        elif (
+            not self._epoch_set
+            and self._epoch == 0
+            and info.num_workers > 1
+            and (info.rank, info.worker) == (0, 0)
+            and any(getattr(stage, "shuffle", None) is True for stage in self.pipeline)
+        ):
+            # Several ranks, DataLoader workers and no set_epoch: fresh (non-persistent)
+            # workers start from epoch 0 every time, so the order repeats. Say so, once a run.
+            logger.warning(
+                "no set_epoch() on this dataset with %d ranks: DataLoader workers that are not "
+                "persistent see epoch 0 every epoch and repeat its order; call "
+                "dataset.set_epoch(epoch) each epoch (the same value on every rank) or use "
+                "persistent_workers=True",
+                info.world_size,
+            )
         return IterationContext(seed=seed, epoch=self._epoch if epoch is None else epoch, info=info)
 
     # --- iteration ---------------------------------------------------------------------------

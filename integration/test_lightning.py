@@ -1,0 +1,77 @@
+"""The DDP hang webdataset users report, ended: a 2-rank PyTorch Lightning run (CPU, gloo) over
+shards of uneven sizes, with webdataset-style code (``nodesplitter=split_by_node``, a plain
+DataLoader), finishes with the same number of steps on both ranks and no sample twice.
+
+The run is a subprocess in a session of its own with a timeout: a hang fails the test and
+every process it started is killed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import cloudshards as wds
+
+SIZES = [3, 40, 11, 7, 29, 5, 16]  # 111 samples: no even split across 2 ranks x 2 workers
+SCRIPT = Path(__file__).with_name("lightning_train.py")
+TIMEOUT_S = 240
+
+
+def write_shards(root: Path) -> str:
+    for shard, count in enumerate(SIZES):
+        with wds.TarWriter(str(root / f"shard-{shard:06d}.tar")) as sink:
+            for i in range(count):
+                features = np.random.default_rng(i).random(8).astype("float32")
+                sink.write({"__key__": f"s{shard}_{i}", "npy": features, "cls": i % 4})
+    return str(root / f"shard-{{000000..{len(SIZES) - 1:06d}}}.tar")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(TIMEOUT_S + 30)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_lightning_ddp_over_uneven_shards_does_not_hang(tmp_path: Path, workers: int) -> None:
+    spec = write_shards(tmp_path)
+    out = tmp_path / "keys"
+    out.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CLOUDSHARDS_", "WDS_"))}
+    env["CLOUDSHARDS_COUNTS_DIR"] = str(tmp_path / "counts")
+    process = subprocess.Popen(
+        [sys.executable, str(SCRIPT), spec, "2", str(workers), str(out)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        output, _ = process.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"the DDP run hung:\n{output.decode(errors='replace')[-4000:]}")
+    text = output.decode(errors="replace")
+    assert process.returncode == 0, text[-4000:]
+    steps = {int(r): int(n) for r, n in re.findall(r"RANK (\d) steps (\d+)", text)}
+    assert set(steps) == {0, 1}, text[-4000:]
+    consumers = 2 * max(workers, 1)
+    per_consumer = sum(SIZES) // consumers
+    batches = -(-per_consumer // 4) * max(workers, 1)  # per rank and epoch
+    assert steps[0] == steps[1] == 2 * batches
+    keys = [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    everything = {f"s{shard}_{i}" for shard, count in enumerate(SIZES) for i in range(count)}
+    orders = []
+    for epoch in ("0", "1"):
+        both = keys[0][epoch] + keys[1][epoch]
+        assert len(both) == len(set(both)) == per_consumer * consumers  # no sample twice
+        assert set(both) <= everything
+        orders.append(both)
+    assert orders[0] != orders[1]  # reshuffled

@@ -69,6 +69,10 @@ def main() -> None:
         enable_model_summary=False,
     )
     trainer.fit(Model(out), loader)
+    # Leave the process group before the interpreter exits: gloo's threads still running at
+    # exit abort the process ("terminate called without an active exception").
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

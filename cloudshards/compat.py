@@ -237,7 +237,7 @@ class WebDataset(DataPipeline, FluidInterface):
         block_bytes: Read size for streaming shards.
         prefetch: Remote shards fetched ahead of the one being read (default 2; 0 for none).
         part_bytes: Size of each ranged GET for remote shards (default 2 MiB).
-        concurrency: Ranged GETs in flight per shard (default 8).
+        concurrency: Ranged GETs in flight per shard (default 16).
         retries: Retries of a failed request, with exponential backoff (default 5).
         stall_timeout_s: A read with no progress for this long is an error (default 120).
         balance: Equal epochs across ranks, so DDP never hangs on uneven shards: ``"drop"``

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from cloudshards._membertable import MemberTable
+from cloudshards._membertable import MemberTable, write_table
 from cloudshards.errors import CacheError, ShardOpenError
 from cloudshards.redact import redact_url
 from cloudshards.types import ByteSource, ClosingStream
@@ -29,11 +29,12 @@ class CacheStats:
 
     Attributes:
         hits: Shards served from a complete entry.
-        misses: Shards this process downloaded (and cached).
+        misses: Shards this process downloaded (and cached), itself or ahead in the background.
         waits: Shards read by following another process's download.
         uncached: Shards streamed without caching (disk full, over budget, early stop).
         bytes_network: Bytes this process read from the store through the cache.
-        bytes_disk: Bytes read from cache files.
+        bytes_disk: Bytes read from cache files (a shard this process downloaded ahead counts
+            as a miss only: reading it back is part of that download, not a hit).
         evictions: Entries this process evicted.
     """
 
@@ -45,6 +46,12 @@ class CacheStats:
     bytes_disk: int = 0
     evictions: int = 0
     _warned: set[str] = field(default_factory=set, repr=False)
+    #: Entries this process downloaded ahead that its consumer has not opened yet.
+    _ahead: set[str] = field(default_factory=set, repr=False)
+    #: Downloads ahead start once this process has committed an entry, and never after the
+    #: disk filled up: they must not cost a second download of what cannot be cached.
+    _committed_one: bool = field(default=False, repr=False)
+    _disk_full: bool = field(default=False, repr=False)
 
     def as_dict(self) -> dict[str, int]:
         """The counters as a plain dict."""
@@ -184,12 +191,18 @@ class TeeStream(ClosingStream):
             self._degrade(f"cache disk full ({exc.strerror}); streaming without caching")
 
     def _degrade(self, reason: str) -> None:
+        self.stats._disk_full = True
         if reason not in self.stats._warned:
             self.stats._warned.add(reason)
             logger.warning("%s", reason)
         self.stats.misses -= 1
         self.stats.uncached += 1
         self._drop_partial()
+
+    @property
+    def partial_dropped(self) -> bool:
+        """The partial file was given up mid-way (disk full): later bytes are not cached."""
+        return self._fd is None and not self.closed and self._written < (self.expected_size or 0)
 
     def _drop_partial(self) -> None:
         if self._fd is not None:
@@ -331,6 +344,16 @@ class FollowStream(ClosingStream):
             return os.stat(self.entry).st_ino == self._inode
         except FileNotFoundError:
             return False
+
+    #: Where the entry's member table goes (set by the cache); None: not saved.
+    table_path: str | None = None
+
+    def save_member_table(self, table: MemberTable) -> None:
+        """Save the member table of the entry we followed, once it is committed (and only if
+        we read the committed file itself, not a replacement stream)."""
+        if self.table_path is None or self._replacement is not None or not self._committed():
+            return
+        write_table(self.table_path, table, os.fstat(self.fd).st_size)
 
     def close(self) -> None:
         """Close the file (and any replacement stream)."""

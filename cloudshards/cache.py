@@ -25,6 +25,7 @@ import logging
 import os
 import re
 import socket
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -174,8 +175,10 @@ class ShardCache:
         name = entry_name(url, _endpoint(url, options))
         deadline = time.monotonic() + wait_s
         delay = 0.002
+        own = name in self.stats._ahead  # downloaded ahead by this process: counted as a miss
+        self.stats._ahead.discard(name)
         while True:
-            hit = self._open_hit(name, url, shard_index)
+            hit = self._open_hit(name, url, shard_index, counted=not own)
             if hit is not None:
                 return hit
             lock = self._claim(name)
@@ -196,16 +199,77 @@ class ShardCache:
                 time.sleep(delay)
                 delay = min(delay * 2, 0.05)
                 continue
-            self.stats.waits += 1
-            return FollowStream(
+            if not own:
+                self.stats.waits += 1
+            follow = FollowStream(
                 fd,
                 url,
                 entry=self._path("data", name),
                 lock_path=self._path("locks", name + ".lock"),
-                stats=self.stats,
+                stats=CacheStats() if own else self.stats,
                 take_over=lambda offset: self._take_over(url, name, options, shard_index, offset),
                 on_close=self._save_stats,
             )
+            follow.table_path = self._table_path(name)
+            return follow
+
+    def download_ahead(
+        self,
+        url: str,
+        options: OpenOptions,
+        *,
+        shard_index: int | None = None,
+        open_store: Callable[[], ByteSource] | None = None,
+        cancel: threading.Event | None = None,
+    ) -> threading.Thread | None:
+        """Start downloading a shard that will be read soon, in a background thread.
+
+        The thread writes the entry at the store's speed, independently of any consumer; the
+        consumer later calls :meth:`open` as usual and reads the growing file (or the finished
+        entry), as every other process on the node does. Nothing starts (None) when the entry
+        is complete, another process is downloading it, the URL is local, or the shard cannot
+        be cached (budget, disk): :meth:`open` then handles it as before. A failure in the
+        thread abandons the partial file; whoever reads it takes the download over.
+        """
+        stats = self.stats
+        if (
+            protocol_of(url) in ("file", "pipe")
+            or self.max_bytes is not None
+            or not stats._committed_one
+            or stats._disk_full
+        ):
+            # Under a byte budget, entries downloaded ahead would compete for room with the
+            # ones in use; before this process has cached anything, or once the disk is full,
+            # a download ahead may not be cacheable: the consumer downloads those itself.
+            return None
+        self._ensure_ready()
+        name = entry_name(url, _endpoint(url, options))
+        if os.path.exists(self._path("data", name)):
+            return None
+        lock = self._claim(name)
+        if lock is None:
+            return None
+        try:
+            stream = self._download(
+                url, name, options, shard_index, lock, skip=0, open_store=open_store
+            )
+        except Exception as exc:  # the consumer opens it again and reports what fails
+            logger.debug("cache: no download ahead of %s: %s", redact_url(url), exc)
+            return None
+        if not isinstance(stream, TeeStream):  # not cacheable: the consumer streams it
+            self.stats.uncached -= 1  # counted when the consumer streams it
+            self._save_stats()
+            stream.close()
+            return None
+        thread = threading.Thread(
+            target=_download_in_background,
+            args=(stream, cancel),
+            name="cloudshards-cache-ahead",
+            daemon=True,
+        )
+        self.stats._ahead.add(name)
+        thread.start()
+        return thread
 
     def _claim(self, name: str) -> DownloadLock | None:
         """Take the download lock of an entry that is not complete; None if it is complete
@@ -229,7 +293,9 @@ class ShardCache:
         discard(stream, offset)
         return stream
 
-    def _open_hit(self, name: str, url: str, shard_index: int | None) -> ShardStream | None:
+    def _open_hit(
+        self, name: str, url: str, shard_index: int | None, *, counted: bool = True
+    ) -> ShardStream | None:
         entry = self._path("data", name)
         try:
             fd = os.open(entry, os.O_RDONLY)
@@ -254,9 +320,10 @@ class ShardCache:
             return None
         with contextlib.suppress(OSError):
             os.utime(entry)  # least-recently-used order
-        self.stats.hits += 1
+        if counted:
+            self.stats.hits += 1
         raw = os.fdopen(fd, "rb", buffering=0)
-        return _CachedFile(raw, url, self, shard_index, self._table_path(name))
+        return _CachedFile(raw, url, self, shard_index, self._table_path(name), counted=counted)
 
     def _download(
         self,
@@ -302,6 +369,7 @@ class ShardCache:
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(self._table_path(name))
                 os.replace(partial, self._path("data", name))
+                self.stats._committed_one = True
             except OSError as exc:
                 logger.warning("cache: cannot commit %s (%s); not cached", redact_url(url), exc)
                 with contextlib.suppress(OSError):
@@ -333,6 +401,7 @@ class ShardCache:
             abandon()
             if exc.errno not in DISK_FULL_ERRNOS:
                 raise CacheError(f"cannot create cache file {partial}: {exc}") from exc
+            stats._disk_full = True
             self._warn_once(f"cache disk full ({exc.strerror}); streaming without caching")
             stats.uncached += 1
             self._save_stats()
@@ -469,6 +538,23 @@ class ShardCache:
         return cache_info(self.directory)
 
 
+def _download_in_background(tee: TeeStream, cancel: threading.Event | None) -> None:
+    """Read ``tee`` to its end (it writes the entry and commits it), unless cancelled or it
+    can no longer be cached (the consumer then streams the shard itself)."""
+    try:
+        while cancel is None or not cancel.is_set():
+            if not tee.read(4 << 20):
+                break
+            if tee.partial_dropped:
+                tee.stats.uncached -= 1  # counted again when the consumer streams it
+                break
+    except Exception as exc:
+        logger.debug("cache: download ahead of %s stopped: %s", redact_url(tee.url), exc)
+    finally:
+        with contextlib.suppress(Exception):
+            tee.close()
+
+
 #: This process's counters per cache directory (see :attr:`ShardCache.stats`).
 _PROCESS_STATS: dict[str, CacheStats] = {}
 os.register_at_fork(after_in_child=_PROCESS_STATS.clear)
@@ -479,11 +565,19 @@ class _CachedFile(ShardStream):
     table (see :mod:`cloudshards._membertable`) lets the reader slice members by offset."""
 
     def __init__(
-        self, raw: Any, url: str, cache: ShardCache, shard_index: int | None, table_path: str
+        self,
+        raw: Any,
+        url: str,
+        cache: ShardCache,
+        shard_index: int | None,
+        table_path: str,
+        *,
+        counted: bool = True,
     ) -> None:
         super().__init__(raw, url, shard_index=shard_index)
         self._cache = cache
         self._table_path = table_path
+        self._counted = counted
 
     def fileno(self) -> int:
         return int(self._raw.fileno())
@@ -502,7 +596,8 @@ class _CachedFile(ShardStream):
 
     def close(self) -> None:
         if not self.closed:
-            self._cache.stats.bytes_disk += self.offset
+            if self._counted:
+                self._cache.stats.bytes_disk += self.offset
             self._cache._save_stats()
         super().close()
 

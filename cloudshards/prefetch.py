@@ -328,9 +328,10 @@ class ShardPrefetcher:
         stats: Counters to update (default: this process's).
         cache: With a node cache, shards are yielded as None and the consumer opens them
             through the cache: a hit, a download it claims itself (streamed through while it
-            is written, as parallel ranged GETs), or following another process's download.
-            Fetching ahead into the cache is not done yet: a claim held for a consumer that is
-            still busy elsewhere could make processes wait on each other.
+            is written, as parallel ranged GETs), or following a download in progress. The
+            shards after the next one are downloaded into the cache ahead, each by a thread
+            that writes at the store's speed whatever its consumer does (so other processes
+            following it never wait for this one); closing the iterator cancels them.
     """
 
     def __init__(
@@ -359,13 +360,18 @@ class ShardPrefetcher:
         pending: deque[tuple[dict[str, Any], cf.Future[Opened | None]]] = deque()
         first_bytes = threading.Event()
         first_submitted = False
+        ahead: list[threading.Thread] = []  # downloads into the cache, joined at the end
         try:
             while True:
                 while len(pending) <= fetch.prefetch:
                     shard = next(self._shards, None)
                     if shard is None:
                         break
-                    if self._fetch_later(shard["url"]):
+                    remote = protocol_of(shard["url"]) not in ("file", "pipe")
+                    if self._cache is not None and remote and pending:
+                        task = executor.submit(self._download_ahead, shard, executor, ahead)
+                        pending.append((shard, task))
+                    elif self._fetch_later(shard["url"]):
                         later: cf.Future[Opened | None] = cf.Future()
                         later.set_result(None)
                         pending.append((shard, later))
@@ -401,6 +407,28 @@ class ShardPrefetcher:
             if self._pool is not None:
                 self._pool.shutdown(wait=True, cancel_futures=True)
                 self._pool = None
+            for thread in ahead:
+                thread.join(fetch.stall_timeout_s)
+
+    def _download_ahead(
+        self,
+        shard: dict[str, Any],
+        executor: cf.ThreadPoolExecutor,
+        threads: list[threading.Thread],
+    ) -> Opened | None:
+        """Start downloading a later shard into the node cache (see ShardCache.download_ahead);
+        the consumer opens it through the cache, so there is no stream to hand on."""
+        assert self._cache is not None
+        thread = self._cache.download_ahead(
+            shard["url"],
+            self._options,
+            shard_index=shard.get("shard_index"),
+            open_store=lambda: self.open_remote(shard, executor),
+            cancel=self._cancel,
+        )
+        if thread is not None:
+            threads.append(thread)
+        return None
 
     def _fetch_later(self, url: str) -> bool:
         """Local files, pipes and cached shards open at consumption time."""

@@ -28,6 +28,17 @@ __all__ = ["main"]
 logger = logging.getLogger(__name__)
 
 
+def _shown(text: str) -> str:
+    """``text`` safe for a terminal: control and format characters (escape sequences, bidi
+    overrides) in a shard's member names are shown escaped, never sent to the terminal."""
+    if text.isprintable():
+        return text
+    return "".join(
+        char if char.isprintable() else char.encode("unicode_escape").decode("ascii")
+        for char in text
+    )
+
+
 def _cmd_ls(args: argparse.Namespace) -> int:
     urls = expand_urls(args.urls)
     total_bytes = 0
@@ -61,11 +72,11 @@ def _cmd_cat(args: argparse.Namespace) -> int:
             for sample in group_members(iter_members(stream, url=url), url=url):
                 if args.n is not None and shown >= args.n:
                     break
-                print(f"{sample['__key__']}  ({redact_url(url)})")
+                print(f"{_shown(sample['__key__'])}  ({_shown(redact_url(url))})")
                 for field, value in sample.items():
                     if field[:2] != "__" and (wanted is None or field in wanted):
                         preview = describe(field, value, args.width)
-                        print(f"  {field:12s} {len(value):>10,d} B  {preview}")
+                        print(f"  {_shown(field):12s} {len(value):>10,d} B  {preview}")
                 shown += 1
     return 0
 

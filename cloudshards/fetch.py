@@ -24,7 +24,7 @@ import fsspec.asyn
 from cloudshards import config
 from cloudshards.errors import CloudShardsError, ConfigError, ShardOpenError
 from cloudshards.io import OpenOptions, ShardStream, discard, map_backend_error, open_shard
-from cloudshards.redact import redact_url
+from cloudshards.redact import raise_redacted, redact_text, redact_url
 from cloudshards.types import ClosingStream
 
 __all__ = [
@@ -252,7 +252,7 @@ def retry(
                         url=url,
                         offset=offset,
                     )
-                raise error from exc
+                raise_redacted(error, exc)
             delay = random.uniform(0, min(options.max_backoff_s, options.backoff_s * 2**attempt))
             attempt += 1
             if stats is not None:
@@ -266,7 +266,7 @@ def retry(
                 offset,
                 delay,
                 type(exc).__name__,
-                redact_url(str(exc))[:200],
+                redact_text(str(exc))[:200],
             )
             if cancel is not None:
                 cancel.wait(delay)

@@ -10,12 +10,12 @@ import logging
 import subprocess
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import IO, Any
 
 from cloudshards import config
 from cloudshards.errors import CloudShardsError, ConfigError, ShardOpenError
-from cloudshards.redact import redact_text, redact_url
+from cloudshards.redact import raise_redacted, redact_text, redact_url
 from cloudshards.urls import PIPE_PREFIX, protocol_of, resolve
 
 __all__ = [
@@ -45,7 +45,8 @@ class OpenOptions:
             corrupt headers); None means ``CLOUDSHARDS_MAX_MEMBER_BYTES`` or 1 GiB.
     """
 
-    storage_options: Mapping[str, Any] | None = None
+    # Never in the repr: it holds credentials.
+    storage_options: Mapping[str, Any] | None = field(default=None, repr=False)
     allow_pipe: bool | None = None
     block_bytes: int = config.DEFAULT_BLOCK_BYTES
     max_member_bytes: int | None = None
@@ -85,7 +86,7 @@ class ShardStream:
         except CloudShardsError:
             raise
         except Exception as exc:
-            raise self._error(exc) from exc
+            raise_redacted(self._error(exc), exc)
         self.offset += len(data)
         return data
 
@@ -100,7 +101,7 @@ class ShardStream:
         except CloudShardsError:
             raise
         except Exception as exc:
-            raise self._error(exc) from exc
+            raise_redacted(self._error(exc), exc)
         self.offset += count
         return count
 
@@ -118,7 +119,7 @@ class ShardStream:
             self._raw.close()
         except Exception as exc:
             # A close failure (e.g. a pipe command's exit status) after a full read is an error.
-            raise self._error(exc) from exc
+            raise_redacted(self._error(exc), exc)
 
     def __enter__(self) -> ShardStream:
         return self
@@ -185,7 +186,7 @@ def shard_size(url: str, options: OpenOptions | None = None) -> int | None:
     try:
         size = fs.size(path)
     except Exception as exc:
-        raise map_backend_error(exc, url, action="cannot stat") from exc
+        raise_redacted(map_backend_error(exc, url, action="cannot stat"), exc)
     return None if size is None else int(size)
 
 
@@ -231,7 +232,7 @@ def _open_fsspec(url: str, options: OpenOptions, shard_index: int | None) -> IO[
             path, "rb", block_size=options.block_bytes, cache_type="none"
         )
     except Exception as exc:
-        raise map_backend_error(exc, url, shard_index=shard_index) from exc
+        raise_redacted(map_backend_error(exc, url, shard_index=shard_index), exc)
 
 
 class _PipeReader:
@@ -272,8 +273,11 @@ class _PipeReader:
 
 def _open_pipe(url: str, options: OpenOptions) -> IO[bytes]:
     if not options.pipe_allowed():
+        # Only the program's name: the rest of a command line may hold a token or a password.
+        program = url[len(PIPE_PREFIX) :].split(maxsplit=1)[:1] or [""]
         raise ConfigError(
-            f"{redact_url(url)[:80]!r}: pipe: URLs run shell commands and are off by default; "
+            f"'pipe:{redact_url(program[0])[:40]} ...': pipe: URLs run shell commands and are "
+            "off by default; "
             "pass allow_pipe=True or set CLOUDSHARDS_ALLOW_PIPE=1 to allow them"
         )
     return _PipeReader(url[len(PIPE_PREFIX) :])  # type: ignore[return-value]
@@ -316,7 +320,7 @@ def open_output(url: str, path: str, storage_options: Mapping[str, Any] | None =
     try:
         return fs.open(path, "wb")
     except Exception as exc:
-        raise map_backend_error(exc, url, action="cannot write") from exc
+        raise_redacted(map_backend_error(exc, url, action="cannot write"), exc)
 
 
 def discard(stream: Any, count: int) -> int:

@@ -1,36 +1,282 @@
-"""Redaction of credentials and signed-URL query strings from anything we print or log."""
+"""Redaction of credentials and signed-URL query strings from anything we print or log.
+
+Three places a secret could leak, each handled here once:
+- text: :func:`redact_url` / :func:`redact_text` for the messages cloudshards writes;
+- exception chains: :func:`scrubbed` replaces a backend's exception (whose text and attributes
+  hold the raw URL) by a :class:`RedactedError` copy before it becomes a ``__cause__``;
+- the storage backends' own loggers: :func:`install_log_redaction` puts a
+  :class:`RedactingFilter` on fsspec's, s3fs's, gcsfs's, aiohttp's, botocore's ... loggers.
+"""
 
 from __future__ import annotations
 
+import logging
 import re
+import threading
+import traceback
+from collections.abc import Callable
+from typing import Any, NoReturn
 from urllib.parse import urlsplit, urlunsplit
 
-__all__ = ["redact_text", "redact_url"]
+__all__ = [
+    "BACKEND_LOGGERS",
+    "RedactedError",
+    "RedactingFilter",
+    "install_log_redaction",
+    "raise_redacted",
+    "redact_text",
+    "redact_url",
+    "scrubbed",
+]
 
 _URL_START = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 _URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>]+")
+# "user:" at the start of the authority that is not "host:port".
+_USER_COLON = re.compile(r"[^/?#@:]*:")
+_HOST_PORT = re.compile(r"[^/?#@:]*:\d*(?:[/?#]|$)")
+_MASK = "<redacted>"
+
+# Header and field names whose values are secrets wherever they appear in free text: HTTP
+# headers in a backend's debug log (botocore prints the signed request, Authorization included;
+# its canonical request lists x-amz-security-token), credential fields in a repr.
+_MASKED_FIELDS = (
+    r"authorization|proxy-authorization|cookie|set-cookie|x-amz-security-token|x-amz-signature"
+    r"|x-amz-credential|x-goog-signature|x-goog-credential|x-api-key|aws_secret_access_key"
+    r"|aws_session_token|secret_access_key|session_token|secret|password|passwd"
+    r"|access_token|refresh_token|id_token|client_secret|private_key|sig"
+)
+# name, separator, then a quoted value (masked to its closing quote) ...
+_QUOTED_SECRET = re.compile(rf"(?i)(?<![\w-])({_MASKED_FIELDS})(['\"]?\s*[:=]\s*b?)(['\"])(.*?)\3")
+# ... or an unquoted one (masked to the end of the line, or the next field of a query string).
+_BARE_SECRET = re.compile(rf"(?i)(?<![\w-])({_MASKED_FIELDS})(\s*[:=]\s*)(?!['\"<])([^\r\n&]+)")
 
 
 def redact_url(url: str) -> str:
     """Return ``url`` without user info (``user:secret@``) and with any query string masked.
 
     Signed URLs (S3 presigned, GCS signed) carry their secrets in the query string, so the
-    whole query is replaced by ``?<redacted>``; the fragment is dropped for the same reason.
+    whole query is replaced by ``?<redacted>``; the fragment is dropped for the same reason. A
+    password holding an unencoded ``/``, ``#``, ``?`` or ``@`` is still masked: when the text
+    after ``scheme://`` starts like ``user:`` (not ``host:port``), everything up to the last
+    ``@`` is treated as user info (when in doubt, hide more).
     """
     if _URL_START.match(url) is None:
         # Not a URL itself (a local path or a pipe: command): redact URLs embedded in it.
         return redact_text(url)
+    scheme, rest = url.split("://", 1)
+    userinfo = ""
+    if "@" in rest and _USER_COLON.match(rest) and not _HOST_PORT.match(rest):
+        userinfo = _MASK + "@"
+        rest = rest[rest.rindex("@") + 1 :]
     try:
-        parts = urlsplit(url)
+        parts = urlsplit(f"{scheme}://{rest}")
     except ValueError:
-        return "<unparseable url>"
+        return f"{scheme}://{_MASK}"
     netloc = parts.netloc
     if "@" in netloc:
-        netloc = "<redacted>@" + netloc.rsplit("@", 1)[1]
-    query = "<redacted>" if parts.query else ""
+        netloc = _MASK + "@" + netloc.rsplit("@", 1)[1]
+    elif userinfo:
+        netloc = userinfo + netloc
+    query = _MASK if parts.query else ""
     return urlunsplit((parts.scheme, netloc, parts.path, query, ""))
 
 
 def redact_text(text: str) -> str:
-    """Redact every URL that appears inside free text (e.g. a backend's error message)."""
-    return _URL_IN_TEXT.sub(lambda m: redact_url(m.group(0)), text)
+    """Redact secrets inside free text (a backend's error message, a debug log line).
+
+    Every URL is passed through :func:`redact_url`, and the values of secret headers and
+    fields (``Authorization: ...``, ``'x-amz-security-token': '...'``, ``password=...``) are
+    masked. Everything else is left as it was.
+    """
+    text = _URL_IN_TEXT.sub(lambda m: redact_url(m.group(0)), text)
+    text = _QUOTED_SECRET.sub(
+        lambda m: f"{m.group(1)}{m.group(2)}{m.group(3)}{_MASK}{m.group(3)}", text
+    )
+    return _BARE_SECRET.sub(lambda m: f"{m.group(1)}{m.group(2)}{_MASK}", text)
+
+
+class RedactedError(Exception):
+    """A backend's exception with every secret removed, kept as the ``__cause__`` of ours.
+
+    The backend's own exception object holds the raw URL (in its text, and in attributes such
+    as aiohttp's ``request_info``), and a chained cause is printed by every traceback, by
+    DataLoader's re-raise from a worker and by log collectors. This copy keeps what helps
+    debugging (the type's name, the redacted message, the errno or HTTP status and the
+    traceback's frames) and nothing else.
+
+    Attributes:
+        type_name: The original exception's qualified type name, e.g.
+            ``"aiohttp.client_exceptions.ClientResponseError"``.
+        errno: The original ``errno``, when it had one.
+        status: The original HTTP status (``status`` or ``code``), when it had one.
+    """
+
+    def __init__(
+        self, type_name: str, message: str, *, errno: int | None = None, status: int | None = None
+    ) -> None:
+        self.type_name = type_name
+        self.errno = errno
+        self.status = status
+        super().__init__(f"{type_name}: {message}" if message else type_name)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Picklable across DataLoader worker boundaries.
+        return (_rebuild_redacted, (self.type_name, str(self), self.errno, self.status))
+
+
+def _rebuild_redacted(
+    type_name: str, text: str, errno: int | None, status: int | None
+) -> RedactedError:
+    error = RedactedError(type_name, "", errno=errno, status=status)
+    error.args = (text,)
+    return error
+
+
+_MAX_CHAIN = 16
+
+
+def scrubbed(exc: BaseException | None, _depth: int = 0) -> RedactedError | None:
+    """Return a :class:`RedactedError` copy of ``exc`` and of its whole cause/context chain.
+
+    Use it wherever a foreign exception would become the cause of ours:
+    ``raise ShardOpenError(...) from scrubbed(exc)``. The copy keeps ``exc``'s traceback
+    (frames and source lines, no values).
+    """
+    if exc is None or _depth >= _MAX_CHAIN:
+        return None
+    if isinstance(exc, RedactedError):
+        return exc
+    kind = type(exc)
+    module = kind.__module__
+    type_name = kind.__qualname__ if module == "builtins" else f"{module}.{kind.__qualname__}"
+    try:
+        message = redact_text(str(exc))
+    except Exception:  # a broken __str__ of a foreign exception must not hide ours
+        message = "<unprintable>"
+    errno = getattr(exc, "errno", None)
+    status = getattr(exc, "status", None)
+    if status is None:
+        status = getattr(exc, "code", None)
+    copy = RedactedError(
+        type_name,
+        message,
+        errno=errno if isinstance(errno, int) else None,
+        status=status if isinstance(status, int) else None,
+    )
+    copy.__traceback__ = exc.__traceback__
+    copy.__cause__ = scrubbed(exc.__cause__, _depth + 1)
+    if not exc.__suppress_context__:
+        copy.__context__ = scrubbed(exc.__context__, _depth + 1)
+    copy.__suppress_context__ = exc.__suppress_context__
+    return copy
+
+
+#: The loggers of the storage stacks cloudshards drives; their children are covered too.
+BACKEND_LOGGERS = (
+    "fsspec",
+    "s3fs",
+    "gcsfs",
+    "aiohttp",
+    "aiobotocore",
+    "botocore",
+    "boto3",
+    "urllib3",
+    "requests",
+    "google",
+    "google_auth_httplib2",
+    "obstore",
+)
+
+
+class RedactingFilter(logging.Filter):
+    """Redact URLs and secret headers in the records of the loggers it is installed on.
+
+    It only rewrites a record whose text holds a secret (the message is then stored already
+    formatted); every record still passes, so nothing else is hidden.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        redact_record(record)
+        return True
+
+
+def redact_record(record: logging.LogRecord) -> None:
+    """Rewrite ``record`` in place when its message, traceback or stack holds a secret."""
+    try:
+        message = record.getMessage()
+    except Exception:  # a broken record is the logging module's business, not ours
+        return
+    clean = redact_text(message)
+    if clean != message:
+        record.msg = clean
+        record.args = None
+    if record.exc_info and record.exc_info[1] is not None and not record.exc_text:
+        # Formatter.format uses a record's exc_text when set: give it the redacted one.
+        text = "".join(traceback.format_exception(*record.exc_info)).rstrip("\n")
+        record.exc_text = redact_text(text)
+    if record.stack_info:
+        record.stack_info = redact_text(record.stack_info)
+
+
+_FILTER = RedactingFilter()
+_installed: set[str] = set()
+_install_lock = threading.Lock()
+_seen_loggers = -1
+
+
+def _is_backend(name: str) -> bool:
+    return name.split(".", 1)[0] in BACKEND_LOGGERS
+
+
+def _redacting_factory(
+    previous: Callable[..., logging.LogRecord],
+) -> Callable[..., logging.LogRecord]:
+    def make_record(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = previous(*args, **kwargs)
+        if _is_backend(record.name):
+            redact_record(record)
+        return record
+
+    make_record._cloudshards_redacting = True  # type: ignore[attr-defined]
+    return make_record
+
+
+def install_log_redaction() -> None:
+    """Redact what the storage backends log (idempotent, cheap; cloudshards calls it itself).
+
+    Two layers, because a logger's filter sees only the records logged on that very logger
+    (not its children's, nor those of loggers created later, as botocore creates some on its
+    first request): the log record factory, wrapped to redact records of
+    :data:`BACKEND_LOGGERS` and their children whatever logger made them, and a
+    :class:`RedactingFilter` on every such logger that exists, in case another library later
+    replaces the factory without chaining ours. Records of any other logger are untouched.
+    """
+    global _seen_loggers
+    manager = logging.Logger.manager
+    with _install_lock:
+        factory = logging.getLogRecordFactory()
+        if not getattr(factory, "_cloudshards_redacting", False):
+            logging.setLogRecordFactory(_redacting_factory(factory))
+        if len(manager.loggerDict) == _seen_loggers:
+            return
+        names = [name for name in list(manager.loggerDict) if _is_backend(name)]
+        for name in (*BACKEND_LOGGERS, *names):
+            if name not in _installed:
+                logging.getLogger(name).addFilter(_FILTER)
+                _installed.add(name)
+        _seen_loggers = len(manager.loggerDict)
+
+
+def raise_redacted(error: BaseException, cause: BaseException) -> NoReturn:
+    """Raise ``error`` from a redacted copy of ``cause``, leaving no raw backend error reachable.
+
+    ``raise error from scrubbed(cause)`` alone hides the raw exception from printers, but
+    still stores it as ``error.__context__``; this also drops that reference, so code that
+    walks the chain by hand (a log collector, a test) finds no secret either.
+    """
+    if error is cause:
+        raise error
+    try:
+        raise error from scrubbed(cause)
+    finally:
+        error.__context__ = None

@@ -19,7 +19,7 @@ import fsspec.core
 from fsspec.registry import known_implementations
 
 from cloudshards.errors import ConfigError
-from cloudshards.redact import redact_url
+from cloudshards.redact import install_log_redaction, raise_redacted, redact_text, redact_url
 
 __all__ = [
     "PIPE_PREFIX",
@@ -91,7 +91,9 @@ def _glob(url: str, storage_options: Mapping[str, Any] | None) -> list[str]:
     except FileNotFoundError:
         matches = []
     except Exception as exc:
-        raise ConfigError(f"cannot expand glob {redact_url(url)}: {exc}") from exc
+        raise_redacted(
+            ConfigError(f"cannot expand glob {redact_url(url)}: {redact_text(str(exc))}"), exc
+        )
     protocol = protocol_of(url)
     if protocol == "file":
         return [str(m) for m in matches]
@@ -205,6 +207,8 @@ def _filesystem(protocol: str, options: dict[str, Any]) -> fsspec.AbstractFileSy
         if fs is None:
             fs = _new_filesystem(protocol, options)
             _fs_cache[key] = fs
+            # The backend's modules, and so its loggers, exist now: redact what they log.
+            install_log_redaction()
         return fs
 
 
@@ -230,9 +234,13 @@ def _new_filesystem(protocol: str, options: dict[str, Any]) -> fsspec.AbstractFi
                 f"unknown protocol {protocol!r}; fsspec knows "
                 f"{', '.join(sorted(set(known_implementations) | {'file'}))}"
             ) from exc
-        raise ConfigError(f"cannot set up {protocol}:// filesystem: {exc}") from exc
+        raise_redacted(
+            ConfigError(f"cannot set up {protocol}:// filesystem: {redact_text(str(exc))}"), exc
+        )
     except TypeError as exc:
-        raise ConfigError(f"bad storage_options for {protocol}://: {exc}") from exc
+        raise_redacted(
+            ConfigError(f"bad storage_options for {protocol}://: {redact_text(str(exc))}"), exc
+        )
 
 
 def _missing_backend(protocol: str, exc: ImportError) -> ConfigError:
@@ -262,7 +270,9 @@ def resolve(
     if "::" in url:
         # fsspec URL chains carry their own option routing; leave them to fsspec entirely.
         try:
-            return fsspec.core.url_to_fs(url, **options_for(protocol, storage_options))  # type: ignore[no-any-return]
+            chained = fsspec.core.url_to_fs(url, **options_for(protocol, storage_options))
+            install_log_redaction()
+            return chained  # type: ignore[no-any-return]
         except ImportError as exc:
             raise _missing_backend(protocol, exc) from exc
     options = options_for(protocol, storage_options)

@@ -19,7 +19,7 @@ from typing import Any, BinaryIO, Literal, cast
 from cloudshards.encoders import make_encoder
 from cloudshards.errors import CloudShardsError, ConfigError
 from cloudshards.io import map_backend_error, open_output
-from cloudshards.redact import redact_url
+from cloudshards.redact import raise_redacted, redact_url
 from cloudshards.types import Sample
 from cloudshards.urls import protocol_of, resolve
 
@@ -54,7 +54,7 @@ class _AtomicOutput:
             try:
                 fd = os.open(self._temp, flags, 0o666)
             except OSError as exc:
-                raise map_backend_error(exc, url, action="cannot write") from exc
+                raise_redacted(map_backend_error(exc, url, action="cannot write"), exc)
             self._file: Any = os.fdopen(fd, "wb", buffering=1 << 20)
         elif self._protocol in _UPLOADS:
             self._temp = None
@@ -67,7 +67,7 @@ class _AtomicOutput:
         try:
             return int(self._file.write(data))
         except Exception as exc:
-            raise map_backend_error(exc, self.url, action="write failed") from exc
+            raise_redacted(map_backend_error(exc, self.url, action="write failed"), exc)
 
     def flush(self) -> None:
         """Nothing to do: data reaches the store as the buffers fill, and on commit."""
@@ -85,7 +85,7 @@ class _AtomicOutput:
         except BaseException as exc:
             self.abort()
             if isinstance(exc, Exception) and not isinstance(exc, CloudShardsError):
-                raise map_backend_error(exc, self.url, action="cannot commit") from exc
+                raise_redacted(map_backend_error(exc, self.url, action="cannot commit"), exc)
             raise
         self.done = True
         logger.debug("committed %s", redact_url(self.url))

@@ -1,0 +1,231 @@
+"""Secrets never printed: URL redaction, exception chains, backend log records, the retry
+warning, the ``pipe:`` refusal, option reprs, and member names shown by the CLI."""
+
+from __future__ import annotations
+
+import io
+import logging
+import pickle
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cloudshards import fetch
+from cloudshards.cli import main
+from cloudshards.errors import ConfigError, ShardOpenError
+from cloudshards.fetch import FetchOptions
+from cloudshards.io import OpenOptions, map_backend_error, open_shard
+from cloudshards.redact import (
+    RedactedError,
+    install_log_redaction,
+    raise_redacted,
+    redact_text,
+    redact_url,
+    scrubbed,
+)
+
+SECRET = "hunter2"
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        # A password with an unencoded "/", "#", "?" or "@" (not a valid URL, but typed by users).
+        ("http://alice:hun/ter2@host/x.tar", "http://<redacted>@host/x.tar"),
+        ("http://alice:hun#ter2@host/x.tar", "http://<redacted>@host/x.tar"),
+        ("http://alice:hun?ter2@host/x.tar", "http://<redacted>@host/x.tar"),
+        ("http://alice:hu@n/ter2@host/x.tar?sig=1", "http://<redacted>@host/x.tar?<redacted>"),
+        ("https://alice:hunter2@host/a.tar", "https://<redacted>@host/a.tar"),
+        ("https://hunter2@host/a.tar", "https://<redacted>@host/a.tar"),
+        # Nothing secret: left alone, "@" in a path and host:port included.
+        ("http://host:8080/a@2x.tar", "http://host:8080/a@2x.tar"),
+        ("s3://bucket/user@example.com/a.tar", "s3://bucket/user@example.com/a.tar"),
+        ("/data/a:b@c.tar", "/data/a:b@c.tar"),
+    ],
+)
+def test_redact_url(url: str, expected: str) -> None:
+    assert redact_url(url) == expected
+
+
+def test_redact_text_masks_secret_headers_and_nothing_else() -> None:
+    logged = (
+        "Sending http request: <AWSPreparedRequest headers={'Authorization': "
+        "b'AWS4-HMAC-SHA256 Credential=AKIAEXAMPLE/20261124/us-east-1/s3/aws4_request, "
+        f"Signature={SECRET}', 'X-Amz-Security-Token': b'{SECRET}', 'Range': 'bytes=0-9'}}>"
+    )
+    clean = redact_text(logged)
+    assert SECRET not in clean
+    assert "AKIAEXAMPLE" not in clean
+    assert "'Range': 'bytes=0-9'" in clean
+    canonical = f"GET\n/b/k.tar\n\nhost:127.0.0.1\nx-amz-security-token:{SECRET}\n"
+    assert redact_text(canonical) == (
+        "GET\n/b/k.tar\n\nhost:127.0.0.1\nx-amz-security-token:<redacted>\n"
+    )
+    assert redact_text("Authorization: Bearer abc.def") == "Authorization: <redacted>"
+    plain = "member 'a.jpg' at offset 512: key=value (bucket b)"
+    assert redact_text(plain) == plain
+
+
+def backend_failure() -> OSError:
+    """A backend error chained the way aiohttp's are, its URL holding a password."""
+    try:
+        try:
+            raise ConnectionResetError(f"reset by http://alice:{SECRET}@host/x.tar?sig=s")
+        except ConnectionResetError as inner:
+            raise OSError(f"403 for url http://alice:{SECRET}@host/x.tar") from inner
+    except OSError as exc:
+        return exc
+
+
+def test_scrubbed_copies_the_whole_chain_without_secrets() -> None:
+    original = backend_failure()
+    copy = scrubbed(original)
+    assert isinstance(copy, RedactedError)
+    assert copy.type_name == "OSError"
+    assert "403 for url http://<redacted>@host/x.tar" in str(copy)
+    assert copy.__traceback__ is original.__traceback__
+    assert isinstance(copy.__cause__, RedactedError)
+    assert copy.__cause__.type_name == "ConnectionResetError"
+    assert SECRET not in "".join(traceback.format_exception(copy))
+    clone = pickle.loads(pickle.dumps(copy))
+    assert (str(clone), clone.type_name) == (str(copy), copy.type_name)
+
+
+def test_raised_error_leaves_no_raw_exception_reachable() -> None:
+    url = f"http://alice:{SECRET}@host/x.tar?X-Amz-Signature={SECRET}"
+
+    def fail() -> None:
+        try:
+            raise backend_failure()
+        except OSError as exc:
+            raise_redacted(map_backend_error(exc, url), exc)
+
+    with pytest.raises(ShardOpenError) as info:
+        fail()
+    error = info.value
+    assert error.__context__ is None
+    assert error.__suppress_context__
+    text = "".join(traceback.format_exception(error))
+    assert "403 for url http://<redacted>@host/x.tar" in text  # the cause is still shown
+    seen, todo = [], [error]
+    while todo:
+        exc = todo.pop()
+        seen.append(exc)
+        assert SECRET not in f"{exc} {exc!r} {vars(exc)}"
+        todo += [e for e in (exc.__cause__, exc.__context__) if e is not None]
+    assert len(seen) == 3  # ours, the OSError's copy, the reset's copy
+    assert SECRET not in text
+
+
+@pytest.fixture
+def backend_log() -> Iterator[io.StringIO]:
+    text = io.StringIO()
+    handler = logging.StreamHandler(text)
+    handler.setFormatter(logging.Formatter("%(name)s %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    old = root.level
+    root.setLevel(logging.DEBUG)
+    install_log_redaction()
+    try:
+        yield text
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(old)
+
+
+@pytest.mark.parametrize("name", ["fsspec.http", "s3fs", "gcsfs", "aiohttp.client", "botocore"])
+def test_backend_loggers_are_redacted(backend_log: io.StringIO, name: str) -> None:
+    url = f"https://alice:{SECRET}@host/x.tar?X-Goog-Signature={SECRET}"
+    log = logging.getLogger(name)
+    log.debug(url)
+    log.debug("GET %s", url)
+    try:
+        raise backend_failure()
+    except OSError:
+        log.debug("", exc_info=True)
+    text = backend_log.getvalue()
+    assert SECRET not in text
+    assert text.count("https://<redacted>@host/x.tar?<redacted>") == 2
+    assert "403 for url http://<redacted>@host/x.tar" in text  # the traceback is still logged
+
+
+def test_new_backend_child_loggers_are_covered(backend_log: io.StringIO) -> None:
+    log = logging.getLogger("s3fs.cloudshards_test_child")  # created after the first install
+    install_log_redaction()
+    log.debug("https://alice:%s@host/x.tar", SECRET)
+    assert SECRET not in backend_log.getvalue()
+    assert "https://<redacted>@host/x.tar" in backend_log.getvalue()
+
+
+def test_user_loggers_are_not_touched(backend_log: io.StringIO) -> None:
+    logging.getLogger("my_training").debug("https://alice:%s@host/x.tar", SECRET)
+    assert f"https://alice:{SECRET}@host/x.tar" in backend_log.getvalue()
+
+
+def test_retry_warning_logs_no_secret(caplog: pytest.LogCaptureFixture) -> None:
+    url = f"https://alice:{SECRET}@host/x.tar?X-Amz-Signature={SECRET}"
+    calls = []
+
+    def flaky() -> bytes:
+        calls.append(1)
+        if len(calls) == 1:
+            raise ConnectionResetError(f"connection reset reading {url}")
+        return b"ok"
+
+    options = FetchOptions(retries=2, backoff_s=0.0, max_backoff_s=0.0)
+    with caplog.at_level(logging.WARNING, logger="cloudshards.fetch"):
+        assert fetch.retry(flaky, url=url, offset=0, options=options) == b"ok"
+    warnings = [r.getMessage() for r in caplog.records if r.name == "cloudshards.fetch"]
+    assert len(warnings) == 1
+    assert "retry 1/2" in warnings[0]
+    assert "https://<redacted>@host/x.tar?<redacted>" in warnings[0]
+    assert SECRET not in warnings[0]
+
+
+def test_pipe_refusal_does_not_echo_the_command() -> None:
+    with pytest.raises(ConfigError) as info:
+        open_shard(f"pipe:curl -s -H 'Authorization: Bearer {SECRET}' https://host/x.tar")
+    assert SECRET not in str(info.value)
+    assert "pipe:curl" in str(info.value)
+    assert "allow_pipe=True" in str(info.value)
+
+
+def test_options_repr_hides_storage_options() -> None:
+    options = OpenOptions(storage_options={"s3": {"key": "AKIAEXAMPLE", "secret": SECRET}})
+    assert SECRET not in repr(options)
+    assert "AKIAEXAMPLE" not in repr(options)
+
+
+def test_cli_escapes_control_characters_in_member_names(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import tarfile
+
+    shard = tmp_path / "evil.tar"
+    with tarfile.open(shard, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for name in ("a\x1b]0;pwned\x07\x1b[2J.txt", "b\u202egpj.exe.txt"):
+            info = tarfile.TarInfo(name)
+            info.size = 2
+            tar.addfile(info, io.BytesIO(b"hi"))
+    assert main(["cat", str(shard)]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out
+    assert "\x07" not in out
+    assert "\u202e" not in out
+    assert "a\\x1b]0;pwned\\x07\\x1b[2J" in out
+    assert "b\\u202egpj" in out
+
+
+def test_open_failure_chain_is_clean_end_to_end(tmp_path: Path) -> None:
+    """A real backend failure (memory:// object missing) keeps a redacted, debuggable cause."""
+    url = f"memory://bucket/missing-{tmp_path.name}.tar"
+    with pytest.raises(ShardOpenError) as info:
+        open_shard(url)
+    cause: Any = info.value.__cause__
+    assert isinstance(cause, RedactedError)
+    assert cause.type_name == "FileNotFoundError"
+    assert info.value.__context__ is None

@@ -4,6 +4,7 @@ duplicate ("drop") or at most one repeat each ("pad"), whatever the shard sizes.
 from __future__ import annotations
 
 import logging
+import os
 import random
 from collections import Counter
 from pathlib import Path
@@ -164,6 +165,36 @@ def test_counts_come_from_an_index_a_mapping_or_one_counting_pass(
         5,
         3,
     ]
+
+
+def write_members(path: Path, names: list[str], size: int) -> None:
+    import io
+    import tarfile
+
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for name in names:
+            info = tarfile.TarInfo(name)
+            info.size = size
+            tar.addfile(info, io.BytesIO(b"x" * size))
+
+
+@pytest.mark.parametrize("same_size", [False, True])
+def test_a_rewritten_shard_is_recounted(tmp_path: Path, same_size: bool) -> None:
+    """The node remembers counts per shard *version*: a shard rewritten in place (a new size,
+    or the same size and a new mtime) is counted again, so its new samples are all read."""
+    shard = tmp_path / "shard-000000.tar"
+    write_members(shard, ["a.bin"], 2048)
+    assert resolve_sample_counts([str(shard)]) == [1]
+    before = shard.stat()
+    if same_size:
+        # Four 512-byte members instead of one of 2048: tarfile pads both to one 10 KiB record.
+        write_members(shard, ["a.bin", "b.bin", "c.bin", "d.bin"], 512)
+        assert shard.stat().st_size == before.st_size
+    else:
+        write_members(shard, [f"{k}.bin" for k in "abcd"], 4096)
+        assert shard.stat().st_size != before.st_size
+    os.utime(shard, ns=(before.st_atime_ns, before.st_mtime_ns + 1_000_000_000))
+    assert resolve_sample_counts([str(shard)]) == [4]
 
 
 def test_a_shard_shorter_than_its_count_still_keeps_ranks_equal(

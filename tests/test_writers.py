@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import av  # a declared test dependency: missing, these tests must fail, not skip
 import fsspec
 import numpy as np
 import pytest
@@ -28,8 +29,6 @@ import cloudshards
 from cloudshards import ShardWriter, TarWriter, torch_audio, torch_video
 from cloudshards.decoders import allow_unsafe_decoders
 from cloudshards.errors import ConfigError
-
-av = pytest.importorskip("av")
 
 SIZE = (24, 32)  # H, W: even, for yuv420p video
 

@@ -18,7 +18,7 @@ from cloudshards._index_format import DatasetIndex, parent_url, read_index, stri
 from cloudshards.errors import ConfigError, ShardOpenError
 from cloudshards.fetch import FetchOptions, retry
 from cloudshards.io import map_backend_error
-from cloudshards.redact import redact_url
+from cloudshards.redact import caused_by, redact_url
 from cloudshards.urls import protocol_of, resolve
 
 __all__ = ["default_index_url", "load_index", "read_bytes", "write_index"]
@@ -78,7 +78,7 @@ def read_bytes(url: str, storage_options: Mapping[str, Any] | None) -> bytes | N
     try:
         return retry(call, url=url, offset=0, options=FetchOptions.from_env())
     except ShardOpenError as exc:
-        if isinstance(exc.__cause__, FileNotFoundError):
+        if caused_by(exc, FileNotFoundError):
             return None
         raise
 

@@ -24,7 +24,7 @@ import fsspec.asyn
 from cloudshards import config
 from cloudshards.errors import CloudShardsError, ConfigError, ShardOpenError
 from cloudshards.io import OpenOptions, ShardStream, discard, map_backend_error, open_shard
-from cloudshards.redact import raise_redacted, redact_text, redact_url
+from cloudshards.redact import RedactedError, raise_redacted, redact_text, redact_url
 from cloudshards.types import ClosingStream
 
 __all__ = [
@@ -206,13 +206,24 @@ _AUTH_OR_CLIENT = (
 
 
 def is_retryable(exc: BaseException) -> bool:
-    """True for transient failures: resets, timeouts, 5xx, 429/SlowDown, short bodies."""
-    if isinstance(exc, (*_NOT_RETRYABLE, RangeIgnoredError)):
+    """True for transient failures: resets, timeouts, 5xx, 429/SlowDown, short bodies.
+
+    A :class:`~cloudshards.redact.RedactedError` (a backend's error, kept redacted as the
+    cause of ours) is judged by the kind of error it copies.
+    """
+    if isinstance(exc, ShardOpenError) and exc.__cause__ is not None:
+        return is_retryable(exc.__cause__)  # ours, wrapping the backend's: judge the backend's
+    kind = type(exc)
+    if isinstance(exc, RedactedError):
+        if exc.original_type is None:
+            return False
+        kind = exc.original_type
+    if issubclass(kind, (*_NOT_RETRYABLE, RangeIgnoredError)):
         return False
     status = getattr(exc, "status", None) or getattr(exc, "code", None)
     if isinstance(status, int) and 400 <= status < 500 and status not in (408, 429):
         return False
-    text = f"{type(exc).__name__} {exc}"
+    text = f"{kind.__name__} {exc}"
     return not any(marker in text for marker in _AUTH_OR_CLIENT)
 
 
@@ -359,9 +370,8 @@ class ResumableStream(ClosingStream):
             try:
                 return self._stream.read(size)
             except Exception as exc:
-                cause = exc.__cause__ if isinstance(exc, ShardOpenError) and exc.__cause__ else exc
-                if not is_retryable(cause):
-                    raise cause from None
+                if not is_retryable(exc):
+                    raise
                 self._reopen()
                 raise
 

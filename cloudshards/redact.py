@@ -22,6 +22,7 @@ __all__ = [
     "BACKEND_LOGGERS",
     "RedactedError",
     "RedactingFilter",
+    "caused_by",
     "install_log_redaction",
     "raise_redacted",
     "redact_text",
@@ -107,14 +108,23 @@ class RedactedError(Exception):
     Attributes:
         type_name: The original exception's qualified type name, e.g.
             ``"aiohttp.client_exceptions.ClientResponseError"``.
+        original_type: The original exception's class (a class holds no secret), so code can
+            still ask what kind of failure it was: see :func:`caused_by`. None after pickling.
         errno: The original ``errno``, when it had one.
         status: The original HTTP status (``status`` or ``code``), when it had one.
     """
 
     def __init__(
-        self, type_name: str, message: str, *, errno: int | None = None, status: int | None = None
+        self,
+        type_name: str,
+        message: str,
+        *,
+        errno: int | None = None,
+        status: int | None = None,
+        original_type: type[BaseException] | None = None,
     ) -> None:
         self.type_name = type_name
+        self.original_type = original_type
         self.errno = errno
         self.status = status
         super().__init__(f"{type_name}: {message}" if message else type_name)
@@ -162,6 +172,7 @@ def scrubbed(exc: BaseException | None, _depth: int = 0) -> RedactedError | None
         message,
         errno=errno if isinstance(errno, int) else None,
         status=status if isinstance(status, int) else None,
+        original_type=kind,
     )
     copy.__traceback__ = exc.__traceback__
     copy.__cause__ = scrubbed(exc.__cause__, _depth + 1)
@@ -169,6 +180,18 @@ def scrubbed(exc: BaseException | None, _depth: int = 0) -> RedactedError | None
         copy.__context__ = scrubbed(exc.__context__, _depth + 1)
     copy.__suppress_context__ = exc.__suppress_context__
     return copy
+
+
+def caused_by(error: BaseException, *kinds: type[BaseException]) -> bool:
+    """Whether ``error``'s cause is one of ``kinds`` (an instance, or a redacted copy of one).
+
+    What to ask of an error raised through :func:`raise_redacted`, instead of
+    ``isinstance(error.__cause__, ...)``, which only ever sees a :class:`RedactedError`.
+    """
+    cause = error.__cause__
+    if isinstance(cause, RedactedError):
+        return cause.original_type is not None and issubclass(cause.original_type, kinds)
+    return isinstance(cause, kinds)
 
 
 #: The loggers of the storage stacks cloudshards drives; their children are covered too.

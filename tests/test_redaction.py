@@ -229,3 +229,35 @@ def test_open_failure_chain_is_clean_end_to_end(tmp_path: Path) -> None:
     assert isinstance(cause, RedactedError)
     assert cause.type_name == "FileNotFoundError"
     assert info.value.__context__ is None
+
+
+def test_redacted_causes_keep_their_kind_for_retry_decisions() -> None:
+    """Permanent failures stay permanent although the cause is now a redacted copy: a missing
+    object is asked for once, not retried; a reset is retried."""
+    from cloudshards.fetch import is_retryable
+    from cloudshards.redact import caused_by
+
+    missing = map_backend_error(FileNotFoundError("gone"), "s3://b/k.tar")
+    missing.__cause__ = scrubbed(FileNotFoundError("gone"))
+    assert caused_by(missing, FileNotFoundError)
+    assert not caused_by(missing, PermissionError)
+    assert not is_retryable(missing)
+    reset = map_backend_error(ConnectionResetError("reset"), "s3://b/k.tar")
+    reset.__cause__ = scrubbed(ConnectionResetError("reset"))
+    assert is_retryable(reset)
+    clone = pickle.loads(pickle.dumps(missing.__cause__))
+    assert clone.original_type is None  # what remains: type name, text, errno and status
+    assert clone.type_name == "FileNotFoundError"
+
+    calls = []
+
+    def get() -> bytes:
+        calls.append(1)
+        try:
+            raise FileNotFoundError("no such key")
+        except FileNotFoundError as exc:
+            raise_redacted(map_backend_error(exc, "s3://b/k.tar"), exc)
+
+    with pytest.raises(ShardOpenError, match="object not found"):
+        fetch.retry(get, url="s3://b/k.tar", offset=0, options=FetchOptions(retries=3))
+    assert len(calls) == 1

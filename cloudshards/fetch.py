@@ -41,6 +41,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+# Backoff jitter from the OS: never the global ``random`` module, whose sequence the user's
+# augmentations own, and no seeded state that forked DataLoader workers would share.
+_jitter = random.SystemRandom()
+
 T = TypeVar("T")
 
 
@@ -264,7 +268,7 @@ def retry(
                         offset=offset,
                     )
                 raise_redacted(error, exc)
-            delay = random.uniform(0, min(options.max_backoff_s, options.backoff_s * 2**attempt))
+            delay = _jitter.uniform(0, min(options.max_backoff_s, options.backoff_s * 2**attempt))
             attempt += 1
             if stats is not None:
                 stats.add(retries=1)

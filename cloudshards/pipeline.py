@@ -36,10 +36,19 @@ def default_seed() -> int:
     A fixed default keeps every rank on the same shard order without coordination, the way
     ``DistributedSampler(seed=0)`` does; epochs still differ through the epoch number.
     """
+    value = _env_seed()
+    return 0 if value is None else value
+
+
+def _env_seed() -> int | None:
     import os
 
     value = config.env_str("SEED") or os.environ.get("WDS_SEED")
-    return int(value) if value else 0
+    return int(value) if value else None
+
+
+def _shuffles(stage: Any) -> bool:
+    return getattr(stage, "shuffle", None) is True or isinstance(stage, shuffle.Shuffler)
 
 
 def _torch_base_seed() -> int | None:
@@ -85,6 +94,8 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
         self.repetitions = 1
         self.nsamples = -1
         self.seed = default_seed() if seed is None else int(seed)
+        # A seed the user chose (argument or environment) alone fixes the order of each epoch.
+        self._seed_given = seed is not None or _env_seed() is not None
         self._epoch = 0
         self._epoch_set = False
         self._epoch_from_user = False  # set_epoch was called since a WebLoader last pushed
@@ -126,31 +137,33 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
         if self._ranks is not None:
             info = dataclasses.replace(info, rank=self._ranks[0], world_size=self._ranks[1])
         seed = self.seed
-        if not self._epoch_set and info.world_size == 1:
+        epoch = self._epoch if epoch is None else epoch
+        if not self._epoch_set and info.world_size == 1 and not self._seed_given:
             # Without set_epoch, non-persistent DataLoader workers get a fresh copy of the
             # dataset each epoch, so their epoch counter never moves. Mixing in the DataLoader's
             # per-epoch base seed (equal for all workers of one epoch) still reshuffles. Only
-            # on one rank: ranks must agree, and their torch seeds may differ.
+            # on one rank (ranks must agree, and their torch seeds may differ) and only without
+            # a seed (a seed the user gives must fix the order regardless of torch's RNG).
             base_seed = _torch_base_seed()
             if base_seed is not None:
                 seed = derive_seed(seed, base_seed)
         elif (
             not self._epoch_set
-            and self._epoch == 0
-            and info.num_workers > 1
+            and epoch == 0
+            and (info.num_workers > 1 or _torch_base_seed() is not None)
             and (info.rank, info.worker) == (0, 0)
-            and any(getattr(stage, "shuffle", None) is True for stage in self.pipeline)
+            and any(_shuffles(stage) for stage in self.pipeline)
         ):
-            # Several ranks, DataLoader workers and no set_epoch: fresh (non-persistent)
-            # workers start from epoch 0 every time, so the order repeats. Say so, once a run.
+            # Several ranks or an explicit seed, DataLoader workers and no set_epoch: fresh
+            # (non-persistent) workers start from epoch 0 every time, so the order repeats.
+            why = f"with {info.world_size} ranks" if info.world_size > 1 else f"with seed={seed}"
             logger.warning(
-                "no set_epoch() on this dataset with %d ranks: DataLoader workers that are not "
-                "persistent see epoch 0 every epoch and repeat its order; call "
-                "dataset.set_epoch(epoch) each epoch (the same value on every rank) or use "
-                "persistent_workers=True",
-                info.world_size,
+                "no set_epoch() on this dataset %s: unless the DataLoader has "
+                "persistent_workers=True, its workers see epoch 0 every epoch and repeat its "
+                "order; call dataset.set_epoch(epoch) each epoch (the same value on every rank)",
+                why,
             )
-        return IterationContext(seed=seed, epoch=self._epoch if epoch is None else epoch, info=info)
+        return IterationContext(seed=seed, epoch=epoch, info=info)
 
     # --- iteration ---------------------------------------------------------------------------
 

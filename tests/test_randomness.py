@@ -3,8 +3,11 @@ explicit seed alone fixes the sample order under a multi-worker DataLoader."""
 
 from __future__ import annotations
 
+import json
 import random
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
@@ -14,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 from fsspec.implementations.memory import MemoryFileSystem
+from torch.utils.data import DataLoader
 
 import cloudshards as wds
 
@@ -102,3 +106,113 @@ def test_no_module_level_rng_calls_in_the_package() -> None:
         if _GLOBAL_RNG_CALL.search(line) and not line.lstrip().startswith("#")
     ]
     assert offenders == []
+
+
+# ------------------------------------------------------------------ an explicit seed is enough
+
+
+def _loader_orders(
+    spec: str,
+    *,
+    torch_seed: int,
+    workers: int = 2,
+    epochs: int = 1,
+    epoch: int | None = None,
+    persistent: bool = False,
+    **kw: Any,
+) -> list[list[str]]:
+    """Each epoch's sample keys through a fresh DataLoader, after ``torch.manual_seed``."""
+    torch.manual_seed(torch_seed)
+    ds = wds.WebDataset(spec, shardshuffle=True, **kw).shuffle(6)
+    if epoch is not None:
+        ds.set_epoch(epoch)
+    loader = DataLoader(
+        ds, batch_size=None, num_workers=workers, persistent_workers=persistent and workers > 0
+    )
+    return [[sample["__key__"] for sample in loader] for _ in range(epochs)]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_seed_alone_fixes_the_order_whatever_the_torch_seed(make_shards: Any, workers: int) -> None:
+    shards = make_shards([5] * 6)
+    first = _loader_orders(shards.spec(), torch_seed=1, workers=workers, seed=7)
+    again = _loader_orders(shards.spec(), torch_seed=2, workers=workers, seed=7)
+    assert sorted(first[0]) == sorted(shards.keys)
+    assert again == first
+
+
+def test_seed_and_epoch_both_change_the_order(make_shards: Any) -> None:
+    shards = make_shards([5] * 6)
+    base = _loader_orders(shards.spec(), torch_seed=1, seed=7, epoch=0)
+    assert _loader_orders(shards.spec(), torch_seed=1, seed=8, epoch=0) != base
+    later = _loader_orders(shards.spec(), torch_seed=2, seed=7, epoch=1)
+    assert later != base
+    assert _loader_orders(shards.spec(), torch_seed=3, seed=7, epoch=1) == later
+    # Persistent workers count epochs themselves: new order per epoch, same on a rerun.
+    persistent = _loader_orders(shards.spec(), torch_seed=4, seed=7, epochs=2, persistent=True)
+    assert persistent[0] == base[0]
+    assert persistent[1] == later[0]
+
+
+_RUN_IN_A_FRESH_PROCESS = """
+import json, sys
+import torch
+from torch.utils.data import DataLoader
+import cloudshards as wds
+torch.manual_seed(int(sys.argv[2]))
+ds = wds.WebDataset(sys.argv[1], shardshuffle=True, seed=7).shuffle(6)
+print(json.dumps([s["__key__"] for s in DataLoader(ds, batch_size=None, num_workers=2)]))
+"""
+
+
+def test_seed_fixes_the_order_across_processes(make_shards: Any) -> None:
+    shards = make_shards([5] * 6)
+    result = subprocess.run(
+        [sys.executable, "-c", _RUN_IN_A_FRESH_PROCESS, shards.spec(), "12345"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=100,
+    )
+    assert json.loads(result.stdout) == _loader_orders(shards.spec(), torch_seed=1, seed=7)[0]
+
+
+def test_env_seed_counts_as_given(make_shards: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    shards = make_shards([5] * 6)
+    monkeypatch.setenv("CLOUDSHARDS_SEED", "7")
+    from_env = _loader_orders(shards.spec(), torch_seed=1)
+    assert from_env == _loader_orders(shards.spec(), torch_seed=2)
+    monkeypatch.delenv("CLOUDSHARDS_SEED")
+    assert from_env == _loader_orders(shards.spec(), torch_seed=3, seed=7)
+
+
+def test_without_a_seed_one_rank_follows_the_torch_seed(make_shards: Any) -> None:
+    shards = make_shards([5] * 6)
+    first = _loader_orders(shards.spec(), torch_seed=1, epochs=2)
+    assert _loader_orders(shards.spec(), torch_seed=1, epochs=2) == first
+    assert first[0] != first[1]  # fresh workers still reshuffle each epoch
+    assert _loader_orders(shards.spec(), torch_seed=2) != first[:1]
+
+
+def test_without_a_seed_ranks_agree_whatever_their_torch_seeds(make_shards: Any) -> None:
+    shards = make_shards([5] * 8)
+    seen: list[str] = []
+    for rank in range(2):
+        (keys,) = _loader_orders(
+            shards.spec(), torch_seed=100 + rank, rank=rank, world_size=2, balance=None
+        )
+        seen += keys
+    assert sorted(seen) == sorted(shards.keys)
+
+
+def test_fresh_workers_without_set_epoch_are_warned(
+    make_shards: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    shards = make_shards([2] * 4)
+    # What a DataLoader worker of a non-persistent loader sees: epoch 0, every epoch.
+    monkeypatch.setenv("WORKER", "0")
+    monkeypatch.setenv("NUM_WORKERS", "2")
+    ds = wds.WebDataset(shards.spec(), shardshuffle=True, seed=7)
+    with caplog.at_level("WARNING", logger="cloudshards"):
+        list(ds)
+    assert "set_epoch" in caplog.text

@@ -12,11 +12,13 @@ from cloudshards.errors import ConfigError
 
 __all__ = [
     "DEFAULT_BLOCK_BYTES",
+    "DEFAULT_MAX_DECODED_BYTES",
     "DEFAULT_MAX_MEMBER_BYTES",
     "cache_defaults",
     "env_bool",
     "env_int",
     "env_str",
+    "max_decoded_bytes",
 ]
 
 #: Read size for streaming shards; large blocks amortise Python overhead per read.
@@ -24,6 +26,9 @@ DEFAULT_BLOCK_BYTES = 4 << 20
 
 #: Largest single tar member accepted; guards memory against hostile or corrupt headers.
 DEFAULT_MAX_MEMBER_BYTES = 1 << 30
+
+#: Largest size a decoder inflates one field to (gzip, .npz, .npy): a decompression-bomb guard.
+DEFAULT_MAX_DECODED_BYTES = DEFAULT_MAX_MEMBER_BYTES
 
 
 def env_str(name: str) -> str | None:
@@ -54,6 +59,15 @@ def env_bool(name: str, default: bool = False) -> bool:
     if lowered in ("0", "false", "no", "off"):
         return False
     raise ConfigError(f"CLOUDSHARDS_{name}={value!r} is not a boolean (use 1 or 0)")
+
+
+def max_decoded_bytes() -> int:
+    """The decode limit when neither the decoder nor the pipeline sets one.
+
+    ``CLOUDSHARDS_MAX_DECODED_BYTES``, else ``CLOUDSHARDS_MAX_MEMBER_BYTES`` (a decoded field
+    is bounded like a raw member), else :data:`DEFAULT_MAX_DECODED_BYTES` (1 GiB).
+    """
+    return env_int("MAX_DECODED_BYTES", env_int("MAX_MEMBER_BYTES", DEFAULT_MAX_DECODED_BYTES))
 
 
 def cache_defaults() -> tuple[str | None, int | None]:

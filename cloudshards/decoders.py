@@ -1,12 +1,12 @@
 """Field decoding: webdataset's handler chain (``Decoder``), the extension registry, media decoders.
 
 Safe by default: pickle and unrestricted ``torch.load`` run only after
-:func:`allow_unsafe_decoders` or with ``CLOUDSHARDS_ALLOW_PICKLE=1``.
+:func:`allow_unsafe_decoders` or with ``CLOUDSHARDS_ALLOW_PICKLE=1``; gzip, ``.npz``, ``.npy``
+and ``.pth`` inflate at most to the decode limit (see :class:`Decoder`).
 """
 
 from __future__ import annotations
 
-import gzip
 import importlib
 import io
 import json
@@ -15,9 +15,8 @@ import pickle
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import numpy as np
-
-from cloudshards import config
+from cloudshards import _inflate, config
+from cloudshards._inflate import npy_loads, npz_loads
 from cloudshards.errors import ConfigError, DecodeError, ShardError
 from cloudshards.imagedecode import (
     AUDIO_EXTENSIONS,
@@ -121,6 +120,8 @@ def torch_loads(data: bytes) -> Any:
     import torch
 
     unsafe = _unsafe_allowed()
+    if data[:4] == b"PK\x03\x04":  # the zip format of torch.save: bound what it inflates
+        _inflate.check_zip(data, _inflate.decode_limit(), ".pth archive")
     try:
         return torch.load(io.BytesIO(data), weights_only=not unsafe, map_location="cpu")
     except pickle.UnpicklingError as exc:
@@ -136,20 +137,6 @@ def _why(exc: BaseException) -> str:
     if marker in text:
         text = text.split(marker, 1)[1]
     return text.strip().split("\n", 1)[0].split(". ", 1)[0] or type(exc).__name__
-
-
-def npy_loads(data: bytes) -> Any:
-    """Load a ``.npy`` array (object arrays refused: they need pickle)."""
-    return np.lib.format.read_array(io.BytesIO(data), allow_pickle=False)
-
-
-def npz_loads(data: bytes) -> dict[str, Any]:
-    """Load a ``.npz`` archive into a dict of arrays (object arrays refused)."""
-    loaded = np.load(io.BytesIO(data), allow_pickle=False)
-    if isinstance(loaded, np.ndarray):
-        raise ValueError("expected an .npz archive, found a single .npy array")
-    with loaded:
-        return dict(loaded)
 
 
 def msgpack_loads(data: bytes) -> Any:
@@ -269,10 +256,11 @@ class Continue:
 
 
 def gzfilter(key: str, data: bytes) -> Continue | None:
-    """Gunzip ``.gz`` fields and continue decoding them under the key without ``.gz``."""
+    """Gunzip ``.gz`` fields (at most to the decode limit) and continue decoding them under the
+    key without ``.gz``."""
     if not key.endswith(".gz"):
         return None
-    return Continue(key[:-3], gzip.decompress(data))
+    return Continue(key[:-3], _inflate.gunzip(data, _inflate.decode_limit()))
 
 
 default_pre_handlers: list[Handler] = [gzfilter]
@@ -292,9 +280,12 @@ class Decoder:
         post: Handlers tried last; default ``[basichandlers]``.
         only: Fields to decode (a list or a space-separated string); the rest pass through.
         partial: Pass fields that are not bytes through instead of raising.
+        max_bytes: Most bytes a gzip, ``.npz``, ``.npy`` or ``.pth`` field may inflate to (a
+            decompression-bomb guard; a pipeline's ``.decode()`` passes its ``max_member_bytes``);
+            None: :func:`cloudshards.config.max_decoded_bytes`. Images: Pillow's own limit.
 
     Raises:
-        ConfigError: A handler is not callable.
+        ConfigError: A handler is not callable, or ``max_bytes`` is negative.
     """
 
     def __init__(
@@ -304,6 +295,7 @@ class Decoder:
         post: Iterable[Handler] | None = None,
         only: str | Iterable[str] | None = None,
         partial: bool = False,
+        max_bytes: int | None = None,
     ) -> None:
         if isinstance(handlers, str):
             raise ConfigError("handlers must be a list; for imagespecs use make_decoder()")
@@ -315,18 +307,26 @@ class Decoder:
                 raise ConfigError(f"decoder handler {handler!r} is not callable")
         self.only = None if only is None else set(only.split() if isinstance(only, str) else only)
         self.partial = partial
+        if max_bytes is not None and max_bytes < 0:
+            raise ConfigError(f"max_bytes must not be negative, got {max_bytes}")
+        self.max_bytes = max_bytes
 
     def decode1(self, key: str, data: bytes) -> Any:
         """Decode one field's ``data``; ``key`` is the field name without the leading dot."""
         key = "." + key
-        for handler in self.handlers:
-            result = handler(key, data)
-            if isinstance(result, Continue):
-                key, data = result.key, result.data
-                continue
-            if result is not None:
-                return result
-        return data
+        # The handlers' signature is webdataset's (key, data): the limit travels beside it.
+        token = _inflate.active_limit.set(self.max_bytes)
+        try:
+            for handler in self.handlers:
+                result = handler(key, data)
+                if isinstance(result, Continue):
+                    key, data = result.key, result.data
+                    continue
+                if result is not None:
+                    return result
+            return data
+        finally:
+            _inflate.active_limit.reset(token)
 
     def decode(self, sample: Sample) -> Sample:
         """Return a new sample with its fields decoded.
@@ -384,6 +384,7 @@ def make_decoder(
     post: Iterable[Handler] | None = None,
     only: str | Iterable[str] | None = None,
     partial: bool = False,
+    max_bytes: int | None = None,
 ) -> Decoder:
     """Build the :class:`Decoder` for ``.decode(*args)``: strings are imagespecs.
 
@@ -391,7 +392,7 @@ def make_decoder(
         ConfigError: An imagespec is unknown (the message lists the valid ones).
     """
     handlers = [ImageHandler(arg) if isinstance(arg, str) else arg for arg in args]
-    return Decoder(handlers, pre=pre, post=post, only=only, partial=partial)
+    return Decoder(handlers, pre=pre, post=post, only=only, partial=partial, max_bytes=max_bytes)
 
 
 #: webdataset's ``default_decoder``: gunzip plus the basic handlers, no images.

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from cloudshards.errors import ConfigError
+from cloudshards.errors import ConfigError, DecodeError
 
 if TYPE_CHECKING:
     import torch
@@ -101,6 +101,8 @@ def decode_image(data: bytes, imagespec: str) -> Any:
         floats are float32 in [0, 1], integers uint8.
 
     Raises:
+        DecodeError: The image has more than twice ``PIL.Image.MAX_IMAGE_PIXELS`` pixels
+            (Pillow's decompression-bomb check; setting that to None turns it off).
         ImportError: Pillow is not installed.
         KeyError: ``imagespec`` is unknown (:class:`ImageHandler` validates it up front).
     """
@@ -110,8 +112,14 @@ def decode_image(data: bytes, imagespec: str) -> Any:
         raise ImportError('decoding images needs Pillow: pip install "cloudshards[image]"') from exc
 
     atype, etype, mode = IMAGE_SPECS[imagespec]
-    opened = PIL.Image.open(io.BytesIO(data))
-    opened.load()  # decodes everything; the in-memory stream needs no closing
+    try:
+        opened = PIL.Image.open(io.BytesIO(data))
+        opened.load()  # decodes everything; the in-memory stream needs no closing
+    except PIL.Image.DecompressionBombError as exc:
+        raise DecodeError(
+            f"{exc} (Pillow's PIL.Image.MAX_IMAGE_PIXELS = {PIL.Image.MAX_IMAGE_PIXELS}; raise "
+            "it in every worker if such images are expected)"
+        ) from exc
     if atype == "pil":
         # A plain Image like webdataset's (it converts a second time to the same mode; that
         # only copies).

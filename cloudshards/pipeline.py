@@ -457,11 +457,21 @@ class FluidInterface:
         only: Any = None,
         partial: bool = False,
         handler: ExceptionHandler = reraise_exception,
+        max_bytes: int | None = None,
     ) -> Any:
-        """Decode fields with imagespecs (``"rgb"``, ``"torchrgb"``, ``"pil"``...) or handlers."""
+        """Decode fields with imagespecs (``"rgb"``, ``"torchrgb"``, ``"pil"``...) or handlers.
+
+        gzip, ``.npz``, ``.npy`` and ``.pth`` fields inflate to at most ``max_bytes``: by
+        default the ``max_member_bytes`` given to this pipeline, else
+        ``CLOUDSHARDS_MAX_DECODED_BYTES``, else ``CLOUDSHARDS_MAX_MEMBER_BYTES``, else 1 GiB.
+        """
         from cloudshards.decoders import make_decoder
 
-        decoder = make_decoder(*args, pre=pre, post=post, only=only, partial=partial)
+        if max_bytes is None:
+            max_bytes = _member_limit(getattr(self, "pipeline", []))
+        decoder = make_decoder(
+            *args, pre=pre, post=post, only=only, partial=partial, max_bytes=max_bytes
+        )
         return self.map(decoder, handler=handler)
 
     def map_dict(self, handler: ExceptionHandler = reraise_exception, **kw: Any) -> Any:
@@ -521,6 +531,15 @@ class FluidInterface:
     def xdecode(self, *args: Any, **kw: Any) -> Any:
         """Decode fields by glob patterns (decoders receive a stream)."""
         return self.compose(fields.xdecode(*args, **kw))
+
+
+def _member_limit(stages: list[Any]) -> int | None:
+    """The ``max_member_bytes`` a reader stage was given explicitly, if any."""
+    for stage in stages:
+        limit = getattr(getattr(stage, "options", None), "max_member_bytes", None)
+        if isinstance(limit, int):
+            return limit
+    return None
 
 
 def _narrow_decoder(stages: list[Any], kept: tuple[Any, ...]) -> None:

@@ -6,7 +6,6 @@ never runs unsafe decoders: pickle and ``torch.save`` payloads are only named.
 
 from __future__ import annotations
 
-import gzip
 import io
 import json
 import logging
@@ -14,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from cloudshards._inflate import decode_limit, gunzip
 from cloudshards.decoders import UNSAFE
 from cloudshards.imagedecode import AUDIO_EXTENSIONS, IMAGE_EXTENSIONS, VIDEO_EXTENSIONS
 
@@ -46,7 +46,7 @@ def describe(field: str, value: Any, width: int = 60) -> str:
     prefix = ""
     try:
         if extension == "gz":
-            data = gzip.decompress(data)
+            data = gunzip(data, decode_limit())  # bounded: a preview must not inflate a bomb
             field, prefix = field[:-3], f"gzip of {len(data):,} B: "
             extension = field.rpartition(".")[2].lower()
         return prefix + _describe_bytes(extension, data, width)

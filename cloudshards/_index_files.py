@@ -14,7 +14,8 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from cloudshards._index_format import DatasetIndex, parent_url, read_index, strip_query
+from cloudshards._index_format import DatasetIndex, read_index
+from cloudshards._index_location import entry_outside, parent_url, relative_entry, strip_query
 from cloudshards.errors import ConfigError, ShardOpenError
 from cloudshards.fetch import FetchOptions, retry
 from cloudshards.io import map_backend_error
@@ -51,20 +52,35 @@ def default_index_url(urls: Sequence[str]) -> str:
     return f"{parent}/{name}{_INDEX_SUFFIX}"
 
 
-def load_index(url: str, storage_options: Mapping[str, Any] | None = None) -> DatasetIndex:
+def load_index(
+    url: str,
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    allow_external_shards: bool = False,
+) -> DatasetIndex:
     """Read an index written by :func:`write_index` (or ``cloudshards index``) from any URL.
 
-    Relative shard URLs in the file are resolved against the index's own location.
+    Relative shard URLs in the file are resolved against the index's own location, and every
+    shard must lie inside it: the same protocol and host or bucket, under the index's
+    directory. An index that points elsewhere could send reads (with the credentials in
+    ``storage_options``) to another host, or return local files as samples.
+
+    Args:
+        url: The index file.
+        storage_options: fsspec options, per protocol or flat.
+        allow_external_shards: Accept shards anywhere (another host, bucket or directory, an
+            absolute local path): only for an index you trust.
 
     Raises:
         ShardOpenError: The index cannot be read (missing, denied, network).
-        ConfigError: The file is not a cloudshards index, or has another format version.
-        ShardFormatError: The file is corrupt.
+        ConfigError: The file is not a cloudshards index, has another format version, or lists
+            a shard outside its location.
+        ShardFormatError: The file is corrupt or inconsistent.
     """
     data = read_bytes(url, storage_options)
     if data is None:
         raise ShardOpenError("index not found; build it with `cloudshards index`", url=url)
-    return read_index(data, url)
+    return read_index(data, url, allow_external_shards=allow_external_shards)
 
 
 def read_bytes(url: str, storage_options: Mapping[str, Any] | None) -> bytes | None:
@@ -89,8 +105,10 @@ def write_index(
     """Write ``index`` as JSON to any fsspec URL (gzip-compressed when ``url`` ends in ``.gz``).
 
     Shard URLs below the index's directory are stored relative to it, so the shards and their
-    index can move together. Local files are written to a temporary name and renamed into
-    place; object stores publish an object atomically when its single upload completes.
+    index can move together. Shards elsewhere are stored as given, and readers then need
+    ``allow_external_shards=True`` (a warning says so). Local files are written to a temporary
+    name and renamed into place; object stores publish an object atomically when its single
+    upload completes.
 
     Returns:
         The same index, with ``url`` set to where it was written.
@@ -110,6 +128,16 @@ def write_index(
     except Exception as exc:  # any backend failure, e.g. NotImplementedError on http://
         raise map_backend_error(exc, url, action="cannot write index") from exc
     logger.debug("wrote index of %d shards to %s", len(index.shards), redact_url(url))
+    outside = [s.url for s in index.shards if entry_outside(relative_entry(s.url, url), url)]
+    if outside:
+        logger.warning(
+            "%d of the %d shards in %s lie outside its directory (first: %s); readers must pass "
+            "allow_external_shards=True to load it",
+            len(outside),
+            len(index.shards),
+            redact_url(url),
+            redact_url(outside[0]),
+        )
     return DatasetIndex(index.shards, url)
 
 

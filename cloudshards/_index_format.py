@@ -1,7 +1,8 @@
 """The tar index of indexed mode: its in-memory form and its JSON layout.
 
 Private to :mod:`cloudshards.indexed`, which re-exports the public names. Shard URLs next to
-the index are stored relative to it. The layout is documented in ``docs/indexed.md``.
+the index are stored relative to it (:mod:`cloudshards._index_location`). The layout is
+documented in ``docs/indexed.md``.
 """
 
 from __future__ import annotations
@@ -17,9 +18,17 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from cloudshards._index_check import IndexLayoutError, check_layout
+from cloudshards._index_location import (
+    check_entry,
+    parent_url,
+    relative_entry,
+    resolve_entry,
+    strip_query,
+)
 from cloudshards.errors import ConfigError, ShardFormatError
 from cloudshards.redact import redact_url
-from cloudshards.urls import PIPE_PREFIX, protocol_of
+from cloudshards.urls import PIPE_PREFIX
 
 __all__ = [
     "FORMAT",
@@ -171,12 +180,13 @@ class ShardIndex:
         """Parse and check one shard object; ``url`` is its resolved URL.
 
         Raises:
-            ValueError: The object is malformed or inconsistent (the caller names the file).
+            ValueError: The object is malformed or inconsistent (the caller names the file);
+                an :class:`IndexLayoutError` names the member where one is at fault.
         """
         if not isinstance(value, dict):
             raise ValueError("a shard entry is not an object")
         size, keys, fields = value.get("size"), value.get("keys"), value.get("fields")
-        if not isinstance(size, int) or size < 0:
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise ValueError(f"bad size {size!r}")
         if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
             raise ValueError("keys must be a list of strings")
@@ -189,11 +199,11 @@ class ShardIndex:
         bounds = array("q", [0, *itertools.accumulate(columns["member_counts"])])
         if any(len(columns[c]) != bounds[-1] for c in _MEMBER_COLUMNS):
             raise ValueError("member columns do not match member_counts")
-        if any(not 0 <= f < len(fields) for f in columns["member_fields"]):
-            raise ValueError("member_fields points outside fields")
         starts, ends = columns["starts"], columns["ends"]
-        if any(not 0 <= a < b <= size for a, b in zip(starts, ends, strict=True)):
-            raise ValueError("a sample's byte range lies outside the shard")
+        check_layout(
+            size, keys, fields, starts, ends, bounds, columns["member_fields"],
+            columns["member_offsets"], columns["member_sizes"],
+        )  # fmt: skip
         return cls(
             url, size, keys, starts, ends, tuple(fields), bounds, columns["member_fields"],
             columns["member_offsets"], columns["member_sizes"],
@@ -275,7 +285,9 @@ class DatasetIndex:
             "created_by": f"cloudshards {cloudshards.__version__}",
             "num_shards": len(self.shards),
             "num_samples": self.num_samples,
-            "shards": [s.to_json(_relative(s.url, url) if url else s.url) for s in self.shards],
+            "shards": [
+                s.to_json(relative_entry(s.url, url) if url else s.url) for s in self.shards
+            ],
         }
 
 
@@ -284,42 +296,19 @@ def shard_sample_counts(index: DatasetIndex) -> dict[str, int]:
     return {shard.url: shard.num_samples for shard in index.shards}
 
 
-def strip_query(url: str) -> str:
-    """The URL without an HTTP query string (other protocols keep ``?`` in names)."""
-    return url.split("?", 1)[0] if protocol_of(url) in ("http", "https") else url
-
-
-def parent_url(url: str) -> str:
-    """The directory part of a URL or path (the working directory for a bare file name)."""
-    base = strip_query(url)
-    if "/" not in base:
-        return os.getcwd() if protocol_of(url) == "file" else "."
-    parent = base.rsplit("/", 1)[0]
-    return parent or "/"
-
-
-def _relative(shard_url: str, index_url: str) -> str:
-    parent = parent_url(index_url).rstrip("/") + "/"
-    if shard_url.startswith(parent) and len(shard_url) > len(parent):
-        return shard_url[len(parent) :]
-    return shard_url
-
-
-def _absolute(stored: str, index_url: str) -> str:
-    if "://" in stored or stored.startswith(("/", PIPE_PREFIX)):
-        return stored
-    parent = parent_url(index_url)
-    if protocol_of(index_url) == "file" and "://" not in index_url:
-        parent = os.path.abspath(parent)
-    return f"{parent.rstrip('/')}/{stored}"
-
-
-def read_index(data: bytes, url: str) -> DatasetIndex:
+def read_index(data: bytes, url: str, *, allow_external_shards: bool = False) -> DatasetIndex:
     """Parse index bytes (JSON, gzip-compressed or not) read from ``url``.
 
+    Every shard entry must lie inside the index's own location: the same protocol and host or
+    bucket, under the index's directory, with no ``..`` or backslash (percent-encoded or not).
+    Only a trusted index should be read with ``allow_external_shards=True``, which lifts this
+    rule (``pipe:`` entries are refused even then).
+
     Raises:
-        ConfigError: The file is not a cloudshards index, or has another format version.
-        ShardFormatError: The file is corrupt or inconsistent.
+        ConfigError: The file is not a cloudshards index, has another format version, or lists
+            a shard outside its location.
+        ShardFormatError: The file is corrupt or inconsistent (byte ranges no tar could have,
+            totals that do not add up), naming the shard entry and member.
     """
     try:
         if data[:2] == b"\x1f\x8b":
@@ -344,12 +333,26 @@ def read_index(data: bytes, url: str) -> DatasetIndex:
     shards = []
     for position, entry in enumerate(entries):
         stored = entry.get("url") if isinstance(entry, dict) else None
+        if isinstance(stored, str) and stored:
+            check_entry(stored, url, position, allow_external_shards=allow_external_shards)
         try:
             if not isinstance(stored, str) or not stored:
                 raise ValueError("no url")
-            shards.append(ShardIndex.from_json(entry, _absolute(stored, url)))
+            shards.append(ShardIndex.from_json(entry, resolve_entry(stored, url)))
         except ValueError as exc:
+            name = redact_url(stored) if isinstance(stored, str) else "?"
             raise ShardFormatError(
-                f"corrupt index: shard entry {position}: {exc}", url=url, shard_index=position
+                f"corrupt index: shard entry {position} ({name}): {exc} (rebuild the index "
+                "with `cloudshards index`)",
+                url=url,
+                shard_index=position,
+                member=exc.member if isinstance(exc, IndexLayoutError) else None,
             ) from None
-    return DatasetIndex(tuple(shards), url)
+    index = DatasetIndex(tuple(shards), url)
+    for name, total in (("num_shards", len(shards)), ("num_samples", index.num_samples)):
+        if document.get(name, total) != total:
+            raise ShardFormatError(
+                f"corrupt index: {name} is {document[name]!r}, its shard entries hold {total}",
+                url=url,
+            )
+    return index

@@ -93,6 +93,19 @@ def parse_sample(
     (names in PAX or GNU long-name headers, or a shard that changed) goes through the tar
     reader, which parses every header in the range and compares it with the index.
     """
+    for name, offset, size in entry.members:
+        # Checked when an index file is loaded, but not in an index built in memory: never
+        # slice a field short.
+        if offset - entry.start < BLOCK or offset + size > entry.end:
+            raise ShardFormatError(
+                f"the index puts this member's data [{offset}, {offset + size}) outside its "
+                f"sample's bytes [{entry.start}, {entry.end}) with its header: the index is "
+                "inconsistent; rebuild it with `cloudshards index`",
+                url=shard.url,
+                shard_index=position,
+                offset=offset,
+                member=name,
+            )
     sample = _sliced(data, entry) or _parsed(data, shard, entry, position, max_member_bytes)
     sample["__url__"] = shard.url
     if protocol_of(shard.url) == "file":
@@ -117,7 +130,10 @@ def _sliced(data: bytes, entry: IndexedSample) -> Sample | None:
         ):
             return None
         # As group_members: the field is the name after the key, lower-cased.
-        sample[name[len(key) + 1 :].lower()] = data[at : at + size]
+        field = name[len(key) + 1 :].lower()
+        if field in sample:  # twice in one sample: the tar reader names the duplicate
+            return None
+        sample[field] = data[at : at + size]
     return sample
 
 

@@ -108,7 +108,11 @@ def _url_key(url: str) -> str:
 
 
 def _from_index(
-    urls: Sequence[str], index: Any, storage_options: Mapping[str, Any] | None, quiet: bool
+    urls: Sequence[str],
+    index: Any,
+    storage_options: Mapping[str, Any] | None,
+    quiet: bool,
+    allow_external: bool,
 ) -> list[int] | None:
     from cloudshards._index_files import default_index_url, load_index
     from cloudshards._index_format import DatasetIndex
@@ -117,7 +121,7 @@ def _from_index(
         loaded = index if isinstance(index, DatasetIndex) else None
         if loaded is None:
             location = str(index) if index is not None else default_index_url(urls)
-            loaded = load_index(location, storage_options)
+            loaded = load_index(location, storage_options, allow_external_shards=allow_external)
     except (ShardOpenError, ConfigError, ValueError) as exc:
         if not quiet:
             raise
@@ -143,6 +147,7 @@ def resolve_sample_counts(
     options: OpenOptions | None = None,
     fetch: FetchOptions | None = None,
     cache: ShardCache | None = None,
+    allow_external_shards: bool = False,
 ) -> list[int]:
     """Samples per shard, in ``urls`` order.
 
@@ -150,7 +155,8 @@ def resolve_sample_counts(
     :class:`DatasetIndex` or its URL); else from this node's counts file; else from an index
     at the default place next to the shards; else by counting once. What the last two find
     is saved in the counts file, under a lock, so the other processes on the node wait and
-    reuse it instead of asking the store again.
+    reuse it instead of asking the store again. An index file must list its shards inside its
+    own location unless ``allow_external_shards`` (see :func:`~cloudshards.load_index`).
     """
     options = options or OpenOptions()
     fetch = fetch or FetchOptions.from_env()
@@ -164,7 +170,9 @@ def resolve_sample_counts(
             raise ConfigError(f"sample_counts has {len(counts)} entries for {len(urls)} shards")
         return [int(n) for n in counts]
     if index is not None:  # given explicitly: it wins
-        explicit = _from_index(urls, index, options.storage_options, quiet=False)
+        explicit = _from_index(
+            urls, index, options.storage_options, quiet=False, allow_external=allow_external_shards
+        )
         assert explicit is not None
         return explicit
     directory = _counts_dir()
@@ -181,7 +189,9 @@ def resolve_sample_counts(
         saved = _read_counts(path)
         if saved is not None and all(key in saved for key in keys):
             return [int(saved[key]) for key in keys]
-        found = _from_index(urls, None, options.storage_options, quiet=True)
+        found = _from_index(
+            urls, None, options.storage_options, quiet=True, allow_external=allow_external_shards
+        )
         if found is not None:
             _write_counts(path, dict(zip(keys, found, strict=True)))
             return found

@@ -83,11 +83,13 @@ class _Counter:
         options: OpenOptions,
         fetch: FetchOptions,
         cache: ShardCache | None,
+        allow_external_shards: bool,
     ) -> None:
         self.urls = urls
         self.options = options
         self.fetch = fetch
         self.cache = cache
+        self.allow_external_shards = allow_external_shards
 
     def __call__(self, counts: Any) -> list[int]:
         is_index = isinstance(counts, str) or hasattr(counts, "shards")
@@ -98,6 +100,7 @@ class _Counter:
             options=self.options,
             fetch=self.fetch,
             cache=self.cache,
+            allow_external_shards=self.allow_external_shards,
         )
 
 
@@ -250,6 +253,8 @@ class WebDataset(DataPipeline, FluidInterface):
             its URL or a ``DatasetIndex``), a mapping URL -> count, or a list in shard order.
             Default: the index next to the shards if there is one, else counted once per
             node and remembered (``CLOUDSHARDS_COUNTS_DIR``, default ``~/.cache/cloudshards``).
+        allow_external_shards: Accept a ``sample_counts`` index file (or the one next to the
+            shards) that lists shards outside its own location; only for an index you trust.
         rank: This process's rank, overriding detection (torch.distributed, then torchrun's
             ``RANK``/``WORLD_SIZE``, then SLURM's ``SLURM_PROCID``/``SLURM_NTASKS``).
         world_size: The number of ranks, overriding detection likewise (give both).
@@ -291,6 +296,7 @@ class WebDataset(DataPipeline, FluidInterface):
         stall_timeout_s: float | None = None,
         balance: str | None = "auto",
         sample_counts: Any = None,
+        allow_external_shards: bool = False,
         rank: int | None = None,
         world_size: int | None = None,
     ) -> None:
@@ -359,7 +365,7 @@ class WebDataset(DataPipeline, FluidInterface):
                     workersplitter,
                     None if custom_split and balance == "auto" else balance,
                     sample_counts,
-                    _Counter(source.urls, options, self.fetch, self.cache),
+                    _Counter(source.urls, options, self.fetch, self.cache, allow_external_shards),
                 )
             )
         self.append(

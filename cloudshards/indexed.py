@@ -94,9 +94,14 @@ class IndexedDataset(torch.utils.data.Dataset[Any]):
             ``"skip"``, ``warn_and_continue``) has it replaced by the next sample that can be
             read, so every index still returns a sample (at most 16 tries).
         max_workers: Threads of :meth:`get_many` / ``__getitems__``.
+        allow_external_shards: Accept an index file whose shards lie outside its own location
+            (another host, bucket or directory, an absolute local path); only for an index you
+            trust. A :class:`DatasetIndex` object is never checked: your code made or loaded it.
 
     Raises:
-        ConfigError: Bad arguments, or an index file of another format version.
+        ConfigError: Bad arguments, an index file of another format version, or one that lists
+            a shard outside its location.
+        ShardFormatError: The index file is inconsistent (byte ranges no tar could have).
         ShardOpenError: The index (or, when scanning, a shard) cannot be read.
     """
 
@@ -110,12 +115,13 @@ class IndexedDataset(torch.utils.data.Dataset[Any]):
         transform: Callable[[Sample], Any] | None = None,
         handler: ExceptionHandler | str = reraise_exception,
         max_workers: int = 16,
+        allow_external_shards: bool = False,
     ) -> None:
         if max_workers < 1:
             raise ConfigError(f"max_workers must be >= 1, got {max_workers}")
         if transform is not None and not callable(transform):
             raise ConfigError(f"transform must be callable, got {transform!r}")
-        self.index = _as_index(index_or_urls, storage_options)
+        self.index = _as_index(index_or_urls, storage_options, allow_external_shards)
         self.storage_options = storage_options
         env_dir, env_size = config.cache_defaults()
         directory = cache_dir if cache_dir is not None else env_dir
@@ -337,19 +343,22 @@ class IndexedDataset(torch.utils.data.Dataset[Any]):
 
 
 def _as_index(
-    spec: DatasetIndex | str | Iterable[str], storage_options: Mapping[str, Any] | None
+    spec: DatasetIndex | str | Iterable[str],
+    storage_options: Mapping[str, Any] | None,
+    allow_external_shards: bool,
 ) -> DatasetIndex:
     if isinstance(spec, DatasetIndex):
         return spec
     if isinstance(spec, str) and spec.split("?", 1)[0].endswith((".json", ".json.gz")):
-        return load_index(spec, storage_options)
+        return load_index(spec, storage_options, allow_external_shards=allow_external_shards)
     if isinstance(spec, Mapping) or not isinstance(spec, (str, Iterable)):
         raise ConfigError(f"expected an index, an index URL or shard URLs, got {spec!r}")
     urls = expand_urls(spec, storage_options=storage_options)
     default = default_index_url(urls)
     data = read_bytes(default, storage_options)
     if data is not None:
-        selected = read_index(data, default).select(urls)
+        found = read_index(data, default, allow_external_shards=allow_external_shards)
+        selected = found.select(urls)
         if selected is not None:
             return selected
         logger.warning("%s does not list every shard given", redact_url(default))

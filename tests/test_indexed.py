@@ -216,7 +216,9 @@ def test_index_round_trip_json_and_gzip(make_shards: Callable[..., Shards], tmp_
     write_index(index, str(elsewhere))
     stored = [s["url"] for s in json.loads(elsewhere.read_text())["shards"]]
     assert stored == urls
-    assert [s.url for s in load_index(str(elsewhere)).shards] == urls
+    with pytest.raises(ConfigError, match="allow_external_shards=True"):
+        load_index(str(elsewhere))  # outside the index's directory: opt in to read them
+    assert [s.url for s in load_index(str(elsewhere), allow_external_shards=True).shards] == urls
     assert not list(elsewhere.parent.glob("*.tmp"))
 
 
@@ -708,7 +710,7 @@ def test_cli_index(make_shards: Callable[..., Shards], tmp_path: Path) -> None:
     out = tmp_path / "elsewhere" / "i.index.json.gz"
     result = run_cli("index", str(shards.paths[0]), str(shards.paths[1]), "--output", str(out))
     assert result.returncode == 0, result.stderr
-    assert load_index(str(out)).num_samples == 5
+    assert load_index(str(out), allow_external_shards=True).num_samples == 5
 
     result = run_cli("index", str(tmp_path / "missing.tar"))
     assert result.returncode == 1

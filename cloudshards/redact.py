@@ -78,6 +78,8 @@ def redact_url(url: str) -> str:
         netloc = _MASK + "@" + netloc.rsplit("@", 1)[1]
     elif userinfo:
         netloc = userinfo + netloc
+    if netloc == parts.netloc and not userinfo and not parts.query and not parts.fragment:
+        return url  # nothing secret: unchanged (urlunsplit would turn memory:///x into memory:/x)
     query = _MASK if parts.query else ""
     return urlunsplit((parts.scheme, netloc, parts.path, query, ""))
 

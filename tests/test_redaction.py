@@ -44,6 +44,8 @@ SECRET = "hunter2"
         ("http://host:8080/a@2x.tar", "http://host:8080/a@2x.tar"),
         ("s3://bucket/user@example.com/a.tar", "s3://bucket/user@example.com/a.tar"),
         ("/data/a:b@c.tar", "/data/a:b@c.tar"),
+        ("memory:///bucket/x.tar", "memory:///bucket/x.tar"),
+        ("file:///data/x.tar", "file:///data/x.tar"),
     ],
 )
 def test_redact_url(url: str, expected: str) -> None:

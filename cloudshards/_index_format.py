@@ -8,16 +8,17 @@ documented in ``docs/indexed.md``.
 from __future__ import annotations
 
 import bisect
-import gzip
 import itertools
 import json
 import logging
 import os
+import zlib
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from cloudshards import config
 from cloudshards._index_check import IndexLayoutError, check_layout
 from cloudshards._index_location import (
     check_entry,
@@ -26,7 +27,8 @@ from cloudshards._index_location import (
     resolve_entry,
     strip_query,
 )
-from cloudshards.errors import ConfigError, ShardFormatError
+from cloudshards._inflate import gunzip
+from cloudshards.errors import ConfigError, DecodeError, ShardFormatError
 from cloudshards.redact import redact_url
 from cloudshards.urls import PIPE_PREFIX
 
@@ -312,9 +314,13 @@ def read_index(data: bytes, url: str, *, allow_external_shards: bool = False) ->
     """
     try:
         if data[:2] == b"\x1f\x8b":
-            data = gzip.decompress(data)
+            # Bounded like a decoded field: a gzip bomb posing as an index is an error, not
+            # an out-of-memory kill (CLOUDSHARDS_MAX_DECODED_BYTES raises the bound).
+            data = gunzip(data, config.max_decoded_bytes())
         document = json.loads(data)
-    except (OSError, EOFError, ValueError) as exc:
+    except DecodeError as exc:
+        raise ShardFormatError(f"index {exc.reason}", url=url) from None
+    except (OSError, EOFError, ValueError, zlib.error) as exc:
         raise ShardFormatError(f"index is not valid (gzipped) JSON: {exc}", url=url) from None
     if not isinstance(document, dict) or document.get("format") != FORMAT:
         raise ConfigError(

@@ -427,3 +427,19 @@ def test_an_index_object_with_a_field_twice_fails_at_read(tmp_path: Path) -> Non
     with IndexedDataset(index) as ds, pytest.raises(ShardFormatError, match="duplicate") as info:
         ds[0]
     assert info.value.url == str(shard)
+
+
+def test_a_gzip_bomb_posing_as_an_index_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A gzipped index inflates at most to the decode limit: a bomb is a clear error, found
+    before the whole of it is in memory."""
+    import gzip
+
+    monkeypatch.setenv("CLOUDSHARDS_MAX_DECODED_BYTES", str(1 << 20))
+    bomb = tmp_path / "train.index.json.gz"
+    bomb.write_bytes(gzip.compress(b"{" + b" " * (64 << 20) + b"}", mtime=0))
+    assert bomb.stat().st_size < 1 << 17
+    with pytest.raises(ShardFormatError, match="inflates to more than 1,048,576 bytes") as info:
+        wds.load_index(str(bomb))
+    assert str(bomb) in str(info.value)

@@ -121,16 +121,17 @@ def iter_table(
         return
     with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as view:
         for name, offset, length in table.rows():
+            renamed: str | None = name
             if name_filter is not None:
                 renamed = name_filter(name)
                 if renamed is None:
                     continue
-                name = renamed
             if length > max_member_bytes:
+                # Named as in the archive, as the tar reader names members in its errors.
                 raise ShardFormatError(
                     f"member of {length} bytes exceeds max_member_bytes={max_member_bytes}",
                     url=url,
                     offset=offset,
                     member=name,
                 )
-            yield _new_member(Member, (name, view[offset : offset + length], offset))
+            yield _new_member(Member, (renamed, view[offset : offset + length], offset))

@@ -14,7 +14,7 @@ from cloudshards._tarheader import BLOCK, ZERO_BLOCK
 from cloudshards.errors import ShardFormatError
 from cloudshards.redact import redact_url
 
-__all__ = ["BlockReader", "GunzipReader"]
+__all__ = ["MAX_OFFSET", "BlockReader", "GunzipReader", "describe_size"]
 
 logger = logging.getLogger(__name__)
 
@@ -22,6 +22,16 @@ _GZIP_MAGIC = b"\x1f\x8b"
 
 #: Compressed bytes fed to zlib per call: small, so carrying unconsumed input over is cheap.
 _GZIP_INPUT_BYTES = 256 << 10
+
+#: Largest offset a member may reach: seek(), the member table and the index keep offsets as
+#: signed 64-bit integers, and no real stream is longer.
+MAX_OFFSET = (1 << 63) - 1
+
+
+def describe_size(size: int) -> str:
+    """A size for a message: exact when plausible, else its magnitude (``str()`` of a huge int
+    is slow, and raises ValueError past 4300 digits)."""
+    return str(size) if size < 1 << 64 else f"at least 2**{size.bit_length() - 1}"
 
 
 class GunzipReader:
@@ -118,8 +128,17 @@ class BlockReader:
         # The stream to seek on, when seeking can replace reading (never through gzip).
         self.seekable = stream if self.gzip is None and _seekable(stream) else None
 
-    def error(self, message: str, offset: int, member: str | None = None) -> ShardFormatError:
-        """Build the ShardFormatError for this shard."""
+    def error(
+        self, message: str, offset: int, member: str | None = None, entry: str | None = None
+    ) -> ShardFormatError:
+        """Build the ShardFormatError for this shard.
+
+        ``member`` names a regular file (by its name in the archive); anything else involved,
+        such as an extended header or an entry that is not a file, is described by ``entry``
+        in the message only.
+        """
+        if entry is not None:
+            message = f"{message} (in {entry})"
         return ShardFormatError(message, url=self.url, offset=offset, member=member)
 
     def fill(self, need: int) -> bool:
@@ -149,27 +168,69 @@ class BlockReader:
         self.pos = 0
         return avail >= need
 
-    def take_or_raise(self, size: int, padded: int, member: str | None) -> bytes:
+    def take_or_raise(
+        self, size: int, padded: int, member: str | None, entry: str | None = None
+    ) -> bytes:
         """Return the next ``size`` bytes and skip the padding up to ``padded``.
 
         Raises:
-            ShardFormatError: The stream ends inside the data or its padding.
+            ShardFormatError: The member would end past :data:`MAX_OFFSET`, or the stream
+                ends (or its gzip layer fails) inside the data or its padding.
         """
-        start = self.base + self.pos
-        data = self._take(size) if size else b""
-        if data is None or not self.skip(padded - size):
-            raise self.error("truncated tar: stream ends inside member data", start, member)
+        start = self._check_fits(size, padded, member, entry)
+        try:
+            data = self._take(size) if size else b""
+            complete = data is not None and self.skip(padded - size)
+        except ShardFormatError as exc:
+            raise self._in_member(exc, member, entry) from exc
+        if data is None or not complete:
+            raise self.error("truncated tar: stream ends inside member data", start, member, entry)
         return data
 
-    def skip_or_raise(self, size: int, member: str | None) -> None:
-        """Skip ``size`` bytes (member data not wanted).
+    def skip_or_raise(
+        self, size: int, padded: int, member: str | None, entry: str | None = None
+    ) -> None:
+        """Skip a member of ``size`` bytes padded to ``padded`` (data not wanted).
 
         Raises:
-            ShardFormatError: The stream ends first.
+            ShardFormatError: The member would end past :data:`MAX_OFFSET`, or the stream
+                ends (or its gzip layer fails) first.
         """
+        start = self._check_fits(size, padded, member, entry)
+        try:
+            complete = self.skip(padded)
+        except ShardFormatError as exc:
+            raise self._in_member(exc, member, entry) from exc
+        if not complete:
+            raise self.error("truncated tar: stream ends inside member data", start, member, entry)
+
+    def too_large(
+        self, size: int, offset: int, member: str | None, entry: str | None = None
+    ) -> ShardFormatError:
+        """The error for a member at ``offset`` whose size would take it past MAX_OFFSET."""
+        return self.error(
+            f"corrupt tar: a size of {describe_size(size)} bytes would end past byte 2**63, "
+            "beyond any real shard",
+            offset,
+            member,
+            entry,
+        )
+
+    def _check_fits(self, size: int, padded: int, member: str | None, entry: str | None) -> int:
         start = self.base + self.pos
-        if not self.skip(size):
-            raise self.error("truncated tar: stream ends inside member data", start, member)
+        if start + padded > MAX_OFFSET:
+            # Checked before any seek or read: those raise OverflowError on such sizes.
+            raise self.too_large(size, start, member, entry)
+        return start
+
+    def _in_member(
+        self, exc: ShardFormatError, member: str | None, entry: str | None
+    ) -> ShardFormatError:
+        """The gzip layer's error, naming the member whose data it was reading."""
+        if exc.member is not None or (member is None and entry is None):
+            return exc
+        offset = self.base + self.pos if exc.offset is None else exc.offset
+        return self.error(exc.reason, offset, member, entry)
 
     def skip(self, size: int) -> bool:
         """Skip ``size`` bytes; False if the stream ends first."""
@@ -215,7 +276,10 @@ class BlockReader:
         if avail == 0 or self._seek(-avail):
             # Seekable stream (local file, BytesIO): one read() of the whole member is one copy
             # instead of two, ~2x faster at the memory bandwidth of these machines.
-            return self._read_exact(size)
+            present = self._ends_within(size) if self.seekable is not None else True
+            if present is None:
+                return self._read_chunks(size)
+            return self._read_exact(size) if present else None
         # Not seekable: head + rest is two copies. readinto() into a fresh bytearray measured
         # slower (zeroing + copy + bytes()), and a reused scratch buffer would hold up to
         # max_member_bytes of memory for the life of the shard.
@@ -236,12 +300,33 @@ class BlockReader:
             got += len(chunk)
         return b"".join(parts)
 
+    def _ends_within(self, size: int) -> bool | None:
+        """Whether the stream holds ``size`` more bytes (seek there, read a byte, seek back),
+        so that a corrupt size within the member limit is never allocated by ``read(size)`` on
+        a file; None when the stream cannot seek that far."""
+        if not self._seek(size - 1):
+            return None
+        last = self.read(1)
+        if not self._seek(-size + 1 - len(last)):
+            raise self.error("cannot seek back in the shard stream", self.base - size)
+        return bool(last)
+
+    def _read_chunks(self, size: int) -> bytes | None:
+        parts = []
+        while size > 0:
+            chunk = self.read(min(size, self.block_bytes))
+            if not chunk:
+                return None
+            parts.append(chunk)
+            size -= len(chunk)
+        return b"".join(parts)
+
     def _seek(self, delta: int) -> bool:
         if self.seekable is None:
             return False
         try:
             self.seekable.seek(delta, 1)
-        except (OSError, ValueError):
+        except (OSError, ValueError, OverflowError):
             logger.debug("seek failed on %s; reading instead", _shown(self.url))
             self.seekable = None
             return False

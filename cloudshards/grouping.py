@@ -95,14 +95,25 @@ def group_members(
     url: str,
     lowercase_fields: bool = True,
     shard_index: int | None = None,
+    name_filter: NameFilter | None = None,
 ) -> Iterator[Sample]:
     """Group consecutive members with the same key into samples.
+
+    When ``members`` fails with a :class:`ShardFormatError` (a damaged shard), the sample being
+    built is yielded first only if the error proves it complete: the error names the member
+    being read (``exc.member``, as :func:`cloudshards.tar.iter_members` does) and that member
+    would have started another sample. Otherwise (the damaged member belongs to the sample, or
+    the damage is in a header, so the next member is unknown) the sample may be partial and is
+    dropped. Either way the error is then raised.
 
     Args:
         members: Members of one shard, in archive order.
         url: Shard URL, stored as each sample's ``__url__``.
         lowercase_fields: Lower-case field names (``"x.JPG"`` -> ``"jpg"``), as webdataset does.
         shard_index: Position of the shard, for error reports.
+        name_filter: The filter ``members`` were read with: errors name members as in the
+            archive, and this maps such a name to the one grouping would have seen (None:
+            the member would have been skipped, so it proves nothing).
 
     Yields:
         ``{"__key__": key, "__url__": url, field: bytes, ...}`` samples, in member order.
@@ -110,30 +121,53 @@ def group_members(
 
     Raises:
         ShardFormatError: A field appears twice in one sample (this also catches fields
-            named ``__key__`` or ``__url__``, as webdataset does).
+            named ``__key__`` or ``__url__``, as webdataset does), or ``members`` raised it.
     """
     sample: Sample | None = None
     key = ""
-    for name, data, offset in members:
-        parts = split_key(name)
-        if parts is None:
-            continue
-        member_key, field = parts
-        if lowercase_fields:
-            field = field.lower()
-        if sample is None or member_key != key:
+    try:
+        for name, data, offset in members:
+            parts = split_key(name)
+            if parts is None:
+                continue
+            member_key, field = parts
+            if lowercase_fields:
+                field = field.lower()
+            if sample is None or member_key != key:
+                if sample is not None:
+                    yield sample
+                key = member_key
+                sample = {"__key__": key, "__url__": url}
+            if field in sample:
+                # Raised below, outside the handler for errors of ``members``.
+                duplicate = ShardFormatError(
+                    f"duplicate field {field!r} in sample {key!r}",
+                    url=url,
+                    shard_index=shard_index,
+                    offset=offset,
+                    member=name,
+                )
+                break
+            sample[field] = data
+        else:
             if sample is not None:
                 yield sample
-            key = member_key
-            sample = {"__key__": key, "__url__": url}
-        if field in sample:
-            raise ShardFormatError(
-                f"duplicate field {field!r} in sample {key!r}",
-                url=url,
-                shard_index=shard_index,
-                offset=offset,
-                member=name,
-            )
-        sample[field] = data
-    if sample is not None:
-        yield sample
+            return
+    except ShardFormatError as exc:
+        if sample is not None and _starts_another_sample(exc.member, key, name_filter):
+            yield sample
+        raise
+    raise duplicate
+
+
+def _starts_another_sample(damaged: str | None, key: str, name_filter: NameFilter | None) -> bool:
+    """Whether the damaged member (its name in the archive) would have begun a sample other
+    than ``key``: only then is the sample with ``key`` known to be complete."""
+    if damaged is None:
+        return False
+    if name_filter is not None:
+        damaged = name_filter(damaged)
+        if damaged is None:
+            return False
+    parts = split_key(damaged)
+    return parts is not None and parts[0] != key

@@ -100,9 +100,10 @@ def read_shards(
     """Yield the samples of each shard in ``src`` (dicts with a ``url``), in order.
 
     A shard that fails to open or parse goes to ``handler``: it raises, returns True to skip
-    the rest of that shard and continue with the next, or False to stop. Samples already
-    delivered from a failing shard stay delivered; the incomplete sample at the failure point
-    is dropped. Configuration errors (unknown protocol, missing backend) always raise.
+    the rest of that shard and continue with the next, or False to stop. Every sample of a
+    damaged shard that is complete before the damage is delivered first (see
+    :func:`~cloudshards.grouping.group_members`); a sample the damage may have cut short
+    never is. Configuration errors (unknown protocol, missing backend) always raise.
     With a ``cache``, shards open through the node cache. Remote shards are prefetched and
     read with parallel ranged GETs as ``fetch`` says (default :meth:`FetchOptions.from_env`).
     """
@@ -216,7 +217,7 @@ def _read_opened(
                     max_member_bytes=options.member_limit(),
                     record=record,
                 )
-            samples = group_members(members, url=url, shard_index=index)
+            samples = group_members(members, url=url, shard_index=index, name_filter=members_filter)
             if "take" in shard:
                 samples = _limited(samples, shard)
             local_path = _local_path(url)

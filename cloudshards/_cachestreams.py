@@ -1,106 +1,28 @@
-"""The byte streams behind the node cache: tee-to-disk for the downloader, and a reader that
-follows a file another process is still writing."""
+"""The downloader's byte stream behind the node cache: it serves its consumer from the store
+while writing the entry to disk, verifies the download, and commits the entry."""
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import hashlib
 import logging
 import os
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
+from cloudshards._cachelock import (
+    POISONED_MODE,
+    CacheStats,
+    is_disk_full,
+    is_locked,
+    warn_disk_full,
+)
 from cloudshards._membertable import MemberTable, write_table
 from cloudshards.errors import CacheError, ShardOpenError
 from cloudshards.redact import redact_url
 from cloudshards.types import ByteSource, ClosingStream
 
+__all__ = ["TeeStream", "is_locked"]
+
 logger = logging.getLogger(__name__)
-
-#: Errors that mean "the disk cannot take this entry": degrade to uncached streaming.
-DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
-
-
-@dataclass
-class CacheStats:
-    """Per-process cache counters.
-
-    Attributes:
-        hits: Shards served from a complete entry.
-        misses: Shards this process downloaded (and cached), itself or ahead in the background.
-        waits: Shards read by following another process's download.
-        uncached: Shards streamed without caching (disk full, over budget, early stop).
-        bytes_network: Bytes this process read from the store through the cache.
-        bytes_disk: Bytes read from cache files (a shard this process downloaded ahead counts
-            as a miss only: reading it back is part of that download, not a hit).
-        evictions: Entries this process evicted.
-    """
-
-    hits: int = 0
-    misses: int = 0
-    waits: int = 0
-    uncached: int = 0
-    bytes_network: int = 0
-    bytes_disk: int = 0
-    evictions: int = 0
-    _warned: set[str] = field(default_factory=set, repr=False)
-    #: Entries this process downloaded ahead that its consumer has not opened yet.
-    _ahead: set[str] = field(default_factory=set, repr=False)
-    #: Downloads ahead start once this process has committed an entry, and never after the
-    #: disk filled up: they must not cost a second download of what cannot be cached.
-    _committed_one: bool = field(default=False, repr=False)
-    _disk_full: bool = field(default=False, repr=False)
-
-    def as_dict(self) -> dict[str, int]:
-        """The counters as a plain dict."""
-        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
-
-
-class DownloadLock:
-    """An exclusive ``flock`` on a lock file: released by the kernel if the process dies.
-
-    ``with DownloadLock(path):`` waits for the lock; :meth:`try_acquire` does not.
-    """
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.fd = -1
-
-    def try_acquire(self, *, wait: bool = False) -> bool:
-        """Take the lock (without waiting unless ``wait``); True on success."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return False
-        self.fd = fd
-        return True
-
-    def __enter__(self) -> DownloadLock:
-        self.try_acquire(wait=True)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-    def release(self) -> None:
-        """Release the lock (idempotent)."""
-        if self.fd >= 0:
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
-            os.close(self.fd)
-            self.fd = -1
-
-
-def is_locked(path: str) -> bool:
-    """True when another process holds the download lock at ``path``."""
-    lock = DownloadLock(path)
-    if lock.try_acquire():
-        lock.release()
-        return False
-    return True
 
 
 class TeeStream(ClosingStream):
@@ -109,30 +31,45 @@ class TeeStream(ClosingStream):
     The consumer gets the bytes as they arrive (stream-through), so a cold read through the
     cache costs one extra ``write`` per block. A write that fails because the disk is full
     drops the partial file and carries on as a plain stream. Closing before the end abandons
-    the partial file (followers then take over the download).
+    the partial file (followers then take over the download); nothing raises from ``close``.
+
+    With a checksum to verify, the last :attr:`HOLD_BYTES` of the object are held back (in
+    memory, and out of the partial file that followers read) until the whole download has
+    been verified: a tar reader needs its end-of-archive blocks, so no reader finishes a shard
+    on bytes that were not verified, and a failure reaches it through ``read``. On a mismatch
+    the object is fetched once more and compared (see :meth:`_recheck`).
 
     Args:
         remote: The open store stream.
         partial: Path of the partial file to write.
-        commit: Called with the verified byte count at the end: renames the entry into place.
+        commit: Called with the verified byte count at the end: renames the entry into place;
+            False when it could not (the entry is then not cached).
         abandon: Called when the partial file is given up (removes it, releases the lock).
         expected_size: Size the store reported, verified at the end when known.
-        expected_md5: Hex MD5 to verify (an S3 single-part ETag), when known.
+        expected_md5: Hex MD5 to verify, when the store guarantees one
+            (see :func:`cloudshards._cachefacts.trusted_md5`).
         skip: Bytes already delivered to this consumer (taking over a dead download).
+        refetch: Opens the object again from its start, to recheck a checksum mismatch.
+        distrust: Called when the store's checksum proves not to be the MD5 of its bytes.
     """
+
+    #: Bytes at the end of a verified download that are served only after verification.
+    HOLD_BYTES = 1 << 20
 
     def __init__(
         self,
         remote: ByteSource,
         partial: str,
         *,
-        commit: Callable[[int], None],
+        commit: Callable[[int], bool],
         abandon: Callable[[], None],
         on_close: Callable[[], None],
         stats: CacheStats,
         expected_size: int | None,
         expected_md5: str | None,
         skip: int = 0,
+        refetch: Callable[[], ByteSource] | None = None,
+        distrust: Callable[[], None] | None = None,
     ) -> None:
         self.remote = remote
         self.url = remote.url
@@ -144,41 +81,100 @@ class TeeStream(ClosingStream):
         self.expected_size = expected_size
         self._md5 = hashlib.md5(usedforsecurity=False) if expected_md5 else None
         self._expected_md5 = expected_md5
+        self._refetch = refetch
+        self._distrust = distrust
         self._skip = skip
         self.offset = 0  # bytes delivered to the consumer
-        self._written = 0
+        self._received = 0  # bytes read from the store
+        self._written = 0  # bytes in the partial file
+        self._hold_from: int | None = None
+        if expected_md5 and expected_size is not None:
+            self._hold_from = max(0, expected_size - self.HOLD_BYTES)
+        self._held = bytearray()  # received at or after _hold_from, not verified yet
+        self._prefix_md5: hashlib._Hash | None = None  # of the bytes before _hold_from
+        self._tail: memoryview | None = None  # the verified held bytes, being served
+        self._keep = True  # False: verified as consistent but not cached after all
+        self._committed = False
+        self._error: ShardOpenError | None = None
         self._fd: int | None = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self.closed = False
         #: Set by the reader after a complete parse; saved next to the entry on commit.
         self.member_table: MemberTable | None = None
 
+    #: Where the entry's member table goes (set by the cache); None: not saved.
+    table_path: str | None = None
+
     def save_member_table(self, table: MemberTable) -> None:
-        """Keep the member table of this shard, to be saved with the entry when it commits."""
+        """Keep the member table of this shard, to be saved with the entry when it commits,
+        or save it now if the entry was committed first (a verified download commits as soon
+        as the store's last byte is in, before the reader has parsed the held-back end)."""
         self.member_table = table
+        if self._committed and self.table_path is not None:
+            write_table(self.table_path, table, self._written)
 
     def read(self, size: int = -1) -> bytes:
-        """Read from the store, write to disk, return the bytes for the consumer."""
+        """Read from the store, write to disk, return the bytes for the consumer.
+
+        Raises:
+            ShardOpenError: The download is shorter or longer than the store said, or does
+                not match its checksum in a way that may have reached this reader.
+        """
+        if self._error is not None:
+            raise self._error
         while True:
-            data = self.remote.read(size)
-            if not data:
-                self._finish()
-                return b""
-            self.stats.bytes_network += len(data)
-            self._write(data)
+            if self._tail is not None:
+                count = len(self._tail) if size < 0 else min(size, len(self._tail))
+                if not count:
+                    return b""
+                data, self._tail = bytes(self._tail[:count]), self._tail[count:]
+            else:
+                data = self.remote.read(size)
+                if not data:
+                    self._at_end(recheck=True)
+                    if self._tail is None:
+                        return b""
+                    continue
+                self.stats.bytes_network += len(data)
+                data = self._take(data)
             if self._skip:
                 drop = min(self._skip, len(data))
                 self._skip -= drop
                 data = data[drop:]
-                if not data:
-                    continue
-            self.offset += len(data)
+            if data:
+                self.offset += len(data)
+                return data
+
+    def _take(self, data: bytes) -> bytes:
+        """Write ``data`` (or hold back its part at the end); return what may be served now."""
+        start = self._received
+        self._received += len(data)
+        if self._md5 is None or self._hold_from is None or self._fd is None:
+            if self._md5 is not None and self._fd is not None:
+                self._md5.update(data)
+            self._write(data)
             return data
+        cut = max(0, self._hold_from - start)
+        if cut >= len(data):
+            self._md5.update(data)
+            self._write(data)
+            return data
+        front, back = data[:cut], data[cut:]
+        self._md5.update(front)
+        if self._prefix_md5 is None:
+            self._prefix_md5 = self._md5.copy()
+        self._md5.update(back)
+        self._write(front)
+        self._held += back
+        if self._fd is None:  # the disk filled up: nothing is verified or held any more
+            front, self._hold_from = front + bytes(self._held), None
+            self._held.clear()
+        elif self.expected_size is not None and self._received > self.expected_size:
+            self._fail(f"the store sent more than the {self.expected_size} bytes it said")
+        return front
 
     def _write(self, data: bytes) -> None:
-        if self._fd is None:
+        if self._fd is None or not data:
             return
-        if self._md5 is not None:
-            self._md5.update(data)
         try:
             view = memoryview(data)
             while view:
@@ -186,49 +182,161 @@ class TeeStream(ClosingStream):
                 view = view[written:]
             self._written += len(data)
         except OSError as exc:
-            if exc.errno not in DISK_FULL_ERRNOS:
+            if not is_disk_full(exc):
+                self._drop_partial()
                 raise CacheError(f"cannot write cache file {self.partial}: {exc}") from exc
-            self._degrade(f"cache disk full ({exc.strerror}); streaming without caching")
-
-    def _degrade(self, reason: str) -> None:
-        self.stats._disk_full = True
-        if reason not in self.stats._warned:
-            self.stats._warned.add(reason)
-            logger.warning("%s", reason)
-        self.stats.misses -= 1
-        self.stats.uncached += 1
-        self._drop_partial()
+            warn_disk_full(self.stats, exc)
+            self._drop_partial()
 
     @property
     def partial_dropped(self) -> bool:
-        """The partial file was given up mid-way (disk full): later bytes are not cached."""
-        return self._fd is None and not self.closed and self._written < (self.expected_size or 0)
+        """The partial file was given up mid-way: later bytes are not cached."""
+        return self._fd is None and not self._committed and not self.closed
 
-    def _drop_partial(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-            self._abandon()
-
-    def _finish(self) -> None:
+    def _drop_partial(self, *, poison: bool = False) -> None:
+        """Give the partial file up (the shard is not cached after all); with ``poison``,
+        followers that read it get an error instead of taking the download over."""
         if self._fd is None:
             return
-        if self.expected_size is not None and self._written != self.expected_size:
-            self._drop_partial()
-            raise ShardOpenError(
-                f"incomplete download: got {self._written} bytes, the store says "
-                f"{self.expected_size}",
-                url=self.url,
-                offset=self._written,
-            )
-        if self._md5 is not None and self._md5.hexdigest() != self._expected_md5:
-            self._drop_partial()
-            raise ShardOpenError(
-                "downloaded bytes do not match the store's checksum (ETag)", url=self.url
-            )
         fd, self._fd = self._fd, None
-        os.close(fd)
-        self._commit(self._written)
+        if poison:
+            try:
+                os.fchmod(fd, POISONED_MODE)
+            except OSError as exc:
+                logger.debug("cache: cannot mark %s as bad: %s", self.partial, exc)
+        try:
+            os.close(fd)
+        except OSError as exc:
+            logger.debug("cache: closing %s: %s", self.partial, exc)
+        self._abandon()
+        self.stats.misses -= 1
+        self.stats.uncached += 1
+
+    def _fail(self, reason: str) -> None:
+        """Bytes from this download may have reached readers wrong: raise to this one (now and
+        on every later read), and to every follower."""
+        self._drop_partial(poison=True)
+        self._error = ShardOpenError(f"cache: {reason}", url=self.url, offset=self._received)
+        raise self._error
+
+    def _at_end(self, *, recheck: bool) -> None:
+        """The store has no more bytes: verify them, then complete the entry."""
+        if self._fd is None:
+            return  # not cached (disk full): nothing to verify
+        if self.expected_size is not None and self._received != self.expected_size:
+            self._fail(
+                f"incomplete download: got {self._received} bytes, the store says "
+                f"{self.expected_size}"
+            )
+        if self._md5 is None or self._md5.hexdigest() == self._expected_md5:
+            self._complete(bytes(self._held))
+            return
+        if self._hold_from is None or not recheck or self._refetch is None:
+            self._fail("downloaded bytes do not match the store's checksum")
+        verdict, tail = self._recheck()
+        if verdict == "tail":
+            logger.warning(
+                "cache: the end of a download of %s did not match the store's checksum; "
+                "fetched it again, and the second download matched",
+                redact_url(self.url),
+            )
+            self._complete(tail)
+        elif verdict == "checksum":
+            logger.warning(
+                "cache: the store's checksum of %s is not the MD5 of its bytes (two downloads "
+                "agree with each other, not with it); streaming it without caching, and not "
+                "using this store's checksums from now on",
+                redact_url(self.url),
+            )
+            if self._distrust is not None:
+                self._distrust()
+            self._keep = False
+            self._complete(bytes(self._held))
+        else:
+            self._fail(
+                "downloaded bytes do not match the store's checksum, "
+                + (
+                    "and a second download (which did) differs in bytes already read: "
+                    "they were corrupted in transit"
+                    if verdict == "prefix"
+                    else "nor does a second download: the object changed while it was read"
+                )
+                + "; read the shard again"
+            )
+
+    def _recheck(self) -> tuple[str, bytes]:
+        """Download the object once more, and compare.
+
+        Returns ``("tail", bytes)`` when the second download matches the checksum and agrees
+        with the first on every byte already served (only held-back bytes were wrong: serve
+        the second's); ``("checksum", b"")`` when both downloads agree with each other, not
+        with the checksum (it is not an MD5 of the bytes); otherwise ``("prefix", b"")`` (bytes
+        already served were wrong) or ``("changed", b"")`` (the object differs each time).
+        """
+        assert self._hold_from is not None
+        assert self._md5 is not None
+        served = self._hold_from
+        whole = hashlib.md5(usedforsecurity=False)
+        prefix = hashlib.md5(usedforsecurity=False)
+        tail, position = bytearray(), 0
+        try:
+            stream = self._refetch() if self._refetch is not None else None
+            if stream is None:
+                return "changed", b""
+            try:
+                while chunk := stream.read(1 << 22):
+                    self.stats.bytes_network += len(chunk)
+                    whole.update(chunk)
+                    cut = max(0, min(len(chunk), served - position))
+                    prefix.update(chunk[:cut])
+                    tail += chunk[cut:]
+                    position += len(chunk)
+                    if position > (self.expected_size or 0):
+                        return "changed", b""
+            finally:
+                stream.close()
+        except OSError as exc:  # the store is unreachable now: nothing can be vouched for
+            logger.debug("cache: refetching %s failed: %s", redact_url(self.url), exc)
+            return "changed", b""
+        # No prefix hash: nothing came before the held-back bytes (an empty object).
+        first = (self._prefix_md5 or hashlib.md5(usedforsecurity=False)).digest()
+        if position != self.expected_size:
+            return "changed", b""
+        if whole.hexdigest() == self._expected_md5:
+            return ("tail", bytes(tail)) if prefix.digest() == first else ("prefix", b"")
+        if whole.hexdigest() == self._md5.hexdigest():
+            return "checksum", b""
+        return "changed", b""
+
+    def _complete(self, tail: bytes) -> None:
+        """Write the verified held-back bytes, commit the entry (unless not kept), and serve
+        those bytes from memory."""
+        self._write(tail)
+        if self._hold_from is not None:
+            self._held.clear()
+            self._tail = memoryview(tail)
+        if self._fd is None or not self._keep:
+            return
+        fd, self._fd = self._fd, None
+        try:
+            os.close(fd)  # a network filesystem reports a failed write-back here
+        except OSError as exc:
+            self._abandon()
+            self._not_kept(exc)
+            return
+        if self._commit(self._written):
+            self._committed = True
+        else:
+            self.stats.misses -= 1
+            self.stats.uncached += 1
+
+    def _not_kept(self, exc: OSError) -> None:
+        self.stats.misses -= 1
+        self.stats.uncached += 1
+        if is_disk_full(exc):
+            warn_disk_full(self.stats, exc)
+        else:
+            logger.warning("cache: cannot complete %s (%s); not cached", self.partial, exc)
 
     #: At close, a remainder up to this size is still downloaded to complete the entry: tar
     #: readers stop at the end-of-archive marker, before the record padding after it.
@@ -236,135 +344,42 @@ class TeeStream(ClosingStream):
 
     def close(self) -> None:
         """Close the store stream, completing the entry when little is left to read;
-        otherwise (the consumer stopped early) the partial file is abandoned."""
+        otherwise (the consumer stopped early) the partial file is abandoned.
+
+        Never raises: it runs in ``finally`` blocks and at garbage collection, where an error
+        would escape the consumer's handler; a remainder that cannot be completed or verified
+        is simply not cached (with a warning when it failed verification).
+        """
         if self.closed:
             return
         self.closed = True
         try:
-            if self._fd is not None:
-                self._drain()
-            if self._fd is not None:
-                # The consumer stopped early with much left: not cached after all.
-                self.stats.misses -= 1
-                self.stats.uncached += 1
+            if self._fd is not None and self._keep and self._tail is None:
+                try:
+                    self._drain()
+                except Exception as exc:  # see the docstring: nothing escapes close()
+                    if exc is self._error:
+                        logger.warning("%s; not cached (bytes already read may be wrong)", exc)
+                    else:
+                        logger.debug("cache: not caching %s: %s", redact_url(self.url), exc)
             self._drop_partial()
         finally:
-            self.remote.close()
+            try:
+                self.remote.close()
+            except Exception as exc:  # see the docstring
+                logger.debug("cache: closing the store stream of %s: %s", self.url, exc)
             self._on_close()
 
     def _drain(self) -> None:
-        remaining = self.expected_size - self._written if self.expected_size is not None else None
+        remaining = self.expected_size - self._received if self.expected_size is not None else None
         if remaining is not None and remaining > self.DRAIN_MAX_BYTES:
             return
         budget = self.DRAIN_MAX_BYTES
         while self._fd is not None and budget > 0:
             data = self.remote.read(min(budget, 1 << 22))
             if not data:
-                self._finish()
+                self._at_end(recheck=False)
                 return
             budget -= len(data)
             self.stats.bytes_network += len(data)
-            self._write(data)
-
-
-class FollowStream(ClosingStream):
-    """Reads a cache file that another process is still downloading, as it grows.
-
-    At the current end of the file it checks: the entry was committed (the file we hold was
-    renamed into place) means the real end; the downloader's lock is free without a commit
-    means it died, and ``take_over(offset)`` returns a stream that continues for us.
-
-    Args:
-        fd: An open descriptor of the partial file.
-        url: The shard URL (for errors).
-        entry: Path the partial file is renamed to when complete.
-        lock_path: The downloader's lock file.
-        take_over: Returns a replacement stream that skips ``offset`` delivered bytes.
-    """
-
-    POLL_MIN_S = 0.002
-    POLL_MAX_S = 0.05
-
-    def __init__(
-        self,
-        fd: int,
-        url: str,
-        *,
-        entry: str,
-        lock_path: str,
-        stats: CacheStats,
-        take_over: Callable[[int], ByteSource],
-        on_close: Callable[[], None],
-    ) -> None:
-        self.fd = fd
-        self.url = url
-        self.entry = entry
-        self.lock_path = lock_path
-        self.stats = stats
-        self._take_over = take_over
-        self._on_close = on_close
-        self._replacement: ByteSource | None = None
-        self._inode = os.fstat(fd).st_ino
-        self.offset = 0
-        self.closed = False
-
-    def read(self, size: int = -1) -> bytes:
-        """Return the next bytes, waiting for the downloader when we have caught up."""
-        if self._replacement is not None:
-            return self._replacement.read(size)
-        delay = self.POLL_MIN_S
-        while True:
-            data = os.read(self.fd, size if size > 0 else 1 << 22)
-            if data:
-                self.offset += len(data)
-                self.stats.bytes_disk += len(data)
-                return data
-            if self._committed() or not is_locked(self.lock_path):
-                # Committed means no more writes, so one more read is authoritative: the
-                # bytes written between our last read and the commit are still to come.
-                # (The downloader renames before it unlocks, so a free lock is checked the
-                # same way.)
-                if self._committed():
-                    data = os.read(self.fd, size if size > 0 else 1 << 22)
-                    self.offset += len(data)
-                    self.stats.bytes_disk += len(data)
-                    return data
-                logger.info(
-                    "cache: download of %s was abandoned; taking over", redact_url(self.url)
-                )
-                os.close(self.fd)
-                self.fd = -1
-                self._replacement = self._take_over(self.offset)
-                return self._replacement.read(size)
-            time.sleep(delay)
-            delay = min(delay * 2, self.POLL_MAX_S)
-
-    def _committed(self) -> bool:
-        try:
-            return os.stat(self.entry).st_ino == self._inode
-        except FileNotFoundError:
-            return False
-
-    #: Where the entry's member table goes (set by the cache); None: not saved.
-    table_path: str | None = None
-
-    def save_member_table(self, table: MemberTable) -> None:
-        """Save the member table of the entry we followed, once it is committed (and only if
-        we read the committed file itself, not a replacement stream)."""
-        if self.table_path is None or self._replacement is not None or not self._committed():
-            return
-        write_table(self.table_path, table, os.fstat(self.fd).st_size)
-
-    def close(self) -> None:
-        """Close the file (and any replacement stream)."""
-        if self.closed:
-            return
-        self.closed = True
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-        try:
-            if self._replacement is not None:
-                self._replacement.close()
-        finally:
-            self._on_close()
+            self._take(data)

@@ -9,84 +9,50 @@ Layout under the cache directory::
 ``<name>`` is a hash of the URL (credentials and signing parameters removed) plus a sanitised
 basename, so no URL can name a path outside the directory and no secret reaches a file name.
 Exactly one process downloads a shard (it holds the entry's flock, which dies with it); it
-serves its own consumer while writing ``.partial``, verifies length (and an MD5 ETag), then
-renames into place. Other processes follow the growing file, or take over if the downloader
-dies. Entries in use hold a shared flock, which eviction respects.
+serves its own consumer while writing ``.partial``, verifies length (and an MD5 when the store
+guarantees one, see :mod:`cloudshards._cachefacts`), then renames into place. Other processes
+follow the growing file, or take over if the downloader dies. Entries in use hold a shared
+flock, which eviction respects. A full or read-only disk never fails a read: the shard is
+streamed from the store instead.
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import fcntl
-import hashlib
 import json
 import logging
 import os
-import re
 import socket
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from cloudshards._cachestreams import (
-    DISK_FULL_ERRNOS,
+from cloudshards._cachefacts import distrust_checksums, entry_name, remote_facts, store_endpoint
+from cloudshards._cachefollow import FollowStream
+from cloudshards._cachelock import (
     CacheStats,
     DownloadLock,
-    FollowStream,
-    TeeStream,
+    is_disk_full,
     is_locked,
+    warn_disk_full,
 )
+from cloudshards._cachestreams import TeeStream
 from cloudshards._membertable import MemberTable, load_table, write_table
 from cloudshards.errors import CacheError, ConfigError
 from cloudshards.fetch import open_remote
 from cloudshards.io import OpenOptions, ShardStream, discard, open_shard
 from cloudshards.redact import redact_url
 from cloudshards.types import ByteSource
-from cloudshards.urls import options_for, protocol_of, resolve
+from cloudshards.urls import protocol_of
 
 __all__ = ["CacheStats", "ShardCache", "cache_info", "clear_cache", "entry_name"]
 
 logger = logging.getLogger(__name__)
 
-_ALIASES = {"gcs": "gs", "s3a": "s3", "local": "file"}
-_SIGNING_PARAM = re.compile(
-    r"^(x-amz-.*|x-goog-.*|signature|expires|awsaccesskeyid|googleaccessid|sig|se|sp|sv|sr|"
-    r"st|spr|skoid|sktid|skt|ske|sks|skv|token|access_token|key-pair-id|policy)$",
-    re.IGNORECASE,
-)
-_UNSAFE_CHARS = re.compile(r"[^A-Za-z0-9._-]+")
-_MD5_HEX = re.compile(r"^[0-9a-f]{32}$")
-
-
-def canonical_url(url: str, endpoint: str | None = None) -> str:
-    """The URL an entry is keyed by: no user info, no signing parameters, protocol aliases
-    unified, so a re-signed URL for the same object hits the same entry; a custom endpoint
-    (an S3-compatible store, an emulator) is part of the key, so equal bucket names on two
-    stores never collide."""
-    parts = urlsplit(url)
-    scheme = _ALIASES.get(parts.scheme.lower(), parts.scheme.lower())
-    netloc = parts.netloc.rsplit("@", 1)[-1]
-    query = urlencode(
-        [
-            (k, v)
-            for k, v in parse_qsl(parts.query, keep_blank_values=True)
-            if not _SIGNING_PARAM.match(k)
-        ]
-    )
-    canonical = urlunsplit((scheme, netloc, parts.path, query, ""))
-    return f"{canonical} @{endpoint}" if endpoint else canonical
-
-
-def entry_name(url: str, endpoint: str | None = None) -> str:
-    """``<sha256 prefix>-<sanitised basename>``: unique per object, readable, path-safe."""
-    canonical = canonical_url(url, endpoint)
-    digest = hashlib.sha256(canonical.encode()).hexdigest()[:32]
-    basename = urlsplit(url).path.rsplit("/", 1)[-1]
-    suffix = _UNSAFE_CHARS.sub("_", basename).strip("._")[-80:]
-    return f"{digest}-{suffix}" if suffix else digest
+#: The endpoint that is part of an entry's key (see :func:`store_endpoint`).
+_endpoint = store_endpoint
 
 
 class ShardCache:
@@ -138,6 +104,8 @@ class ShardCache:
             for sub in ("data", "meta", "locks", "stats"):
                 os.makedirs(self._path(sub), exist_ok=True)
         except OSError as exc:
+            if is_disk_full(exc):
+                raise  # the caller streams without caching
             raise CacheError(f"cannot create cache directory {self.directory}: {exc}") from exc
         self._ready = True
 
@@ -165,14 +133,22 @@ class ShardCache:
             open_store: Opens the shard in the store on a miss (e.g. as parallel ranged
                 GETs); default: one streaming GET that resumes after failures.
 
+        A full or read-only cache disk (ENOSPC, EDQUOT, EFBIG, EROFS wherever the cache writes)
+        streams the shard from the store instead, with one warning per process.
+
         Raises:
             CacheError: Another process holds the download but wrote nothing for ``wait_s``.
         """
         options = options or OpenOptions()
         if protocol_of(url) in ("file", "pipe"):
             return open_shard(url, options, shard_index=shard_index)
-        self._ensure_ready()
-        name = entry_name(url, _endpoint(url, options))
+        try:
+            self._ensure_ready()
+        except OSError as exc:
+            if not is_disk_full(exc):
+                raise
+            return self._stream_uncached(url, options, shard_index, open_store, exc)
+        name = entry_name(url, store_endpoint(url, options))
         deadline = time.monotonic() + wait_s
         delay = 0.002
         own = name in self.stats._ahead  # downloaded ahead by this process: counted as a miss
@@ -181,7 +157,14 @@ class ShardCache:
             hit = self._open_hit(name, url, shard_index, counted=not own)
             if hit is not None:
                 return hit
-            lock = self._claim(name)
+            try:
+                lock = self._claim(name)
+            except OSError as exc:
+                if not is_disk_full(exc):
+                    raise CacheError(
+                        f"cannot lock a cache entry for {redact_url(url)}: {exc}"
+                    ) from exc
+                return self._stream_uncached(url, options, shard_index, open_store, exc)
             if lock is not None:
                 return self._download(
                     url, name, options, shard_index, lock, skip=0, open_store=open_store
@@ -242,11 +225,15 @@ class ShardCache:
             # ones in use; before this process has cached anything, or once the disk is full,
             # a download ahead may not be cacheable: the consumer downloads those itself.
             return None
-        self._ensure_ready()
-        name = entry_name(url, _endpoint(url, options))
-        if os.path.exists(self._path("data", name)):
+        name = entry_name(url, store_endpoint(url, options))
+        try:
+            self._ensure_ready()
+            if os.path.exists(self._path("data", name)):
+                return None
+            lock = self._claim(name)
+        except OSError as exc:  # the consumer opens it as usual, and deals with the disk
+            logger.debug("cache: no download ahead of %s: %s", redact_url(url), exc)
             return None
-        lock = self._claim(name)
         if lock is None:
             return None
         try:
@@ -285,10 +272,17 @@ class ShardCache:
     def _take_over(
         self, url: str, name: str, options: OpenOptions, shard_index: int | None, offset: int
     ) -> Any:
-        lock = self._claim(name)
+        try:
+            lock = self._claim(name)
+        except OSError as exc:
+            if not is_disk_full(exc):
+                raise
+            warn_disk_full(self.stats, exc)
+            lock = None
         if lock is not None:
             return self._download(url, name, options, shard_index, lock, skip=offset)
-        # Someone else took over first (or finished): stream this one directly from the store.
+        # Someone else took over first (or finished), or the disk is full: stream this one
+        # directly from the store.
         stream = open_remote(url, options, shard_index=shard_index)
         discard(stream, offset)
         return stream
@@ -316,7 +310,8 @@ class ShardCache:
             logger.warning(
                 "cache: entry for %s is corrupt or truncated; refetching", redact_url(url)
             )
-            self._remove_entry(name)
+            with contextlib.suppress(OSError):  # a read-only disk: it is streamed instead
+                self._remove_entry(name)
             return None
         with contextlib.suppress(OSError):
             os.utime(entry)  # least-recently-used order
@@ -336,18 +331,29 @@ class ShardCache:
         skip: int,
         open_store: Callable[[], ByteSource] | None = None,
     ) -> Any:
+        endpoint = store_endpoint(url, options)
         try:
             if open_store is not None:
                 remote = open_store()
             else:
                 remote = open_remote(url, options, shard_index=shard_index)
-            size, md5 = _remote_facts(remote, url, options)
+            size, md5 = remote_facts(remote, url, options, endpoint)
         except BaseException:
             lock.release()
             raise
         partial = self._path("data", name + ".partial")
         stats = self.stats
-        reserved = self._reserve(name, size, lock)
+
+        def abandon() -> None:
+            with contextlib.suppress(OSError):
+                os.unlink(partial)
+            lock.release()
+
+        try:
+            reserved = self._reserve(name, size, lock)
+        except OSError as exc:
+            abandon()
+            return self._degrade(remote, skip, exc, f"cannot reserve room for {partial}")
         if reserved != "ok":
             lock.release()
             if reserved == "full":
@@ -359,28 +365,32 @@ class ShardCache:
 
         tee: TeeStream | None = None
 
-        def commit(nbytes: int) -> None:
+        def commit(nbytes: int) -> bool:
+            written: list[str] = []
             try:
+                written.append(self._path("meta", name + ".json"))
                 self._write_meta(name, {"url": redact_url(url), "size": nbytes, "md5": md5})
                 table = tee.member_table if tee is not None else None
                 if table is not None:
+                    written.append(self._table_path(name))
                     write_table(self._table_path(name), table, nbytes)
                 else:  # never leave an older entry's table next to this one
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(self._table_path(name))
                 os.replace(partial, self._path("data", name))
-                self.stats._committed_one = True
             except OSError as exc:
-                logger.warning("cache: cannot commit %s (%s); not cached", redact_url(url), exc)
-                with contextlib.suppress(OSError):
-                    os.unlink(partial)
+                for path in (partial, *written):
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
+                if is_disk_full(exc):
+                    warn_disk_full(stats, exc)
+                else:
+                    logger.warning("cache: cannot commit %s (%s); not cached", redact_url(url), exc)
+                return False
             finally:
                 lock.release()
-
-        def abandon() -> None:
-            with contextlib.suppress(OSError):
-                os.unlink(partial)
-            lock.release()
+            stats._committed_one = True
+            return True
 
         try:
             stats.misses += 1
@@ -394,19 +404,43 @@ class ShardCache:
                 expected_size=size,
                 expected_md5=md5,
                 skip=skip,
+                refetch=lambda: open_remote(url, options, shard_index=shard_index),
+                distrust=lambda: distrust_checksums(url, endpoint),
             )
+            tee.table_path = self._table_path(name)
             return tee
         except OSError as exc:
             stats.misses -= 1
             abandon()
-            if exc.errno not in DISK_FULL_ERRNOS:
-                raise CacheError(f"cannot create cache file {partial}: {exc}") from exc
-            stats._disk_full = True
-            self._warn_once(f"cache disk full ({exc.strerror}); streaming without caching")
-            stats.uncached += 1
-            self._save_stats()
-            discard(remote, skip)
-            return remote
+            return self._degrade(remote, skip, exc, f"cannot create cache file {partial}")
+
+    def _degrade(self, remote: Any, skip: int, exc: OSError, what: str) -> Any:
+        """Serve ``remote`` without caching when the disk took no more; raise otherwise."""
+        if not is_disk_full(exc):
+            with contextlib.suppress(Exception):
+                remote.close()
+            raise CacheError(f"{what}: {exc}") from exc
+        warn_disk_full(self.stats, exc)
+        self.stats.uncached += 1
+        self._save_stats()
+        discard(remote, skip)
+        return remote
+
+    def _stream_uncached(
+        self,
+        url: str,
+        options: OpenOptions,
+        shard_index: int | None,
+        open_store: Callable[[], ByteSource] | None,
+        exc: OSError,
+    ) -> Any:
+        """Open the shard in the store, not through the cache: its disk is full or read-only."""
+        remote = (
+            open_store()
+            if open_store is not None
+            else open_remote(url, options, shard_index=shard_index)
+        )
+        return self._degrade(remote, 0, exc, f"cannot use the cache in {self.directory}")
 
     # --- budget -----------------------------------------------------------------------------
 
@@ -516,17 +550,25 @@ class ShardCache:
     def _write_meta(self, name: str, meta: dict[str, Any]) -> None:
         path = self._path("meta", name + ".json")
         tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(meta, f)
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "w") as f:
+                json.dump(meta, f)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
 
     def _save_stats(self) -> None:
         path = self._path("stats", f"{socket.gethostname()}-{os.getpid()}.json")
-        with contextlib.suppress(OSError):
-            tmp = path + ".tmp"
+        tmp = path + ".tmp"
+        try:
             with open(tmp, "w") as f:
                 json.dump(self.stats.as_dict(), f)
             os.replace(tmp, path)
+        except OSError:  # counters are best effort: a full disk must not fail a read
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
 
     def _warn_once(self, message: str) -> None:
         if message not in self.stats._warned:
@@ -602,17 +644,6 @@ class _CachedFile(ShardStream):
         super().close()
 
 
-def _endpoint(url: str, options: OpenOptions) -> str | None:
-    """The store endpoint a URL resolves against, when it is not the provider's default."""
-    protocol = protocol_of(url)
-    endpoint = options_for(protocol, options.storage_options).get("endpoint_url")
-    if endpoint is None and protocol in ("s3", "s3a"):
-        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-    if endpoint is None and protocol in ("gs", "gcs"):
-        endpoint = os.environ.get("STORAGE_EMULATOR_HOST")
-    return str(endpoint) if endpoint else None
-
-
 def _reserved_size(lock_path: str, partial: os.DirEntry[str]) -> int:
     try:
         with open(lock_path, "rb") as f:
@@ -622,34 +653,6 @@ def _reserved_size(lock_path: str, partial: os.DirEntry[str]) -> int:
     with contextlib.suppress(FileNotFoundError):
         reserved = max(reserved, partial.stat().st_size)
     return reserved
-
-
-def _remote_facts(stream: Any, url: str, options: OpenOptions) -> tuple[int | None, str | None]:
-    """The object's size and, when the store gives one, its MD5 (hex), for verification."""
-    raw = getattr(stream, "_raw", stream)
-    details = getattr(stream, "details", None) or getattr(raw, "details", None)
-    size = getattr(stream, "size", None) or getattr(raw, "size", None)
-    if not isinstance(details, dict) or details.get("size") is None:
-        # Streaming HTTP files carry {"size": None}: ask the store, or nothing is verified.
-        try:
-            fs, path = resolve(url, options.storage_options)
-            details = fs.info(path)
-        except Exception:
-            details = {}
-    if size is None:
-        size = details.get("size")
-    return (int(size) if size is not None else None), _md5_of(details)
-
-
-def _md5_of(details: dict[str, Any]) -> str | None:
-    etag = str(details.get("ETag") or details.get("etag") or "").strip('"').lower()
-    if _MD5_HEX.match(etag):
-        return etag  # S3 single-part uploads: the ETag is the MD5 of the body
-    md5_b64 = details.get("md5Hash")  # GCS
-    if isinstance(md5_b64, str):
-        with contextlib.suppress(ValueError):
-            return base64.b64decode(md5_b64).hex()
-    return None
 
 
 def cache_info(directory: str | os.PathLike[str]) -> dict[str, Any]:

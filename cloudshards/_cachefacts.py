@@ -1,0 +1,301 @@
+"""What the node cache knows about a store and an object: an entry's name (a hash of the URL
+and the store's endpoint), and the object's size and the checksum (if any) its download is
+verified against.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import functools
+import hashlib
+import os
+import re
+import threading
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import fsspec.config
+
+from cloudshards.io import OpenOptions
+from cloudshards.urls import options_for, protocol_of, resolve
+
+__all__ = [
+    "canonical_url",
+    "distrust_checksums",
+    "entry_name",
+    "remote_facts",
+    "store_endpoint",
+    "trusted_md5",
+]
+
+_S3 = ("s3", "s3a")
+_GCS = ("gs", "gcs")
+_MD5_HEX = re.compile(r"^[0-9a-f]{32}$")
+_TRUE = ("true", "1", "yes")
+
+
+# --- entry names --------------------------------------------------------------------------
+
+_ALIASES = {"gcs": "gs", "s3a": "s3", "local": "file"}
+_SIGNING_PARAM = re.compile(
+    r"^(x-amz-.*|x-goog-.*|signature|expires|awsaccesskeyid|googleaccessid|sig|se|sp|sv|sr|"
+    r"st|spr|skoid|sktid|skt|ske|sks|skv|token|access_token|key-pair-id|policy)$",
+    re.IGNORECASE,
+)
+_UNSAFE_CHARS = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def canonical_url(url: str, endpoint: str | None = None) -> str:
+    """The URL an entry is keyed by: no user info, no signing parameters, protocol aliases
+    unified, so a re-signed URL for the same object hits the same entry; a custom endpoint
+    (an S3-compatible store, an emulator) is part of the key, so equal bucket names on two
+    stores never collide."""
+    parts = urlsplit(url)
+    scheme = _ALIASES.get(parts.scheme.lower(), parts.scheme.lower())
+    netloc = parts.netloc.rsplit("@", 1)[-1]
+    query = urlencode(
+        [
+            (k, v)
+            for k, v in parse_qsl(parts.query, keep_blank_values=True)
+            if not _SIGNING_PARAM.match(k)
+        ]
+    )
+    canonical = urlunsplit((scheme, netloc, parts.path, query, ""))
+    return f"{canonical} @{endpoint}" if endpoint else canonical
+
+
+def entry_name(url: str, endpoint: str | None = None) -> str:
+    """``<sha256 prefix>-<sanitised basename>``: unique per object, readable, path-safe."""
+    canonical = canonical_url(url, endpoint)
+    digest = hashlib.sha256(canonical.encode()).hexdigest()[:32]
+    basename = urlsplit(url).path.rsplit("/", 1)[-1]
+    suffix = _UNSAFE_CHARS.sub("_", basename).strip("._")[-80:]
+    return f"{digest}-{suffix}" if suffix else digest
+
+
+# --- endpoints ----------------------------------------------------------------------------
+
+
+def store_endpoint(url: str, options: OpenOptions) -> str | None:
+    """The endpoint ``url`` resolves against when it is not the provider's default, as the
+    backend itself would pick it, without user info, query or fragment (never a credential).
+
+    Every form s3fs and gcsfs accept counts, with their precedence: ``endpoint_url`` (also
+    for gcsfs), then s3fs's ``client_kwargs={"endpoint_url": ...}``, each also from fsspec's
+    config (``FSSPEC_S3_ENDPOINT_URL``, ``FSSPEC_S3='{"client_kwargs": ...}'``, config
+    files), which fsspec applies to every filesystem it creates; then for S3 botocore's
+    ``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL`` and the AWS config file (the profile's
+    ``endpoint_url``, or its ``services`` section), unless ``AWS_IGNORE_CONFIGURED_ENDPOINT_URLS``
+    or the profile's ``ignore_configured_endpoint_urls`` says not to; for GCS gcsfs's
+    ``STORAGE_EMULATOR_HOST`` and ``GOOGLE_CLOUD_UNIVERSE_DOMAIN``.
+    """
+    protocol = protocol_of(url)
+    group = _S3 if protocol in _S3 else _GCS if protocol in _GCS else (protocol,)
+    kwargs = _with_fsspec_config(group, options_for(protocol, options.storage_options))
+    client_kwargs = kwargs.get("client_kwargs")
+    endpoint = kwargs.get("endpoint_url") or (
+        client_kwargs.get("endpoint_url") if isinstance(client_kwargs, Mapping) else None
+    )
+    if not endpoint and protocol in _S3:
+        profile = kwargs.get("profile")
+        endpoint = _aws_endpoint(profile if isinstance(profile, str) else None)
+    if not endpoint and protocol in _GCS:
+        endpoint = _gcs_endpoint()
+    return _without_secrets(str(endpoint)) if endpoint else None
+
+
+def _with_fsspec_config(protocols: tuple[str, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` as fsspec passes them to the filesystem (``fsspec.config.apply_config``):
+    the config's values for the class's protocols, then the explicit ones over them."""
+    merged: dict[str, Any] = {}
+    for protocol in protocols:
+        conf = fsspec.config.conf.get(protocol)
+        if isinstance(conf, Mapping):
+            merged.update(conf)
+    merged.update(kwargs)
+    return merged
+
+
+def _aws_endpoint(profile: str | None) -> str | None:
+    profile = profile or os.environ.get("AWS_PROFILE") or os.environ.get("AWS_DEFAULT_PROFILE")
+    config = _aws_config(profile)
+    ignore = os.environ.get("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS")
+    if (ignore.strip().lower() in _TRUE) if ignore is not None else config.ignore:
+        return None
+    return (
+        os.environ.get("AWS_ENDPOINT_URL_S3")
+        or os.environ.get("AWS_ENDPOINT_URL")
+        or config.service_endpoint
+        or config.endpoint
+    )
+
+
+class _AwsConfig(NamedTuple):
+    ignore: bool = False
+    service_endpoint: str | None = None
+    endpoint: str | None = None
+
+
+def _aws_config(profile: str | None) -> _AwsConfig:
+    path = os.path.expanduser(os.environ.get("AWS_CONFIG_FILE") or "~/.aws/config")
+    try:
+        st = os.stat(path)
+    except OSError:
+        return _AwsConfig()
+    return _parse_aws_config(path, st.st_mtime_ns, st.st_size, profile)
+
+
+@functools.lru_cache(maxsize=32)
+def _parse_aws_config(path: str, mtime_ns: int, size: int, profile: str | None) -> _AwsConfig:
+    """The endpoint settings of ``profile`` in the AWS config file at ``path``, read with
+    botocore (s3fs's own dependency) as it reads them; the file's identity keys the cache."""
+    del mtime_ns, size  # cache keys only
+    try:
+        import botocore.exceptions  # type: ignore[import-untyped]
+        import botocore.session  # type: ignore[import-untyped]
+    except ImportError:  # no botocore, no s3fs: nothing can open s3:// anyway
+        return _AwsConfig()
+    try:
+        session = botocore.session.Session(profile=profile)
+        session.set_config_variable("config_file", path)
+        scoped = session.get_scoped_config()
+        services = session.full_config.get("services", {})
+    except (botocore.exceptions.BotoCoreError, OSError, ValueError):
+        return _AwsConfig()
+    ignore = str(scoped.get("ignore_configured_endpoint_urls", "")).strip().lower() in _TRUE
+    service_endpoint = None
+    section = services.get(scoped.get("services")) if isinstance(services, dict) else None
+    if isinstance(section, dict) and isinstance(section.get("s3"), dict):
+        service_endpoint = section["s3"].get("endpoint_url")
+    endpoint = scoped.get("endpoint_url")
+    return _AwsConfig(
+        ignore=ignore,
+        service_endpoint=str(service_endpoint) if service_endpoint else None,
+        endpoint=str(endpoint) if endpoint else None,
+    )
+
+
+def _gcs_endpoint() -> str | None:
+    """gcsfs's own fallbacks (``gcsfs.core._location``): an emulator, or another universe."""
+    emulator = os.environ.get("STORAGE_EMULATOR_HOST", "")
+    if emulator not in ("", "default"):
+        return emulator if emulator.startswith(("http://", "https://")) else f"http://{emulator}"
+    universe = os.environ.get("GOOGLE_CLOUD_UNIVERSE_DOMAIN", "googleapis.com")
+    return None if universe == "googleapis.com" else f"https://storage.{universe}"
+
+
+def _without_secrets(endpoint: str) -> str | None:
+    """Scheme, host, port and path only: an endpoint URL may carry ``user:secret@`` or a
+    signed query string, which must reach neither the key nor anything else."""
+    text = endpoint.strip()
+    if not text:
+        return None
+    if "://" not in text:
+        text = f"http://{text}"
+    parts = urlsplit(text)
+    host = parts.netloc.rsplit("@", 1)[-1].lower()
+    return urlunsplit((parts.scheme.lower(), host, parts.path.rstrip("/"), "", ""))
+
+
+# --- size and checksum --------------------------------------------------------------------
+
+
+def remote_facts(
+    stream: Any, url: str, options: OpenOptions, endpoint: str | None
+) -> tuple[int | None, str | None]:
+    """The object's size and, when the store guarantees one, its MD5 (hex), for verification."""
+    raw = getattr(stream, "_raw", stream)
+    details = getattr(stream, "details", None) or getattr(raw, "details", None)
+    size = getattr(stream, "size", None) or getattr(raw, "size", None)
+    if not isinstance(details, dict) or details.get("size") is None:
+        # Streaming HTTP files carry {"size": None}: ask the store, or nothing is verified.
+        try:
+            fs, path = resolve(url, options.storage_options)
+            details = fs.info(path)
+        except Exception:
+            details = {}
+    if size is None:
+        size = details.get("size")
+    md5 = None if _distrusted(url, endpoint) else trusted_md5(url, details, endpoint)
+    return (int(size) if size is not None else None), md5
+
+
+def trusted_md5(url: str, details: Mapping[str, Any], endpoint: str | None) -> str | None:
+    """The MD5 (hex) of the object's bytes, only where the store guarantees that is what a
+    field holds; None otherwise (the download is then verified by its length only).
+
+    - GCS (``gs://``, JSON API): ``md5Hash`` is the MD5 of the stored bytes; composite
+      objects have none. Not trusted when ``contentEncoding`` is set: the bytes served may
+      be decompressed (transcoding), so they are not the stored ones.
+    - S3 (``s3://`` on AWS itself): the ETag is the body's MD5 only for a single-part upload
+      (no ``-N`` suffix) stored unencrypted or with SSE-S3; not with SSE-KMS, DSSE-KMS or
+      SSE-C. So it is trusted only when the metadata says ``ServerSideEncryption: AES256``
+      and no ``SSECustomerAlgorithm``. s3fs's ``info()`` reports neither field (it keeps
+      only ETag, size, dates, storage class, version and content type), so with s3fs as it
+      is, S3 ETags are never trusted. With a custom endpoint (MinIO, Ceph, R2, ...) the
+      same metadata proves nothing: their ETags of encrypted or otherwise stored objects are
+      opaque.
+    - Everything else, HTTP(S) above all: an ETag is an opaque version tag (a CDN in front
+      of an SSE-KMS bucket serves 32 hex digits that are no MD5).
+    """
+    protocol = protocol_of(url)
+    if protocol in _GCS:
+        return _gcs_md5(details)
+    if protocol in _S3 and _is_aws(endpoint):
+        return _s3_md5(details)
+    return None
+
+
+def _gcs_md5(details: Mapping[str, Any]) -> str | None:
+    if details.get("contentEncoding") not in (None, "", "identity"):
+        return None
+    value = details.get("md5Hash")
+    if not isinstance(value, str):
+        return None
+    try:
+        digest = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    return digest.hex() if len(digest) == 16 else None
+
+
+def _s3_md5(details: Mapping[str, Any]) -> str | None:
+    etag = str(details.get("ETag") or details.get("etag") or "").strip().strip('"').lower()
+    if not _MD5_HEX.match(etag):
+        return None  # a multipart upload ("<hex>-<parts>"), or not an MD5 at all
+    if details.get("ServerSideEncryption") != "AES256" or details.get("SSECustomerAlgorithm"):
+        return None
+    return etag
+
+
+def _is_aws(endpoint: str | None) -> bool:
+    if endpoint is None:
+        return True
+    host = (urlsplit(endpoint).hostname or "").lower()
+    return host.endswith((".amazonaws.com", ".amazonaws.com.cn"))
+
+
+# Stores whose "guaranteed" checksum turned out not to be the MD5 of their bytes (two
+# downloads agreed with each other, not with it): this process stops using their checksums,
+# so one such store costs one extra download per process, not one per shard.
+_DISTRUSTED: set[tuple[str, str | None, str]] = set()
+_DISTRUSTED_LOCK = threading.Lock()
+
+
+def _store_key(url: str, endpoint: str | None) -> tuple[str, str | None, str]:
+    protocol = protocol_of(url)
+    protocol = "s3" if protocol in _S3 else "gs" if protocol in _GCS else protocol
+    return protocol, endpoint, urlsplit(url).netloc.rsplit("@", 1)[-1].lower()
+
+
+def distrust_checksums(url: str, endpoint: str | None) -> None:
+    """Stop verifying downloads from the store (and bucket) of ``url`` by its checksums."""
+    with _DISTRUSTED_LOCK:
+        _DISTRUSTED.add(_store_key(url, endpoint))
+
+
+def _distrusted(url: str, endpoint: str | None) -> bool:
+    with _DISTRUSTED_LOCK:
+        return _store_key(url, endpoint) in _DISTRUSTED

@@ -1,0 +1,135 @@
+"""A reader of a cache file that another process is still downloading, as it grows."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+
+from cloudshards._cachelock import CacheStats, is_locked, is_poisoned
+from cloudshards._membertable import MemberTable, write_table
+from cloudshards.errors import ShardOpenError
+from cloudshards.redact import redact_url
+from cloudshards.types import ByteSource, ClosingStream
+
+logger = logging.getLogger(__name__)
+
+
+class FollowStream(ClosingStream):
+    """Reads a cache file that another process is still downloading, as it grows.
+
+    At the current end of the file it checks: the entry was committed (the file we hold was
+    renamed into place) means the real end; the downloader's lock is free without a commit
+    means it died or stopped, and ``take_over(offset)`` returns a stream that continues for
+    us, unless the downloader marked the file as failing verification (see
+    :data:`~cloudshards._cachelock.POISONED_MODE`): the bytes read so far may be wrong, and
+    ``read`` raises instead.
+
+    Args:
+        fd: An open descriptor of the partial file.
+        url: The shard URL (for errors).
+        entry: Path the partial file is renamed to when complete.
+        lock_path: The downloader's lock file.
+        take_over: Returns a replacement stream that skips ``offset`` delivered bytes.
+    """
+
+    POLL_MIN_S = 0.002
+    POLL_MAX_S = 0.05
+
+    def __init__(
+        self,
+        fd: int,
+        url: str,
+        *,
+        entry: str,
+        lock_path: str,
+        stats: CacheStats,
+        take_over: Callable[[int], ByteSource],
+        on_close: Callable[[], None],
+    ) -> None:
+        self.fd = fd
+        self.url = url
+        self.entry = entry
+        self.lock_path = lock_path
+        self.stats = stats
+        self._take_over = take_over
+        self._on_close = on_close
+        self._replacement: ByteSource | None = None
+        self._inode = os.fstat(fd).st_ino
+        self.offset = 0
+        self.closed = False
+
+    def read(self, size: int = -1) -> bytes:
+        """Return the next bytes, waiting for the downloader when we have caught up."""
+        if self._replacement is not None:
+            return self._replacement.read(size)
+        delay = self.POLL_MIN_S
+        while True:
+            data = os.read(self.fd, size if size > 0 else 1 << 22)
+            if data:
+                self.offset += len(data)
+                self.stats.bytes_disk += len(data)
+                return data
+            if self._committed() or not is_locked(self.lock_path):
+                # Committed means no more writes, so one more read is authoritative: the
+                # bytes written between our last read and the commit are still to come.
+                # (The downloader renames before it unlocks, so a free lock is checked the
+                # same way.)
+                if self._committed():
+                    data = os.read(self.fd, size if size > 0 else 1 << 22)
+                    self.offset += len(data)
+                    self.stats.bytes_disk += len(data)
+                    return data
+                if is_poisoned(self.fd):
+                    raise ShardOpenError(
+                        "cache: the download this reader followed does not match the store's "
+                        "checksum; bytes already read from it may be wrong: read the shard again",
+                        url=self.url,
+                        offset=self.offset,
+                    )
+                logger.info(
+                    "cache: download of %s was abandoned; taking over", redact_url(self.url)
+                )
+                os.close(self.fd)
+                self.fd = -1
+                self._replacement = self._take_over(self.offset)
+                return self._replacement.read(size)
+            time.sleep(delay)
+            delay = min(delay * 2, self.POLL_MAX_S)
+
+    def _committed(self) -> bool:
+        try:
+            return os.stat(self.entry).st_ino == self._inode
+        except FileNotFoundError:
+            return False
+
+    #: Where the entry's member table goes (set by the cache); None: not saved.
+    table_path: str | None = None
+
+    def save_member_table(self, table: MemberTable) -> None:
+        """Save the member table of the entry we followed, once it is committed (and only if
+        we read the committed file itself, not a replacement stream)."""
+        if self.table_path is None or self._replacement is not None or not self._committed():
+            return
+        write_table(self.table_path, table, os.fstat(self.fd).st_size)
+
+    def close(self) -> None:
+        """Close the file (and any replacement stream). Never raises: it runs in ``finally``
+        blocks and at garbage collection, outside the consumer's error handler."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            try:
+                os.close(fd)
+            except OSError as exc:
+                logger.debug("cache: closing %s: %s", self.entry, exc)
+        try:
+            if self._replacement is not None:
+                self._replacement.close()
+        except Exception as exc:  # see the docstring
+            logger.debug("cache: closing the stream of %s: %s", redact_url(self.url), exc)
+        finally:
+            self._on_close()

@@ -1,0 +1,133 @@
+"""What the node cache's modules share: per-process counters, the download lock (a
+``flock`` that dies with its holder), and how a full disk or a bad download is recognised."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import stat
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+#: Errors that mean "the disk cannot take this entry": degrade to uncached streaming.
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
+
+#: The mode of a partial file whose bytes failed verification. Readers following it hold it
+#: open (it is unlinked when abandoned), so they see the mode of that very inode: a partial
+#: file is created 0o644 (less the umask) and never has an execute bit otherwise.
+POISONED_MODE = 0o700
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """The cache's disk is full, over quota, or read-only (not a bug, not a store error)."""
+    return isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS
+
+
+def warn_disk_full(stats: CacheStats, exc: OSError) -> None:
+    """Note that the disk took no more, with one warning per process and cache directory."""
+    stats._disk_full = True
+    if "disk full" not in stats._warned:
+        stats._warned.add("disk full")
+        logger.warning(
+            "cache disk full or read-only (%s); streaming without caching", exc.strerror or exc
+        )
+
+
+def is_poisoned(fd: int) -> bool:
+    """Whether the partial file open at ``fd`` was marked as failing verification."""
+    return bool(os.fstat(fd).st_mode & stat.S_IXUSR)
+
+
+@dataclass
+class CacheStats:
+    """Per-process cache counters.
+
+    Attributes:
+        hits: Shards served from a complete entry.
+        misses: Shards this process downloaded (and cached), itself or ahead in the background.
+        waits: Shards read by following another process's download.
+        uncached: Shards streamed without caching (disk full, over budget, early stop).
+        bytes_network: Bytes this process read from the store through the cache.
+        bytes_disk: Bytes read from cache files (a shard this process downloaded ahead counts
+            as a miss only: reading it back is part of that download, not a hit).
+        evictions: Entries this process evicted.
+    """
+
+    hits: int = 0
+    misses: int = 0
+    waits: int = 0
+    uncached: int = 0
+    bytes_network: int = 0
+    bytes_disk: int = 0
+    evictions: int = 0
+    _warned: set[str] = field(default_factory=set, repr=False)
+    #: Entries this process downloaded ahead that its consumer has not opened yet.
+    _ahead: set[str] = field(default_factory=set, repr=False)
+    #: Downloads ahead start once this process has committed an entry, and never after the
+    #: disk filled up: they must not cost a second download of what cannot be cached.
+    _committed_one: bool = field(default=False, repr=False)
+    _disk_full: bool = field(default=False, repr=False)
+
+    def as_dict(self) -> dict[str, int]:
+        """The counters as a plain dict."""
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+
+
+class DownloadLock:
+    """An exclusive ``flock`` on a lock file: released by the kernel if the process dies.
+
+    ``with DownloadLock(path):`` waits for the lock; :meth:`try_acquire` does not.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fd = -1
+
+    def try_acquire(self, *, wait: bool = False) -> bool:
+        """Take the lock (without waiting unless ``wait``); True on success."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BaseException as exc:
+            os.close(fd)
+            if isinstance(exc, BlockingIOError):
+                return False
+            raise
+        self.fd = fd
+        return True
+
+    def __enter__(self) -> DownloadLock:
+        self.try_acquire(wait=True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def release(self) -> None:
+        """Release the lock (idempotent)."""
+        if self.fd >= 0:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = -1
+
+
+def is_locked(path: str) -> bool:
+    """True when another process holds the download lock at ``path``.
+
+    Opens the lock file read-only and never creates it: this works on a full or read-only
+    disk (a missing lock file is held by no one).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # also releases the lock we may just have taken
+    return False

@@ -32,7 +32,9 @@ def warn_disk_full(stats: CacheStats, exc: OSError) -> None:
     if "disk full" not in stats._warned:
         stats._warned.add("disk full")
         logger.warning(
-            "cache disk full or read-only (%s); streaming without caching", exc.strerror or exc
+            "cache disk full or read-only (%s); streaming shards without caching until there "
+            "is room (free space there, or give cache_dir another disk)",
+            exc.strerror or exc,
         )
 
 
@@ -49,7 +51,8 @@ class CacheStats:
         hits: Shards served from a complete entry.
         misses: Shards this process downloaded (and cached), itself or ahead in the background.
         waits: Shards read by following another process's download.
-        uncached: Shards streamed without caching (disk full, over budget, early stop).
+        uncached: Shards streamed without caching (disk full or read-only, over budget, early
+            stop, failed verification).
         bytes_network: Bytes this process read from the store through the cache.
         bytes_disk: Bytes read from cache files (a shard this process downloaded ahead counts
             as a miss only: reading it back is part of that download, not a hit).

@@ -257,16 +257,7 @@ class TeeStream(ClosingStream):
             self._keep = False
             self._complete(bytes(self._held))
         else:
-            self._fail(
-                "downloaded bytes do not match the store's checksum, "
-                + (
-                    "and a second download (which did) differs in bytes already read: "
-                    "they were corrupted in transit"
-                    if verdict == "prefix"
-                    else "nor does a second download: the object changed while it was read"
-                )
-                + "; read the shard again"
-            )
+            self._fail(f"downloaded bytes do not match the store's checksum, {_WHY[verdict]}")
 
     def _recheck(self) -> tuple[str, bytes]:
         """Download the object once more, and compare.
@@ -275,18 +266,18 @@ class TeeStream(ClosingStream):
         with the first on every byte already served (only held-back bytes were wrong: serve
         the second's); ``("checksum", b"")`` when both downloads agree with each other, not
         with the checksum (it is not an MD5 of the bytes); otherwise ``("prefix", b"")`` (bytes
-        already served were wrong) or ``("changed", b"")`` (the object differs each time).
+        already served were wrong), ``("changed", b"")`` (the object differs each time) or
+        ``("failed", b"")`` (the second download failed).
         """
         assert self._hold_from is not None
         assert self._md5 is not None
+        assert self._refetch is not None
         served = self._hold_from
         whole = hashlib.md5(usedforsecurity=False)
         prefix = hashlib.md5(usedforsecurity=False)
         tail, position = bytearray(), 0
         try:
-            stream = self._refetch() if self._refetch is not None else None
-            if stream is None:
-                return "changed", b""
+            stream = self._refetch()
             try:
                 while chunk := stream.read(1 << 22):
                     self.stats.bytes_network += len(chunk)
@@ -301,7 +292,7 @@ class TeeStream(ClosingStream):
                 stream.close()
         except OSError as exc:  # the store is unreachable now: nothing can be vouched for
             logger.debug("cache: refetching %s failed: %s", redact_url(self.url), exc)
-            return "changed", b""
+            return "failed", b""
         # No prefix hash: nothing came before the held-back bytes (an empty object).
         first = (self._prefix_md5 or hashlib.md5(usedforsecurity=False)).digest()
         if position != self.expected_size:
@@ -387,3 +378,14 @@ class TeeStream(ClosingStream):
             budget -= len(data)
             self.stats.bytes_network += len(data)
             self._take(data)
+
+
+#: Why a download that did not match its checksum may have served wrong bytes, per verdict of
+#: :meth:`TeeStream._recheck`.
+_WHY = {
+    "prefix": "and a second download (which does) differs in bytes already read: they were "
+    "corrupted in transit; read the shard again",
+    "changed": "nor does a second download: the object changed while it was read; read the "
+    "shard again",
+    "failed": "and a second download to check it failed; read the shard again",
+}

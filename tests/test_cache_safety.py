@@ -358,6 +358,39 @@ def test_bytes_corrupted_in_transit_never_reach_the_consumer_from_the_tail(
     assert len(warnings_of(caplog)) == 1
 
 
+def test_a_mismatch_that_cannot_be_checked_again_fails_the_shard(
+    make_shards: Any,
+    gcs: type[FakeGCS],
+    store: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The checksum does not match and the second download fails: nothing can vouch for the
+    bytes, so the reader gets a ShardOpenError that says so (through its handler)."""
+    shards = make_shards([3], payload_bytes=2000)
+    gcs.md5_hash = base64.b64encode(b"\x03" * 16).decode()
+
+    def refuse(self: Any, path: str, mode: str = "rb", **kwargs: Any) -> Any:
+        raise PermissionError(f"{path}: access denied")
+
+    monkeypatch.setattr(FakeGCS, "_open", refuse)
+    cache_dir = tmp_path / "cache"
+    handler = Handled()
+    ds = wds.WebDataset(
+        [gs_url(shards.paths[0])],
+        shardshuffle=False,
+        cache_dir=str(cache_dir),
+        handler=handler,
+        empty_check=False,
+    )
+    assert samples_of(ds) == []  # the whole shard was held back: nothing unverified got out
+    (error,) = handler.errors
+    assert isinstance(error, ShardOpenError)
+    assert "second download to check it failed" in str(error)
+    assert entries(cache_dir) == []
+    assert held_locks(cache_dir) == []
+
+
 @pytest.fixture
 def small_hold(monkeypatch: pytest.MonkeyPatch) -> int:
     """Hold back only the last 8 KiB of each download until it is verified."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import tarfile
+import weakref
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -186,8 +187,23 @@ def test_empty_check_explains_the_cause(make_shards: Any) -> None:
     loader = torch.utils.data.DataLoader(
         wds.WebDataset(shards.spec(), shardshuffle=False), num_workers=2, batch_size=None
     )
-    with pytest.raises(ValueError, match="fewer shards than workers"):
-        list(loader)
+    failed = iter(loader)
+    stopped = weakref.ref(failed)
+    with pytest.raises(ValueError, match="fewer shards than workers") as raised:
+        list(failed)
+    # The failed iterator still owns its running workers: DataLoader stops them only in
+    # its __del__. The exception's traceback holds the iterator in a reference cycle
+    # (traceback -> torch's reraise frame -> exception -> traceback), so __del__ would run
+    # whenever the garbage collector gets to it, possibly inside a worker forked below,
+    # which inherits the garbage. There it fails ("can only test a child process"),
+    # pytest's unraisable hook imports tracemalloc, and when that collection happened
+    # inside an import of the worker (numpy.random), Python 3.11's module lock is
+    # re-entered: the worker dies with a KeyError in importlib. Break the cycle, so that
+    # dropping the last references stops the workers here, now (a gc.collect() would do it
+    # too, but in 5 s: the queues' finalizers run first and the joins time out).
+    raised.value.__traceback__ = None
+    del failed, raised
+    assert stopped() is None, "the failed DataLoader iterator (and its workers) outlived it"
     relaxed = wds.WebDataset(shards.spec(), shardshuffle=False, empty_check=False)
     loader = torch.utils.data.DataLoader(relaxed, num_workers=2, batch_size=None)
     assert sorted(keys_of(loader)) == shards.keys

@@ -7,6 +7,7 @@ import io
 import json
 import tarfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,13 +113,41 @@ def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPath
     monkeypatch.setenv("CLOUDSHARDS_COUNTS_DIR", str(tmp_path_factory.mktemp("counts")))
 
 
+#: Every thread cloudshards starts is named with this prefix (threading.Thread(name=...),
+#: ThreadPoolExecutor(thread_name_prefix=...)); they are daemon threads, or pool threads
+#: that inherit daemon from a daemon thread, so the daemon flag alone would hide them.
+LIBRARY_THREAD_PREFIX = "cloudshards"
+
+#: How long, in all, threads a test stopped may take to finish before they count as leaked.
+THREAD_GRACE_S = 2.0
+
+
+def _leak_candidates(before: set[threading.Thread]) -> list[threading.Thread]:
+    """New threads still alive: any non-daemon thread, and cloudshards' own, daemon or not."""
+    return [
+        thread
+        for thread in threading.enumerate()
+        if thread not in before
+        and thread.is_alive()
+        and (not thread.daemon or thread.name.startswith(LIBRARY_THREAD_PREFIX))
+    ]
+
+
 @pytest.fixture(autouse=True)
 def no_thread_leaks() -> Iterator[None]:
-    """Fail a test that leaves new non-daemon threads running."""
+    """Fail a test that leaves new threads running: non-daemon threads, and cloudshards'
+    threads whether daemon or not (a leaked download or pool thread keeps running into
+    later tests and into the workers they fork). Threads that are finishing get
+    THREAD_GRACE_S in all; the list is re-read after each join, so threads started while
+    others finish are waited for and counted too."""
     before = set(threading.enumerate())
     yield
-    leaked = [t for t in threading.enumerate() if t not in before and t.is_alive() and not t.daemon]
-    for thread in leaked:
-        thread.join(timeout=2.0)
-    leaked = [t for t in leaked if t.is_alive()]
-    assert not leaked, f"test leaked threads: {leaked}"
+    deadline = time.monotonic() + THREAD_GRACE_S
+    leaked = _leak_candidates(before)
+    while leaked and time.monotonic() < deadline:
+        leaked[0].join(timeout=max(0.0, deadline - time.monotonic()))
+        leaked = _leak_candidates(before)
+    assert not leaked, (
+        f"test leaked threads (still alive {THREAD_GRACE_S:.0f} s after it ended): "
+        + ", ".join(f"{t.name} (daemon={t.daemon})" for t in leaked)
+    )

@@ -104,7 +104,7 @@ class Data:
     Attributes:
         root: Their directory (no index in it: balanced epochs count the samples themselves).
         spec: Brace spec of the 7 shards.
-        index_url: An index of them, written elsewhere (for the indexed mode).
+        index_url: An index of them, one directory up (for the indexed mode).
         keys: Every sample key, in shard order (the indexed mode's sample numbering).
     """
 
@@ -119,8 +119,9 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Data:
     root = tmp_path_factory.mktemp("distributed-data")
     keys = write_shards(root / "shards")
     spec = f"{root}/shards/train-{{000000..{len(SHARD_SIZES) - 1:06d}}}.tar"
-    index_url = str(root / "index" / "train.index.json")
-    (root / "index").mkdir()
+    # Above the shards' directory, not in it: the indexed mode finds it (an index may list
+    # shards under its own directory), balanced epochs do not (they look beside the shards).
+    index_url = str(root / "train.index.json")
     wds.write_index(wds.build_index(spec), index_url)
     assert len(keys) == NUM_SAMPLES
     return Data(root=root / "shards", spec=spec, index_url=index_url, keys=keys)

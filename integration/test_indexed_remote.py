@@ -1,10 +1,12 @@
 """Indexed mode against real servers: moto S3 and nginx.
 
 Each test gets its own copy of the synthetic dataset (conftest ``dataset``) under a unique
-prefix, indexed by ``build_index`` over the server and saved next to the shards. The servers'
+prefix, indexed by ``build_index`` over the server and saved next to the shards, and reads it
+through the cloud simulator (``cloudsim.py``, no faults) in front of the server. The servers'
 own request records (nginx's access log with Range headers and body sizes, moto's werkzeug
 request log) show how many requests each read made: one ranged GET per sample without a
-cache, one download per shard with one.
+cache, one download per shard with one. The simulator's counters say when those records are
+complete (see ``Copy.logged``).
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import pytest
+from cloudsim_fixtures import cloudsim_process_factory  # noqa: F401
 from torch.utils.data import DataLoader
 
 import cloudshards as wds
@@ -29,6 +32,7 @@ from cloudshards.errors import ShardOpenError
 from cloudshards.indexed import DatasetIndex, IndexedDataset, build_index, load_index
 
 if TYPE_CHECKING:
+    from cloudsim import CloudSimProcess
     from conftest import LocalDataset
     from servers import NginxServer, S3Server
 
@@ -38,7 +42,8 @@ FORK_WARNING = pytest.mark.filterwarnings(
     r"ignore:This process \(pid=\d+\) is multi-threaded, use of fork\(\):DeprecationWarning"
 )
 INDEX_BUCKET = "cloudshards-it-indexed"
-T = TypeVar("T")
+# How long a server may take to log the requests the simulator has already forwarded to it.
+LOG_TIMEOUT_S = 30.0
 Sample = dict[str, Any]
 
 
@@ -56,34 +61,68 @@ class Request:
 
 @dataclass
 class Copy:
-    """A private copy of the dataset on one server, with its index saved next to it."""
+    """A private copy of the dataset on one server, with its index saved next to it, reached
+    through a cloud simulator (every URL and endpoint below points at the simulator)."""
 
     protocol: str
     shard_urls: list[str]
     index_url: str
     storage_options: dict[str, Any] | None
     local: LocalDataset
-    requests: Callable[[], list[Request]]  # requests for this copy since the last mark()
-    mark: Callable[[], None]
+    sim: CloudSimProcess
+    prefix: str  # the request path of every object of this copy starts with it
+    server_log: Callable[[], list[Request]]  # this copy's requests the server logged so far
     remove: Callable[[str], None]  # deletes a shard from the server
+    marked: int = 0  # requests for this copy before the last mark()
 
     def object_path(self, url: str) -> str:
         """The request path of a shard URL as the server logs it."""
         rest = url.split("://", 1)[1]
         return rest[rest.index("/") :] if self.protocol == "http" else f"/{rest}"
 
+    def forwarded(self) -> int:
+        """How many requests for this copy's objects the simulator has forwarded."""
+        by_path = self.sim.stats().by_path
+        return sum(n for path, n in by_path.items() if path.startswith(self.prefix))
 
-def settled(read: Callable[[], list[T]], quiet_s: float = 0.4, timeout_s: float = 15.0) -> list[T]:
-    """Poll a request log until it stops growing (servers log a moment after responding)."""
-    deadline = time.monotonic() + timeout_s
-    last = read()
-    while time.monotonic() < deadline:
-        time.sleep(quiet_s)
-        current = read()
-        if len(current) == len(last):
-            return current
-        last = current
-    return last
+    def logged(self) -> list[Request]:
+        """Every request for this copy's objects, as the server logged it, once the log holds
+        all of the requests the simulator has forwarded.
+
+        Why this is race-free, where waiting for the log to go quiet was not: the simulator
+        counts a request before it forwards it, so before the client can have any answer to
+        it. Callers ask only once every thread and worker process that read has finished
+        (``with`` blocks closed, DataLoader iterations exhausted), so every request the client
+        waited for is already in ``forwarded()``: an extra request cannot come after it.
+        The server logs each request it answers, when it likes (nginx as a response ends, in
+        one of two worker processes; moto from the request's thread), so its log may lag that
+        count but never stay below it: wait until it has caught up, however slowly, and fail
+        (never pass) if it has not within LOG_TIMEOUT_S. More entries than forwarded requests
+        means a request bypassed the simulator: also a failure. The prefix is unique to this
+        copy, so no other test's request, however late it is logged, is counted.
+        """
+        expected = self.forwarded()
+        deadline = time.monotonic() + LOG_TIMEOUT_S
+        while len(entries := self.server_log()) < expected:
+            if time.monotonic() > deadline:
+                pytest.fail(
+                    f"the {self.protocol} server logged {len(entries)} of the {expected} "
+                    f"requests the simulator forwarded, in {LOG_TIMEOUT_S:.0f} s: {entries}"
+                )
+            time.sleep(0.01)
+        assert len(entries) == expected, (
+            f"the {self.protocol} server logged {len(entries)} requests under {self.prefix}, "
+            f"the simulator forwarded {expected}: some bypassed it? {entries}"
+        )
+        return entries
+
+    def mark(self) -> None:
+        """Start counting requests here (the earlier ones all logged first)."""
+        self.marked = len(self.logged())
+
+    def requests(self) -> list[Request]:
+        """The requests for this copy since the last mark(), in the server's log order."""
+        return self.logged()[self.marked :]
 
 
 _WERKZEUG_LINE = re.compile(r'"([A-Z]+) (\S+) HTTP/[\d.]+" (\d{3})')
@@ -101,22 +140,23 @@ def _moto_requests(log: Path, offset: int, prefix: str) -> list[Request]:
     return [r for r in found if r.path.startswith(prefix)]
 
 
-def _s3_copy(server: S3Server, local: LocalDataset) -> Copy:
-    fs = server.filesystem()
+def _s3_copy(server: S3Server, sim: CloudSimProcess, local: LocalDataset) -> Copy:
+    import s3fs
+
+    # Every request for the copy's objects goes through the simulator, the upload included:
+    # the server's log then holds exactly the requests the simulator counts.
+    log = server.process.log_path
+    offset = log.stat().st_size
+    options = {"s3": {**server.storage_options(), "endpoint_url": sim.url}}
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **options["s3"])
     prefix = f"{INDEX_BUCKET}/{uuid.uuid4().hex[:8]}"
     if not fs.exists(INDEX_BUCKET):
         fs.mkdir(INDEX_BUCKET)
     fs.put([str(local.root / n) for n in local.shards], [f"{prefix}/{n}" for n in local.shards])
-    options = {"s3": server.storage_options()}
     urls = [f"s3://{prefix}/{n}" for n in local.shards]
-    log = server.process.log_path
-    offset = [log.stat().st_size]
 
-    def mark() -> None:
-        offset[0] = log.stat().st_size
-
-    def requests() -> list[Request]:
-        return settled(lambda: _moto_requests(log, offset[0], f"/{prefix}/"))
+    def server_log() -> list[Request]:
+        return _moto_requests(log, offset, f"/{prefix}/")
 
     index_url = f"s3://{prefix}/train.index.json"
     wds.write_index(build_index(urls, options), index_url, options)
@@ -124,35 +164,31 @@ def _s3_copy(server: S3Server, local: LocalDataset) -> Copy:
     def remove(url: str) -> None:
         fs.rm(url.removeprefix("s3://"))
 
-    return Copy("s3", urls, index_url, options, local, requests, mark, remove)
+    return Copy("s3", urls, index_url, options, local, sim, f"/{prefix}/", server_log, remove)
 
 
-def _http_copy(server: NginxServer, local: LocalDataset) -> Copy:
+def _http_copy(server: NginxServer, sim: CloudSimProcess, local: LocalDataset) -> Copy:
     name = f"indexed-{uuid.uuid4().hex[:8]}"
     root = server.root / name
     root.mkdir()
     for shard in local.shards:
         shutil.copyfile(local.root / shard, root / shard)
-    urls = [server.url_for(f"{name}/{n}") for n in local.shards]
-    index_url = server.url_for(f"{name}/train.index.json")
+    log = server.access_log_path
+    offset = log.stat().st_size if log.exists() else 0
+    urls = [f"{sim.url}/{name}/{n}" for n in local.shards]
+    index_url = f"{sim.url}/{name}/train.index.json"
     # nginx serves files read-only: save the index into its directory, as it would be at
     # that URL (shard URLs relative to it).
     index = build_index(urls)
     (root / "train.index.json").write_text(json.dumps(index.to_json(index_url)))
-    log = server.access_log_path
-    offset = [0]
 
-    def mark() -> None:
-        offset[0] = log.stat().st_size if log.exists() else 0
-
-    def requests() -> list[Request]:
-        return settled(lambda: _nginx_requests(log, offset[0], f"/{name}/"))
+    def server_log() -> list[Request]:
+        return _nginx_requests(log, offset, f"/{name}/")
 
     def remove(url: str) -> None:
         (root / url.rsplit("/", 1)[-1]).unlink()
 
-    mark()
-    return Copy("http", urls, index_url, None, local, requests, mark, remove)
+    return Copy("http", urls, index_url, None, local, sim, f"/{name}/", server_log, remove)
 
 
 def _nginx_requests(log: Path, offset: int, prefix: str) -> list[Request]:
@@ -179,11 +215,18 @@ def _nginx_requests(log: Path, offset: int, prefix: str) -> list[Request]:
 
 
 @pytest.fixture(params=["http", "s3"])
-def copy(request: pytest.FixtureRequest, dataset: LocalDataset) -> Copy:
-    """A fresh indexed copy of the dataset on nginx, then on moto S3."""
+def copy(
+    request: pytest.FixtureRequest,
+    dataset: LocalDataset,
+    cloudsim_process: Callable[..., CloudSimProcess],
+) -> Copy:
+    """A fresh indexed copy of the dataset on nginx, then on moto S3, behind a simulator of
+    its own (a subprocess: no GIL shared with the reads, nothing to fork in the test)."""
     if request.param == "s3":
-        return _s3_copy(request.getfixturevalue("s3_server"), dataset)
-    return _http_copy(request.getfixturevalue("http_server"), dataset)
+        server = request.getfixturevalue("s3_server")
+        return _s3_copy(server, cloudsim_process(server.endpoint_url), dataset)
+    server = request.getfixturevalue("http_server")
+    return _http_copy(server, cloudsim_process(server.base_url), dataset)
 
 
 def streamed(copy: Copy) -> list[Sample]:
@@ -226,13 +269,17 @@ def test_random_access_one_request_per_sample(copy: Copy) -> None:
         assert ds.stats()["indexed"]["ranged_gets"] == len(order)
     logged = copy.requests()
     assert len(logged) == len(order), f"{len(logged)} requests for {len(order)} samples"
-    for request, i in zip(logged, order, strict=True):
+    # As a multiset: nginx's two workers may log two requests in either order.
+    expected_requests: Counter[Request] = Counter()
+    for i in order:
         url, start, end = sample_range(ds.index, i)
-        assert (request.method, request.path) == ("GET", copy.object_path(url))
-        assert request.status == 206
         if copy.protocol == "http":
-            assert request.range == f"bytes={start}-{end - 1}"
-            assert request.sent == end - start
+            expected_requests[
+                Request("GET", copy.object_path(url), 206, f"bytes={start}-{end - 1}", end - start)
+            ] += 1
+        else:
+            expected_requests[Request("GET", copy.object_path(url), 206)] += 1
+    assert Counter(logged) == expected_requests
 
 
 def test_concurrent_reads_one_request_per_sample(copy: Copy) -> None:

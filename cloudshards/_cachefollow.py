@@ -7,6 +7,7 @@ import os
 import time
 from collections.abc import Callable
 
+from cloudshards import _cachelock
 from cloudshards._cachelock import CacheStats, is_locked, is_poisoned
 from cloudshards._membertable import MemberTable, write_table
 from cloudshards.errors import ShardOpenError
@@ -71,6 +72,7 @@ class FollowStream(ClosingStream):
                 self.offset += len(data)
                 self.stats.bytes_disk += len(data)
                 return data
+            _cachelock._checkpoint("follower_caught_up")
             if self._committed() or not is_locked(self.lock_path):
                 # Committed means no more writes, so one more read is authoritative: the
                 # bytes written between our last read and the commit are still to come.

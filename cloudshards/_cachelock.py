@@ -21,6 +21,28 @@ DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.ERO
 POISONED_MODE = 0o700
 
 
+def _checkpoint(point: str) -> None:
+    """Do nothing: a named point in the cache's commit path, for tests.
+
+    Tests monkeypatch this module attribute to pause a thread at one point (an Event wait) or
+    to look at the cache's state there, which makes the ordering rules observable without
+    relying on timing. Callers use ``_cachelock._checkpoint(...)`` (never a ``from`` import),
+    so a patch reaches them. Points, in the order a download meets them:
+
+    - ``"before_claim"``: ``ShardCache._claim``, before it tries the download lock (the
+      caller has just found no complete entry).
+    - ``"before_rename"``: the commit, the entry verified and its metadata written, before
+      ``os.replace`` puts it in place; the download lock is held.
+    - ``"after_rename"``: the entry is in place; the download lock is still held.
+    - ``"after_unlock"``: the commit succeeded and released the download lock.
+    - ``"follower_caught_up"``: a FollowStream read nothing new (it caught up with the
+      writer), before it checks whether the entry was committed or its downloader is gone.
+
+    Called once per commit or claim and once per follower poll: a no-op call costs nothing
+    next to the file operations around it.
+    """
+
+
 def is_disk_full(exc: BaseException) -> bool:
     """The cache's disk is full, over quota, or read-only (not a bug, not a store error)."""
     return isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from cloudshards import _cachelock
 from cloudshards._cachefacts import distrust_checksums, entry_name, remote_facts, store_endpoint
 from cloudshards._cachefollow import FollowStream
 from cloudshards._cachelock import (
@@ -261,6 +262,7 @@ class ShardCache:
     def _claim(self, name: str) -> DownloadLock | None:
         """Take the download lock of an entry that is not complete; None if it is complete
         or another process holds the lock."""
+        _cachelock._checkpoint("before_claim")
         lock = DownloadLock(self._path("locks", name + ".lock"))
         if not lock.try_acquire():
             return None
@@ -377,7 +379,9 @@ class ShardCache:
                 else:  # never leave an older entry's table next to this one
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(self._table_path(name))
+                _cachelock._checkpoint("before_rename")
                 os.replace(partial, self._path("data", name))
+                _cachelock._checkpoint("after_rename")
             except OSError as exc:
                 for path in (partial, *written):
                     with contextlib.suppress(OSError):
@@ -388,7 +392,8 @@ class ShardCache:
                     logger.warning("cache: cannot commit %s (%s); not cached", redact_url(url), exc)
                 return False
             finally:
-                lock.release()
+                lock.release()  # only now: a free lock means "entry in place, or none"
+            _cachelock._checkpoint("after_unlock")
             stats._committed_one = True
             return True
 

@@ -95,6 +95,7 @@ class TeeStream(ClosingStream):
         self._tail: memoryview | None = None  # the verified held bytes, being served
         self._keep = True  # False: verified as consistent but not cached after all
         self._committed = False
+        self._cancelled = False  # closing abandons the partial file, however little is left
         self._error: ShardOpenError | None = None
         self._fd: int | None = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self.closed = False
@@ -333,6 +334,19 @@ class TeeStream(ClosingStream):
         else:
             logger.warning("cache: cannot complete %s (%s); not cached", self.partial, exc)
 
+    def cancel(self) -> bool:
+        """Close without completing the entry, however little is left to read (a download
+        ahead that nobody wants any more): the partial file is abandoned.
+
+        Returns:
+            True when that gave up a download still in progress (False: it was complete,
+            given up before, or closed).
+        """
+        unfinished = not self.closed and self._fd is not None and self._keep and self._tail is None
+        self._cancelled = True
+        self.close()
+        return unfinished
+
     #: At close, a remainder up to this size is still downloaded to complete the entry: tar
     #: readers stop at the end-of-archive marker, before the record padding after it.
     DRAIN_MAX_BYTES = 16 << 20
@@ -349,7 +363,7 @@ class TeeStream(ClosingStream):
             return
         self.closed = True
         try:
-            if self._fd is not None and self._keep and self._tail is None:
+            if self._fd is not None and self._keep and self._tail is None and not self._cancelled:
                 try:
                     self._drain()
                 except Exception as exc:  # see the docstring: nothing escapes close()

@@ -249,9 +249,18 @@ class ShardCache:
             self._save_stats()
             stream.close()
             return None
+
+        def cancelled() -> None:
+            # Nobody reads a cancelled download ahead: it is no miss (dropping the partial file
+            # took that back), nor a shard streamed uncached; a later open of it is no longer
+            # this process's own download, and counts as usual.
+            stats.uncached -= 1
+            stats._ahead.discard(name)
+            self._save_stats()
+
         thread = threading.Thread(
             target=_download_in_background,
-            args=(stream, cancel),
+            args=(stream, cancel, cancelled),
             name="cloudshards-cache-ahead",
             daemon=True,
         )
@@ -585,9 +594,15 @@ class ShardCache:
         return cache_info(self.directory)
 
 
-def _download_in_background(tee: TeeStream, cancel: threading.Event | None) -> None:
+def _download_in_background(
+    tee: TeeStream, cancel: threading.Event | None, on_cancelled: Callable[[], None]
+) -> None:
     """Read ``tee`` to its end (it writes the entry and commits it), unless cancelled or it
-    can no longer be cached (the consumer then streams the shard itself)."""
+    can no longer be cached (the consumer then streams the shard itself).
+
+    Cancelled, it stops at once and abandons the partial file (then ``on_cancelled``), however
+    little is left: completing it, as closing a consumer's stream does, would go on fetching
+    after the iterator was closed, and race the prefetcher shutting its pool down."""
     try:
         while cancel is None or not cancel.is_set():
             if not tee.read(4 << 20):
@@ -599,7 +614,10 @@ def _download_in_background(tee: TeeStream, cancel: threading.Event | None) -> N
         logger.debug("cache: download ahead of %s stopped: %s", redact_url(tee.url), exc)
     finally:
         with contextlib.suppress(Exception):
-            tee.close()
+            if cancel is None or not cancel.is_set():
+                tee.close()
+            elif tee.cancel():
+                on_cancelled()
 
 
 #: This process's counters per cache directory (see :attr:`ShardCache.stats`).

@@ -4,15 +4,21 @@ the reader stops early."""
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import fakes
 import pytest
+from fsspec.registry import _registry as fsspec_registry
 
 import cloudshards as wds
+import cloudshards.urls
 from cloudshards import prefetch
+from cloudshards._cachelock import is_locked
 from cloudshards.cache import entry_name
 
 
@@ -64,26 +70,98 @@ def test_later_shards_are_downloaded_ahead_once_each(
     assert prefetch.current_thread_count() == 0
 
 
+class StallingStore(fakes.SlowFileSystem):
+    """``stallfile:///abs/path``: ``slowfile://`` whose ranged GETs after the first part of the
+    objects in ``stalled`` wait for ``release`` (the prefetcher's cancel event): at close, the
+    downloads ahead of those objects are mid-way, their later parts not even requested."""
+
+    protocol = "stallfile"
+    stalled: ClassVar[set[str]] = set()
+    release: ClassVar[threading.Event] = threading.Event()
+
+    def cat_file(
+        self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any
+    ) -> bytes:
+        if start and self._strip_protocol(path) in self.stalled:
+            self.release.wait(30)
+        return super().cat_file(path, start, end, **kwargs)
+
+
+def _read_in_another_process(cache_dir: str, urls: list[str]) -> None:
+    cache = wds.ShardCache(cache_dir)
+    for url in urls:
+        with cache.open(url) as stream:
+            while stream.read(1 << 20):
+                pass
+
+
 def test_an_early_stop_cancels_the_downloads_ahead(
     make_shards: Any, store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    shards = make_shards([3] * 6, payload_bytes=200_000)
-    urls = [fakes.url_of(p) for p in shards.paths]
+    """Downloads ahead still in flight when the iterator closes are cancelled: they stop
+    fetching, leave no partial file, entry or held lock, count neither as misses nor as
+    uncached, and their threads are gone; later reads (here and in other processes) work
+    and count as usual."""
+    monkeypatch.setitem(fsspec_registry, "stallfile", StallingStore)
+    monkeypatch.setattr(cloudshards.urls, "_fs_cache", {})
+    monkeypatch.setattr(StallingStore, "stalled", set())
+    monkeypatch.setenv("CLOUDSHARDS_PART_BYTES", str(64 << 10))  # many parts per shard
+    monkeypatch.setenv("CLOUDSHARDS_CONCURRENCY", "2")
+    cancels: list[threading.Event] = []
+    original = wds.ShardCache.download_ahead
+
+    def spy(self: Any, url: str, *args: Any, cancel: threading.Event, **kw: Any) -> Any:
+        cancels.append(cancel)
+        monkeypatch.setattr(StallingStore, "release", cancel)
+        return original(self, url, *args, cancel=cancel, **kw)
+
+    monkeypatch.setattr(wds.ShardCache, "download_ahead", spy)
+    shards = make_shards([3] * 4, payload_bytes=200_000)
+    size = shards.paths[1].stat().st_size
+    assert size > 8 * (64 << 10)
+    urls = [f"stallfile://{p}" for p in shards.paths]
+    names = [entry_name(u) for u in urls]
     cache_dir = tmp_path / "cache"
-    ds = wds.WebDataset(urls, shardshuffle=False, cache_dir=str(cache_dir), prefetch=2)
-    list(ds)  # one full epoch commits entries; now the same shards under new names
-    copies = [tmp_path / f"copy-{i}.tar" for i in range(6)]
-    for source, copy in zip(shards.paths, copies, strict=True):
-        copy.write_bytes(source.read_bytes())
-    monkeypatch.setenv(fakes.DELAY_ENV, "0.05")  # slow reads: the downloads are mid-way
-    again = wds.WebDataset(
-        [fakes.url_of(p) for p in copies], shardshuffle=False, cache_dir=str(cache_dir)
-    )
-    it = iter(again)
+    data = cache_dir / "data"
+    list(wds.WebDataset(urls[:1], shardshuffle=False, cache_dir=str(cache_dir)))
+    # Shard 0 is cached (downloads ahead start once this process cached one); the next two
+    # are downloaded ahead while it is read, and stall after their first part.
+    StallingStore.stalled.update(str(p) for p in shards.paths[1:3])
+    ds = wds.WebDataset(urls, shardshuffle=False, cache_dir=str(cache_dir))
+    stats = ds.cache.stats  # type: ignore[union-attr]
+    network_before = stats.bytes_network
+    it = iter(ds)
     next(it)
+    deadline = time.monotonic() + 30
+    partials = [data / f"{name}.partial" for name in names[1:3]]
+    while not all(p.exists() and p.stat().st_size >= 64 << 10 for p in partials):
+        assert time.monotonic() < deadline, "the downloads ahead did not start"
+        time.sleep(0.01)
     it.close()  # type: ignore[attr-defined]
+    assert len(cancels) == 2
+    assert all(c.is_set() for c in cancels)
     assert prefetch.current_thread_count() == 0
-    deadline = time.monotonic() + 10
-    while any(p.name.endswith(".partial") for p in (cache_dir / "data").iterdir()):
-        assert time.monotonic() < deadline, "a cancelled download left its partial file"
-        time.sleep(0.05)
+    assert sorted(os.listdir(data)) == [names[0]]  # no partial file, no entry
+    assert [
+        n for n in os.listdir(cache_dir / "locks") if is_locked(str(cache_dir / "locks" / n))
+    ] == []
+    assert stats.bytes_network - network_before < size  # most of each was never fetched
+    assert (stats.hits, stats.misses, stats.waits, stats.uncached) == (1, 1, 0, 0)
+    assert opens(store) == {str(p): 1 for p in shards.paths[:3]}  # shard 3 was never asked for
+
+    # Later reads: another process caches shards 1 and 2, then this one reads everything.
+    StallingStore.stalled.clear()
+    child = multiprocessing.get_context("fork").Process(
+        target=_read_in_another_process, args=(str(cache_dir), urls[1:3])
+    )
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0
+    got = [
+        (s["__key__"], s["bin"])
+        for s in wds.WebDataset(urls, shardshuffle=False, cache_dir=str(cache_dir))
+    ]
+    assert got == [(key, fields["bin"]) for key, fields in shards.samples]
+    assert sorted(os.listdir(data)) == sorted(names)
+    assert (stats.hits, stats.misses, stats.waits, stats.uncached) == (4, 2, 0, 0)
+    assert prefetch.current_thread_count() == 0

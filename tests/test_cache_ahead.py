@@ -8,6 +8,7 @@ import multiprocessing
 import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -20,6 +21,7 @@ import cloudshards.urls
 from cloudshards import prefetch
 from cloudshards._cachelock import is_locked
 from cloudshards.cache import entry_name
+from cloudshards.io import OpenOptions
 
 
 @pytest.fixture
@@ -70,10 +72,20 @@ def test_later_shards_are_downloaded_ahead_once_each(
     assert prefetch.current_thread_count() == 0
 
 
+class StallingFile(fakes.SlowFile):
+    """A streamed body whose reads after the first wait for ``StallingStore.release``."""
+
+    def readinto(self, buffer: Any) -> int:
+        if self.tell():
+            StallingStore.release.wait(30)
+        return super().readinto(buffer)
+
+
 class StallingStore(fakes.SlowFileSystem):
-    """``stallfile:///abs/path``: ``slowfile://`` whose ranged GETs after the first part of the
-    objects in ``stalled`` wait for ``release`` (the prefetcher's cancel event): at close, the
-    downloads ahead of those objects are mid-way, their later parts not even requested."""
+    """``stallfile:///abs/path``: ``slowfile://`` whose objects in ``stalled`` stop after their
+    first part (a ranged GET from offset 0, or the first read of a streamed GET) until
+    ``release`` is set: downloads of them are mid-way, their later parts not even requested.
+    """
 
     protocol = "stallfile"
     stalled: ClassVar[set[str]] = set()
@@ -86,6 +98,66 @@ class StallingStore(fakes.SlowFileSystem):
             self.release.wait(30)
         return super().cat_file(path, start, end, **kwargs)
 
+    def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> fakes.SlowFile:
+        file = super()._open(path, mode, **kwargs)
+        if self._strip_protocol(path) not in self.stalled:
+            return file
+        file.close()
+        return StallingFile(self._strip_protocol(path))
+
+
+@pytest.fixture
+def stalling_store(store: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[type[StallingStore]]:
+    monkeypatch.setitem(fsspec_registry, "stallfile", StallingStore)
+    monkeypatch.setattr(cloudshards.urls, "_fs_cache", {})
+    monkeypatch.setattr(StallingStore, "stalled", set())
+    monkeypatch.setattr(StallingStore, "release", threading.Event())
+    yield StallingStore
+    StallingStore.clear_instance_cache()
+
+
+def test_a_cancelled_download_ahead_fetches_nothing_more(
+    make_shards: Any,
+    stalling_store: type[StallingStore],
+    store: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Cancelled mid-way, a download ahead stops where it is, however little is left (closing
+    a consumer's stream completes a small remainder; nobody wants this one): no more bytes
+    from the store, no entry, no partial file, no lock held, no miss and no uncached shard."""
+    shards = make_shards([3, 3], payload_bytes=100_000)
+    urls = [f"stallfile://{p}" for p in shards.paths]
+    cache_dir = tmp_path / "cache"
+    cache = wds.ShardCache(cache_dir)
+    with cache.open(urls[0]) as stream:  # downloads ahead start once this process cached one
+        while stream.read(1 << 20):
+            pass
+    monkeypatch.setenv(fakes.CHUNK_ENV, str(64 << 10))
+    stalling_store.stalled.add(str(shards.paths[1]))
+    network_before = cache.stats.bytes_network
+    cancel = threading.Event()
+    thread = cache.download_ahead(urls[1], OpenOptions(), cancel=cancel)
+    assert thread is not None
+    partial = cache_dir / "data" / f"{entry_name(urls[1])}.partial"
+    deadline = time.monotonic() + 30
+    while not (partial.exists() and partial.stat().st_size == 64 << 10):
+        assert time.monotonic() < deadline, "the download ahead did not start"
+        time.sleep(0.01)
+    cancel.set()
+    stalling_store.release.set()  # the read in flight returns; nothing is read after it
+    thread.join(30)
+    assert not thread.is_alive()
+    assert sorted(os.listdir(cache_dir / "data")) == [entry_name(urls[0])]
+    assert [
+        n for n in os.listdir(cache_dir / "locks") if is_locked(str(cache_dir / "locks" / n))
+    ] == []
+    assert cache.stats.bytes_network - network_before == 2 * (64 << 10)
+    assert (cache.stats.misses, cache.stats.uncached) == (1, 0)
+    with cache.open(urls[1]) as stream:  # a later read downloads it, and counts it
+        assert stream.read() == shards.paths[1].read_bytes()
+    assert (cache.stats.misses, cache.stats.hits, cache.stats.uncached) == (2, 0, 0)
+
 
 def _read_in_another_process(cache_dir: str, urls: list[str]) -> None:
     cache = wds.ShardCache(cache_dir)
@@ -96,15 +168,16 @@ def _read_in_another_process(cache_dir: str, urls: list[str]) -> None:
 
 
 def test_an_early_stop_cancels_the_downloads_ahead(
-    make_shards: Any, store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    make_shards: Any,
+    stalling_store: type[StallingStore],
+    store: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Downloads ahead still in flight when the iterator closes are cancelled: they stop
     fetching, leave no partial file, entry or held lock, count neither as misses nor as
     uncached, and their threads are gone; later reads (here and in other processes) work
     and count as usual."""
-    monkeypatch.setitem(fsspec_registry, "stallfile", StallingStore)
-    monkeypatch.setattr(cloudshards.urls, "_fs_cache", {})
-    monkeypatch.setattr(StallingStore, "stalled", set())
     monkeypatch.setenv("CLOUDSHARDS_PART_BYTES", str(64 << 10))  # many parts per shard
     monkeypatch.setenv("CLOUDSHARDS_CONCURRENCY", "2")
     cancels: list[threading.Event] = []
@@ -126,7 +199,7 @@ def test_an_early_stop_cancels_the_downloads_ahead(
     list(wds.WebDataset(urls[:1], shardshuffle=False, cache_dir=str(cache_dir)))
     # Shard 0 is cached (downloads ahead start once this process cached one); the next two
     # are downloaded ahead while it is read, and stall after their first part.
-    StallingStore.stalled.update(str(p) for p in shards.paths[1:3])
+    stalling_store.stalled.update(str(p) for p in shards.paths[1:3])
     ds = wds.WebDataset(urls, shardshuffle=False, cache_dir=str(cache_dir))
     stats = ds.cache.stats  # type: ignore[union-attr]
     network_before = stats.bytes_network
@@ -150,7 +223,7 @@ def test_an_early_stop_cancels_the_downloads_ahead(
     assert opens(store) == {str(p): 1 for p in shards.paths[:3]}  # shard 3 was never asked for
 
     # Later reads: another process caches shards 1 and 2, then this one reads everything.
-    StallingStore.stalled.clear()
+    stalling_store.stalled.clear()
     child = multiprocessing.get_context("fork").Process(
         target=_read_in_another_process, args=(str(cache_dir), urls[1:3])
     )

@@ -203,7 +203,9 @@ def resolve_sample_counts(
             where,
             directory,
         )
-        with cf.ThreadPoolExecutor(min(_COUNT_THREADS, len(urls)) or 1) as pool:
+        with cf.ThreadPoolExecutor(
+            min(_COUNT_THREADS, len(urls)) or 1, thread_name_prefix="cloudshards-count"
+        ) as pool:
             result = list(
                 pool.map(lambda url: count_shard_samples(url, options, fetch, cache), urls)
             )

@@ -109,11 +109,30 @@ class FollowStream(ClosingStream):
     #: Where the entry's member table goes (set by the cache); None: not saved.
     table_path: str | None = None
 
+    #: How long a reader that parsed the whole shard waits for the downloader's commit.
+    COMMIT_WAIT_S = 10.0
+
     def save_member_table(self, table: MemberTable) -> None:
         """Save the member table of the entry we followed, once it is committed (and only if
-        we read the committed file itself, not a replacement stream)."""
-        if self.table_path is None or self._replacement is not None or not self._committed():
+        we read the committed file itself, not a replacement stream).
+
+        The parse ends at the end-of-archive marker, often before the downloader has written
+        the record padding after it, verified and renamed the file: wait for that commit
+        while the downloader still holds its lock (bounded), or the entry never gets a table
+        and every later epoch parses it again. The commit itself deletes an older entry's
+        table, which is why ours can only be written after it.
+        """
+        if self.table_path is None or self._replacement is not None or self.fd < 0:
             return
+        deadline = time.monotonic() + self.COMMIT_WAIT_S
+        delay = self.POLL_MIN_S
+        while not self._committed():
+            if not is_locked(self.lock_path) or time.monotonic() > deadline:
+                if not self._committed():  # the downloader renames before it unlocks
+                    return
+                break
+            time.sleep(delay)
+            delay = min(delay * 2, self.POLL_MAX_S)
         write_table(self.table_path, table, os.fstat(self.fd).st_size)
 
     def close(self) -> None:

@@ -135,3 +135,29 @@ def test_iter_table_applies_the_name_filter_and_member_limit(make_shards: Any) -
 
         with pytest.raises(ShardFormatError, match="max_member_bytes"):
             list(iter_table(f.fileno(), record, url="x", name_filter=None, max_member_bytes=1))
+
+
+def test_a_reader_that_followed_a_download_ahead_saves_its_table(
+    make_shards: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Shards downloaded ahead are parsed by a reader following the download; it reaches the
+    end-of-archive marker before the downloader commits (padding, verification, rename), and
+    must still leave a table for the next epoch."""
+    import threading
+    import time
+
+    from cloudshards import _cachelock
+
+    def slow_commit(point: str) -> None:
+        # Only the downloads ahead (background threads) commit late; the reader's own do not.
+        if point == "before_rename" and threading.current_thread() is not threading.main_thread():
+            time.sleep(0.5)
+
+    monkeypatch.setattr(_cachelock, "_checkpoint", slow_commit)
+    shards = make_shards([3, 5, 4, 6])
+    urls = [fakes.url_of(p) for p in shards.paths]
+    cache_dir = tmp_path / "cache"
+    first = samples(dataset(urls, cache_dir))
+    assert len(tables(cache_dir)) == 4
+    forbid_parsing(monkeypatch)
+    assert samples(dataset(urls, cache_dir)) == first

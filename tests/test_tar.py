@@ -429,12 +429,15 @@ def test_end_of_archive_variants(caplog: pytest.LogCaptureFixture) -> None:
     assert not caplog.records
 
 
-@pytest.mark.parametrize("data", [b"", member(b"a.txt", b"a") + member(b"b.txt", b"b")])
-def test_eof_without_end_marker_is_truncation(data: bytes) -> None:
+@pytest.mark.parametrize(
+    ("data", "names"),
+    [(b"", []), (member(b"a.txt", b"a") + member(b"b.txt", b"b"), ["a.txt", "b.txt"])],
+)
+def test_eof_without_end_marker_is_truncation(data: bytes, names: list[str]) -> None:
     # GNU tar accepts this; we do not: a shard cut on a member boundary would silently lose
-    # the rest of its samples.
+    # the rest of its samples. Every member before the cut is still delivered.
     got, exc = read_until_error(data, url="s3://b/s.tar?sig=secret")
-    assert [m.name for m in got] == ["a.txt", "b.txt"][: len(got)]
+    assert [m.name for m in got] == names
     assert isinstance(exc, ShardFormatError)
     assert "end-of-archive marker" in str(exc)
     assert exc.offset == len(data)
@@ -724,6 +727,15 @@ def test_property_truncation(
     assert [(m.name, m.data) for m in got] == members[: len(got)]
     if compress and cut > 0:
         assert exc is not None  # the gzip trailer is always checked
+    if not compress:
+        # Every member whose data and padding end before the cut is delivered, and a cut
+        # before the first end-of-archive block is complete is a truncation error.
+        with tarfile.open(fileobj=io.BytesIO(raw)) as tar:
+            ends = [m.offset_data + m.size + (-m.size & 511) for m in tar.getmembers()]
+        assert len(got) >= sum(1 for end in ends if end <= cut)
+        end_of_archive = ends[-1] if ends else 0
+        if cut < end_of_archive + 512:
+            assert isinstance(exc, ShardFormatError)
 
 
 def _header_offsets(raw: bytes) -> list[int]:

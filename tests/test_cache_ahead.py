@@ -77,6 +77,7 @@ class StallingFile(fakes.SlowFile):
 
     def readinto(self, buffer: Any) -> int:
         if self.tell():
+            StallingStore.waiting.set()
             StallingStore.release.wait(30)
         return super().readinto(buffer)
 
@@ -90,11 +91,13 @@ class StallingStore(fakes.SlowFileSystem):
     protocol = "stallfile"
     stalled: ClassVar[set[str]] = set()
     release: ClassVar[threading.Event] = threading.Event()
+    waiting: ClassVar[threading.Event] = threading.Event()  # set when a read starts to wait
 
     def cat_file(
         self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any
     ) -> bytes:
         if start and self._strip_protocol(path) in self.stalled:
+            self.waiting.set()
             self.release.wait(30)
         return super().cat_file(path, start, end, **kwargs)
 
@@ -112,6 +115,7 @@ def stalling_store(store: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[typ
     monkeypatch.setattr(cloudshards.urls, "_fs_cache", {})
     monkeypatch.setattr(StallingStore, "stalled", set())
     monkeypatch.setattr(StallingStore, "release", threading.Event())
+    monkeypatch.setattr(StallingStore, "waiting", threading.Event())
     yield StallingStore
     StallingStore.clear_instance_cache()
 
@@ -141,9 +145,11 @@ def test_a_cancelled_download_ahead_fetches_nothing_more(
     assert thread is not None
     partial = cache_dir / "data" / f"{entry_name(urls[1])}.partial"
     deadline = time.monotonic() + 30
+    # The first part is written and the second read is in flight (waiting at the store).
     while not (partial.exists() and partial.stat().st_size == 64 << 10):
         assert time.monotonic() < deadline, "the download ahead did not start"
         time.sleep(0.01)
+    assert stalling_store.waiting.wait(30), "the second read was never made"
     cancel.set()
     stalling_store.release.set()  # the read in flight returns; nothing is read after it
     thread.join(30)

@@ -249,8 +249,9 @@ _install_lock = threading.Lock()
 _seen_loggers = -1
 
 
-def _is_backend(name: str) -> bool:
-    return name.split(".", 1)[0] in BACKEND_LOGGERS
+def _is_backend(name: str | None) -> bool:
+    # None: logging.makeLogRecord() builds its record nameless, then sets the fields.
+    return name is not None and name.split(".", 1)[0] in BACKEND_LOGGERS
 
 
 def _redacting_factory(

@@ -263,3 +263,174 @@ def test_redacted_causes_keep_their_kind_for_retry_decisions() -> None:
     with pytest.raises(ShardOpenError, match="object not found"):
         fetch.retry(get, url="s3://b/k.tar", offset=0, options=FetchOptions(retries=3))
     assert len(calls) == 1
+
+
+# --- gaps found by the mutation check (integration/mutation.py) ------------------------------
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        # "://" again in the query (a redirect target): only the first one ends the scheme.
+        ("https://host/go?to=https://other/x", "https://host/go?<redacted>"),
+        # A password ending in "/": the user info still ends at the last "@".
+        ("http://alice:hunter2/@host/x.tar", "http://<redacted>@host/x.tar"),
+        # Two "@" without a "user:" prefix: the host is what follows the last one.
+        ("https://tok@en@host/a.tar", "https://<redacted>@host/a.tar"),
+    ],
+)
+def test_redact_url_edge_cases(url: str, expected: str) -> None:
+    assert redact_url(url) == expected
+
+
+def test_redacted_error_text_and_numbers() -> None:
+    assert str(RedactedError("ValueError", "bad")) == "ValueError: bad"
+    assert str(RedactedError("ValueError", "")) == "ValueError"
+    copy = scrubbed(FileNotFoundError(2, "No such file", f"http://alice:{SECRET}@host/x"))
+    assert copy is not None
+    assert (copy.errno, copy.status) == (2, None)
+    assert SECRET not in str(copy)
+
+    class StatusError(Exception):
+        status = 503
+
+    class CodeError(Exception):
+        code = 404  # urllib's HTTPError names it "code"
+
+    class OddError(Exception):
+        errno = "ENOENT"  # not a number: not kept
+        status = "busy"
+
+    assert getattr(scrubbed(StatusError("x")), "status", None) == 503
+    assert getattr(scrubbed(CodeError("x")), "status", None) == 404
+    odd = scrubbed(OddError("x"))
+    assert odd is not None
+    assert (odd.errno, odd.status) == (None, None)
+
+
+def chain(length: int) -> BaseException:
+    """An exception with ``length - 1`` causes behind it."""
+    error: BaseException = ValueError("0")
+    for depth in range(1, length):
+        newer = ValueError(str(depth))
+        newer.__cause__ = error
+        error = newer
+    return error
+
+
+def copied_depth(copy: BaseException | None) -> int:
+    depth = 0
+    while copy is not None:
+        depth += 1
+        copy = copy.__cause__
+    return depth
+
+
+def test_scrubbed_copies_at_most_sixteen_links_and_stops_on_cycles() -> None:
+    assert copied_depth(scrubbed(chain(16))) == 16
+    assert copied_depth(scrubbed(chain(40))) == 16
+    first, second = ValueError("a"), ValueError("b")
+    first.__context__, second.__context__ = second, first  # a cycle (try/except can make one)
+    copy = scrubbed(first)
+    depth = 0
+    while copy is not None:
+        depth += 1
+        copy = copy.__context__
+    assert depth == 16
+
+
+def test_scrubbed_keeps_context_and_its_suppression() -> None:
+    try:
+        try:
+            raise KeyError("first")
+        except KeyError:
+            raise ValueError("while handling") from None
+    except ValueError as exc:
+        suppressed = scrubbed(exc)
+    assert suppressed is not None
+    assert suppressed.__suppress_context__
+    assert suppressed.__context__ is None
+    try:
+        try:
+            raise KeyError("first")
+        except KeyError:
+            raise ValueError("while handling")  # noqa: B904  (the implicit context is the point)
+    except ValueError as exc:
+        implicit = scrubbed(exc)
+    assert implicit is not None
+    assert not implicit.__suppress_context__
+    assert isinstance(implicit.__context__, RedactedError)
+    assert implicit.__context__.type_name == "KeyError"
+
+
+def test_scrubbed_leaves_a_redacted_error_as_it_is() -> None:
+    from cloudshards.redact import caused_by
+
+    copy = scrubbed(FileNotFoundError("gone"))
+    assert scrubbed(copy) is copy
+    error = ShardOpenError("not found", url="s3://b/k.tar")
+    error.__cause__ = scrubbed(copy)
+    assert caused_by(error, FileNotFoundError)
+
+
+def test_raise_redacted_of_the_error_itself_adds_no_cause() -> None:
+    error = ValueError("ours")
+    with pytest.raises(ValueError, match="ours") as info:
+        raise_redacted(error, error)
+    assert info.value is error
+    assert error.__cause__ is None
+
+
+def test_unraised_exception_in_a_backend_log_is_redacted(backend_log: io.StringIO) -> None:
+    # exc_info=<an exception never raised>: no traceback, the text still needs redacting.
+    failure = OSError(f"403 for url http://alice:{SECRET}@host/x.tar")
+    logging.getLogger("s3fs").debug("failed", exc_info=failure)
+    text = backend_log.getvalue()
+    assert "403 for url http://<redacted>@host/x.tar" in text
+    assert SECRET not in text
+
+
+def test_stack_info_in_a_backend_log_is_redacted(backend_log: io.StringIO) -> None:
+    # The stack's source lines quote this call, URL and all.
+    logging.getLogger("s3fs").debug("x", stack_info=True)  # http://alice:hunter2@host/x.tar
+    text = backend_log.getvalue()
+    assert "Stack (most recent call last)" in text
+    assert "http://<redacted>@host/x.tar" in text
+    assert SECRET not in text
+
+
+def test_filters_redact_when_another_library_replaces_the_record_factory(
+    backend_log: io.StringIO,
+) -> None:
+    """The second layer: a filter on every backend logger, for a factory that does not chain
+    ours. Children created after an install get one at the next install; other loggers none."""
+    from cloudshards.redact import RedactingFilter
+
+    child = logging.getLogger(f"botocore.cloudshards_test_{id(backend_log)}")
+    mine = logging.getLogger(f"my_training_{id(backend_log)}")
+    install_log_redaction()
+    factory = logging.getLogRecordFactory()
+    install_log_redaction()
+    assert logging.getLogRecordFactory() is factory  # idempotent: not wrapped twice
+    assert any(isinstance(f, RedactingFilter) for f in child.filters)
+    assert not any(isinstance(f, RedactingFilter) for f in mine.filters)
+    logging.setLogRecordFactory(logging.LogRecord)
+    try:
+        for log in (logging.getLogger("botocore"), child):
+            log.debug("GET https://alice:%s@host/x.tar", SECRET)
+    finally:
+        logging.setLogRecordFactory(factory)
+    text = backend_log.getvalue()
+    assert text.count("GET https://<redacted>@host/x.tar") == 2
+    assert SECRET not in text
+
+
+def test_redacting_filter_on_any_logger() -> None:
+    from cloudshards.redact import RedactingFilter
+
+    install_log_redaction()
+    # logging.makeLogRecord (log servers, queue listeners) calls the factory without a name:
+    # the redacting factory used to raise AttributeError there.
+    record = logging.makeLogRecord({"msg": "GET %s", "args": (f"http://a:{SECRET}@h/x",)})
+    assert RedactingFilter().filter(record)
+    assert record.getMessage() == "GET http://<redacted>@h/x"

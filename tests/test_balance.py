@@ -284,3 +284,212 @@ def test_the_index_next_to_the_shards_is_found_once_then_remembered(
         Path(location).unlink()  # later asks never go back to the store
         assert resolve_sample_counts(urls) == [2, 5, 3]
     assert "counting" not in caplog.text
+
+
+# --- gaps found by the mutation check (integration/mutation.py) ------------------------------
+
+
+def test_counting_skips_metadata_like_the_dataset(tmp_path: Path) -> None:
+    from cloudshards.balance import count_shard_samples
+    from cloudshards.fetch import FetchOptions
+    from cloudshards.io import OpenOptions
+
+    shard = tmp_path / "shard-000000.tar"
+    write_members(shard, ["__meta__/info.json", "__a.jpg", "__a.txt", "b.jpg", "__meta__"], 1)
+    assert keys_of(wds.WebDataset(str(shard), shardshuffle=False)) == ["__a", "b"]
+    assert count_shard_samples(str(shard), OpenOptions(), FetchOptions()) == 2
+    # A pipe: command is opened like a local file (never through the store's client).
+    piped = f"pipe:cat {shard}"
+    assert count_shard_samples(piped, OpenOptions(allow_pipe=True), FetchOptions()) == 2
+
+
+def test_counting_opens_local_shards_directly_and_remote_ones_with_retries(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import fsspec
+
+    from cloudshards import balance
+    from cloudshards.fetch import FetchOptions
+    from cloudshards.io import OpenOptions
+
+    shard = tmp_path / "shard-000000.tar"
+    write_members(shard, ["a.jpg", "b.jpg"], 1)
+    remote = f"memory://cloudshards-balance-{tmp_path.name}/shard-000000.tar"
+    fsspec.filesystem("memory").pipe(remote, shard.read_bytes())
+    opened: list[str] = []
+    real_open_remote = balance.open_remote
+
+    def open_remote(url: str, options: Any, **kw: Any) -> Any:
+        opened.append(url)
+        return real_open_remote(url, options, **kw)
+
+    monkeypatch.setattr(balance, "open_remote", open_remote)
+    options, fetch = OpenOptions(allow_pipe=True), FetchOptions()
+    for url in (str(shard), f"file://{shard}", f"pipe:cat {shard}", remote):
+        assert balance.count_shard_samples(url, options, fetch) == 2
+    assert opened == [remote]
+    fsspec.filesystem("memory").rm(remote)
+
+
+def test_counts_file_goes_where_configured(
+    make_shards: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shards = make_shards([2, 3])
+    directory = tmp_path / "not" / "yet" / "there"
+    monkeypatch.setenv("CLOUDSHARDS_COUNTS_DIR", str(directory))
+    assert resolve_sample_counts([str(p) for p in shards.paths]) == [2, 3]
+    assert [p for p in directory.iterdir() if not p.name.endswith(".lock")]
+
+
+def test_given_counts_are_checked_then_used_as_they_are(make_shards: Any) -> None:
+    shards = make_shards([2, 5])
+    urls = [str(p) for p in shards.paths]
+    with pytest.raises(ConfigError, match="no entry for"):
+        resolve_sample_counts(urls, counts={urls[0]: 2})
+    assert resolve_sample_counts(urls, counts=[7, 1]) == [7, 1]  # trusted, not recounted
+    assert resolve_sample_counts([]) == []
+
+
+def test_an_explicit_index_wins_or_fails_loudly(
+    make_shards: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from cloudshards.errors import ShardOpenError
+
+    shards = make_shards([2, 5, 3])
+    urls = [str(p) for p in shards.paths]
+    partial = str(tmp_path / "partial.index.json")
+    wds.write_index(wds.build_index(urls[:2]), partial)
+    with pytest.raises(ShardOpenError, match="index not found"):
+        resolve_sample_counts(urls, index=str(tmp_path / "missing.index.json"))
+    with pytest.raises(ConfigError, match="does not list 1 of the 3 shards"):
+        resolve_sample_counts(urls, index=partial)
+    with caplog.at_level(logging.WARNING):
+        assert resolve_sample_counts(urls[:2], index=partial) == [2, 5]
+    assert "counting" not in caplog.text  # the index is the answer: no pass, no counts file
+    assert resolve_sample_counts(urls[:2]) == [2, 5]
+    assert "counting the samples of 2 shards once" in caplog.text
+
+
+def test_an_index_at_the_default_place_that_lacks_a_shard_is_ignored(
+    make_shards: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    from cloudshards._index_files import default_index_url
+
+    shards = make_shards([2, 5, 3])
+    urls = [str(p) for p in shards.paths]
+    wds.write_index(wds.build_index(urls[:2]), default_index_url(urls))
+    with caplog.at_level(logging.WARNING):
+        assert resolve_sample_counts(urls) == [2, 5, 3]
+    assert "counting the samples of 3 shards once" in caplog.text
+
+
+def test_the_counting_pass_gets_the_fetch_options_and_at_most_eight_threads(
+    make_shards: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+    import time
+
+    from cloudshards import balance
+    from cloudshards.fetch import FetchOptions
+
+    seen: list[Any] = []
+    active, most, gated = [0], [0], [False]
+    changed = threading.Condition()
+
+    def count(url: str, options: Any, fetch: Any, cache: Any) -> int:
+        with changed:
+            seen.append(fetch)
+            active[0] += 1
+            most[0] = max(most[0], active[0])
+            changed.notify_all()
+            if gated[0]:  # stay until eight run at once, then a little more: a ninth would show
+                changed.wait_for(lambda: active[0] >= 8, timeout=5)
+        if gated[0]:
+            time.sleep(0.1)
+        with changed:
+            active[0] -= 1
+            changed.notify_all()
+        return 1
+
+    monkeypatch.setattr(balance, "count_shard_samples", count)
+    shards = make_shards([1] * 10)
+    urls = [str(p) for p in shards.paths]
+    mine = FetchOptions(retries=7)
+    assert resolve_sample_counts(urls[:2], fetch=mine) == [1, 1]
+    assert seen == [mine, mine]
+    seen.clear()
+    assert resolve_sample_counts(urls[2:]) == [1] * 8
+    assert len(seen) == 8
+    assert all(isinstance(f, FetchOptions) for f in seen)
+    most[0], gated[0] = 0, True
+    assert resolve_sample_counts(urls[::-1]) == [1] * 10  # new keys: counted again
+    assert most[0] == 8
+
+
+def test_saved_counts_are_read_without_waiting_for_the_counting_lock(
+    make_shards: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A complete counts file is read without the lock (a rank counting other shards holds
+    it); a process that did wait finds what the counter saved meanwhile and counts nothing."""
+    import fcntl
+    import threading
+
+    from cloudshards import balance
+
+    shards = make_shards([2, 3])
+    urls = [str(p) for p in shards.paths]
+    assert resolve_sample_counts(urls) == [2, 3]
+    directory = Path(os.environ["CLOUDSHARDS_COUNTS_DIR"])
+    (saved,) = [p for p in directory.iterdir() if not p.name.endswith(".lock")]
+    content = saved.read_bytes()
+
+    def no_counting(*args: Any) -> int:
+        raise AssertionError("counted again")
+
+    monkeypatch.setattr(balance, "count_shard_samples", no_counting)
+    reads = threading.Event()
+    real_read = balance._read_counts
+
+    def read(path: Path) -> Any:
+        result = real_read(path)
+        reads.set()
+        return result
+
+    monkeypatch.setattr(balance, "_read_counts", read)
+    results: list[Any] = []
+
+    def resolve() -> None:
+        try:
+            results.append(resolve_sample_counts(urls))
+        except BaseException as exc:  # reported by the assertions below
+            results.append(exc)
+
+    with open(str(saved) + ".lock", "a+b") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+        thread = threading.Thread(target=resolve)
+        thread.start()
+        thread.join(timeout=10)
+        assert results == [[2, 3]]  # did not wait for the lock
+        saved.unlink()
+        reads.clear()
+        thread = threading.Thread(target=resolve)
+        thread.start()
+        assert reads.wait(timeout=10)  # it found no counts file: now it waits for the lock
+        thread.join(timeout=0.3)
+        assert thread.is_alive()
+        saved.write_bytes(content)  # what the process holding the lock saved
+    thread.join(timeout=10)
+    assert results == [[2, 3], [2, 3]]
+
+
+def test_padding_repeats_the_consumers_own_first_sample() -> None:
+    shards = [{"url": "u0", "shard_index": 0}]
+    segments = list(assign_samples(shards, {0: 3}, consumer=1, num_consumers=2, mode="pad"))
+    assert segments == [
+        {"url": "u0", "shard_index": 0, "skip": 2, "take": 1},
+        {"url": "u0", "shard_index": 0, "skip": 2, "take": 1, "pad": True},
+    ]
+    # Fewer samples than consumers: the epoch's first sample, from a shard that has one.
+    shards = [{"url": "u0", "shard_index": 0}, {"url": "u1", "shard_index": 1}]
+    segments = list(assign_samples(shards, {0: 0, 1: 1}, consumer=2, num_consumers=3, mode="pad"))
+    assert segments == [{"url": "u1", "shard_index": 1, "skip": 0, "take": 1, "pad": True}]

@@ -161,3 +161,77 @@ def test_a_reader_that_followed_a_download_ahead_saves_its_table(
     assert len(tables(cache_dir)) == 4
     forbid_parsing(monkeypatch)
     assert samples(dataset(urls, cache_dir)) == first
+
+
+# --- gaps found by the mutation check (integration/mutation.py) ------------------------------
+
+
+def write_raw_table(path: Path, **fields: Any) -> None:
+    value = {"version": 1, "size": 10, "names": ["a"], "offsets": [0], "sizes": [10]}
+    value.update(fields)
+    path.write_text(json.dumps(value))
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"version": 2},
+        {"size": 11},
+        {"names": "a"},
+        {"offsets": 0},
+        {"sizes": {"0": 10}},
+        {"names": ["a", "b"]},
+        {"names": [1]},
+        {"offsets": [-1]},
+        {"sizes": [-1], "offsets": [5]},
+        {"offsets": [1]},  # ends past the file
+        {"offsets": ["0"]},
+    ],
+    ids=repr,
+)
+def test_load_table_refuses_what_does_not_fit_the_file(
+    tmp_path: Path, fields: dict[str, Any]
+) -> None:
+    path = tmp_path / "table.json"
+    write_raw_table(path, **fields)
+    assert load_table(str(path), 10) is None
+    path.write_text("[1, 2]")  # not an object at all
+    assert load_table(str(path), 10) is None
+
+
+@pytest.mark.parametrize(
+    ("offsets", "sizes"),
+    [([0], [10]), ([0, 4, 10], [0, 6, 0]), ([10], [0])],
+    ids=["whole file", "empty members", "empty at the end"],
+)
+def test_load_table_takes_members_anywhere_inside_the_file(
+    tmp_path: Path, offsets: list[int], sizes: list[int]
+) -> None:
+    path = tmp_path / "table.json"
+    names = [f"m{i}" for i in range(len(offsets))]
+    write_raw_table(path, names=names, offsets=offsets, sizes=sizes)
+    table = load_table(str(path), 10)
+    assert table is not None
+    assert table.complete
+    assert list(table.rows()) == list(zip(names, offsets, sizes, strict=True))
+
+
+def test_write_table_leaves_no_temporary_file_behind(tmp_path: Path) -> None:
+    from cloudshards._membertable import MemberTable, write_table
+
+    target = tmp_path / "table.json"
+    target.mkdir()  # os.replace onto a directory fails
+    write_table(str(target), MemberTable(), 0)
+    assert [p.name for p in tmp_path.iterdir()] == ["table.json"]
+
+
+def test_iter_table_of_an_empty_file(tmp_path: Path) -> None:
+    from cloudshards._membertable import MemberTable
+
+    empty = tmp_path / "empty.tar"
+    empty.write_bytes(b"")
+    with open(empty, "rb") as f:
+        members = iter_table(
+            f.fileno(), MemberTable(), url="x", name_filter=None, max_member_bytes=1
+        )
+        assert list(members) == []

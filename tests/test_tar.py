@@ -6,7 +6,9 @@ from __future__ import annotations
 import contextlib
 import gzip
 import io
+import logging
 import random
+import re
 import tarfile
 import zlib
 from collections.abc import Iterator
@@ -786,3 +788,343 @@ def test_gzip_bomb_output_is_bounded() -> None:
     assert len(stream) < 100_000
     reader = _tarstream.GunzipReader(io.BytesIO(stream[2:]), stream[:2], None, 1 << 16)
     assert len(reader.read(1 << 30)) <= 1 << 16
+
+
+# --- gaps found by the mutation check (integration/mutation.py) ------------------------------
+
+
+def test_smallest_limits_are_accepted() -> None:
+    assert read(write_tar(SAMPLE_MEMBERS), block_bytes=1) == SAMPLE_MEMBERS
+    data = member(b"empty.bin", b"") + member(b"one.bin", b"1") + END
+    got, exc = read_until_error(data, max_member_bytes=0)
+    assert [m.name for m in got] == ["empty.bin"]
+    assert exc is not None
+    assert exc.member == "one.bin"
+    exact = member(b"a.bin", b"a" * 1000) + END
+    assert read(exact, max_member_bytes=1000) == [("a.bin", b"a" * 1000)]  # the limit itself
+
+
+def pax_of_size(total: int, **records: str) -> bytes:
+    """PAX records of exactly ``total`` bytes: ``records`` and a comment to fill up."""
+    fixed = pax_records(**records)
+    filler = total - len(fixed) - len(pax_records(comment=""))
+    while len(pax_records(comment="c" * filler)) + len(fixed) > total:
+        filler -= 1
+    data = fixed + pax_records(comment="c" * filler)
+    assert len(data) == total
+    return data
+
+
+def test_extended_header_size_limit_is_one_mib() -> None:
+    limit = 1 << 20
+    data = member(b"pax", pax_of_size(limit, path="p.bin"), b"x") + member(b"a.bin", b"A") + END
+    assert read(data) == [("p.bin", b"A")]
+    for block_bytes in (512, 4 << 20):  # whether the header is in the buffer or not
+        data = header(b"pax", limit + 1, b"x") + pad(bytes(limit + 1)) + END
+        with pytest.raises(ShardFormatError, match="implausibly large"):
+            read(data, block_bytes=block_bytes)
+
+
+def test_extended_header_at_the_start_then_the_end_raises() -> None:
+    data = member(b"pax", pax_records(path="p.bin"), b"x") + END
+    with pytest.raises(ShardFormatError, match="extended header not followed by a member") as info:
+        read(data)
+    assert info.value.offset == 0
+
+
+@pytest.mark.parametrize("name", [b"olddir/", b"d" * 99 + b"/"], ids=["short", "100 bytes"])
+def test_v7_directory_with_a_size_has_no_data(name: bytes) -> None:
+    # Type "\0" and a trailing slash: a directory (tarfile agrees), so no data follows.
+    data = header(name, 1024, b"\0") + member(b"a.txt", b"a") + END
+    assert read(data) == [("a.txt", b"a")]
+
+
+JUNK_SIZE = b"zzzzzzzzzzz\0"
+
+
+@pytest.mark.parametrize(
+    ("entry", "named", "described"),
+    [
+        (header(b"a.bin", typeflag=b"\0", size_field=JUNK_SIZE), "a.bin", None),
+        (header(b"weird/", typeflag=b"0", size_field=JUNK_SIZE), "weird/", None),
+        (header(b"d" * 99 + b"/", typeflag=b"\0", size_field=JUNK_SIZE), None, "not a file"),
+        (header(b"olddir/", typeflag=b"\0", size_field=JUNK_SIZE), None, "'olddir/'"),
+        (header(b"dir", typeflag=b"5", size_field=JUNK_SIZE), None, "of type '5'"),
+        (header(b"pax", typeflag=b"x", size_field=JUNK_SIZE), None, "(in an extended header)"),
+        (
+            member(b"pax", pax_records(path="p.bin"), b"x") + header(size_field=JUNK_SIZE),
+            "p.bin",
+            None,
+        ),
+    ],
+    ids=["old regular", "regular", "v7 dir 100", "v7 dir", "dir", "pax", "pax path"],
+)
+def test_bad_size_field_names_the_file_or_describes_the_entry(
+    entry: bytes, named: str | None, described: str | None
+) -> None:
+    got, exc = read_until_error(member(b"first.txt", b"1") + entry + END)
+    assert [m.name for m in got] == ["first.txt"]
+    assert exc is not None
+    assert "bad size field" in str(exc)
+    assert exc.member == named
+    if described is not None:
+        assert described in str(exc)
+
+
+@pytest.mark.parametrize(
+    ("digits", "magnitude"),
+    [("1" + "0" * 3999, "at least 2**13284"), ("1" + "0" * 4000, "at least 2**13287")],
+    ids=["4000 digits", "4001 digits"],
+)
+def test_pax_sizes_with_thousands_of_digits_are_refused_with_their_magnitude(
+    digits: str, magnitude: str
+) -> None:
+    data = member(b"pax", pax_records(size=digits), b"x") + header(b"x.dat") + END
+    got, exc = read_until_error(data)
+    assert got == []
+    assert exc is not None
+    assert exc.member == "x.dat"
+    assert magnitude in str(exc)
+
+
+def test_parse_number_decodes_every_encoding() -> None:
+    from cloudshards._tarheader import parse_number
+
+    assert parse_number(b"00000001750\0") == 1000
+    assert parse_number(b"0000012\0junk") == 10  # octal up to the first NUL, as tarfile reads
+    assert parse_number(b"        \0   ") == 0  # blank
+    assert parse_number(b"\x80" + (1000).to_bytes(11, "big")) == 1000
+    assert parse_number(b"\xff" * 12) == -1  # base-256 two's complement
+    assert parse_number(b"\xff" + bytes(11)) == -(1 << 88)
+    assert parse_number(b"\xff" * 8) == -1  # an 8-byte field (uid, gid, checksum)
+    assert parse_number(b"\xfe" + bytes(11)) is None
+    assert parse_number(b"12389\0      ") is None  # not octal
+
+
+def test_size_field_with_junk_after_its_nul() -> None:
+    data = header(b"a.bin", size_field=b"0000012\0abc\0") + pad(b"0123456789") + END
+    assert read(data) == [("a.bin", b"0123456789")]
+
+
+def with_checksum(block: bytearray, fmt: bytes = b"%06o\0 ") -> bytes:
+    """``block`` with its checksum field written in ``fmt`` (8 bytes, NUL-padded)."""
+    block[148:156] = b" " * 8
+    block[148:156] = (fmt % sum(block)).ljust(8, b"\0")
+    return bytes(block)
+
+
+@pytest.mark.parametrize("fmt", [b"%06o\0 ", b"%08o"], ids=["6 digits", "8 digits"])
+def test_checksum_sums_every_byte_but_its_own_field(fmt: bytes) -> None:
+    block = bytearray(header(b"a.txt", 1, magic=bytes(8)))  # v7: bytes 345-511 are free
+    block[147] = ord(" ")  # the mtime field ended by a space, as old GNU tar writes it
+    block[157:257] = b"z" * 100  # a link name, ignored for a file
+    block[345:512] = b"y" * 167  # old GNU atime/ctime and padding: no name part without ustar
+    assert sum(block) > 0o100000  # six significant digits: none of them may be dropped
+    data = with_checksum(block, fmt) + pad(b"a") + END
+    assert read(data) == [("a.txt", b"a")]
+
+
+def test_names_use_every_byte_of_their_fields() -> None:
+    long = b"n" * 96 + b".txt"  # 100 bytes: no NUL ends it
+    assert read(member(long, b"1") + END) == [(long.decode(), b"1")]
+    assert read(member(b"name.txt", b"2", prefix=b"p") + END) == [("p/name.txt", b"2")]
+    block = bytearray(header(b"name.txt", 1, prefix=b"q" * 155))  # a prefix without NUL
+    block[500] = ord("X")  # ustar padding after the prefix: not part of the name
+    data = with_checksum(block) + pad(b"3") + END
+    assert read(data) == [("q" * 155 + "/name.txt", b"3")]
+
+
+@pytest.mark.parametrize(
+    ("records", "message"),
+    [
+        (b"abc\n", "malformed PAX record at byte 0"),
+        (b"3 \n", "PAX record at byte 0 has no '='"),
+        (b"000000000000000000035 path=abcdefg\n", "malformed PAX record at byte 0"),
+    ],
+    ids=["no length", "no keyword", "21-digit length"],
+)
+def test_pax_record_errors(records: bytes, message: str) -> None:
+    data = member(b"pax", records, b"x") + member(b"a.txt", b"a") + END
+    with pytest.raises(ShardFormatError, match=message):
+        read(data)
+
+
+def test_pax_record_length_may_have_twenty_digits() -> None:
+    records = b"00000000000000000034 path=abcdefg\n"
+    assert len(records) == 34
+    assert read(member(b"pax", records, b"x") + member(b"a.txt", b"a") + END) == [("abcdefg", b"a")]
+
+
+def test_describe_size_is_exact_below_two_to_the_64() -> None:
+    assert _tarstream.describe_size((1 << 64) - 1) == str((1 << 64) - 1)
+    assert _tarstream.describe_size(1 << 64) == "at least 2**64"
+
+
+def test_gzip_error_offsets_count_decompressed_bytes() -> None:
+    compressed = gzip.compress(write_tar(SAMPLE_MEMBERS))
+    with pytest.raises(ShardFormatError, match="near compressed byte 5") as info:
+        read(compressed[:5], "nonseekable", block_bytes=512)
+    assert info.value.offset == 0  # nothing decompressed yet
+
+
+def test_gzip_with_matches_far_back_in_its_window() -> None:
+    # Repeats 20 000 bytes apart: the decoder needs gzip's whole 32 KiB window.
+    chunk = random.Random(5).randbytes(20_000)
+    members = [("far.bin", chunk + chunk)]
+    assert read(gzip.compress(write_tar(members))) == members
+
+
+def test_gzip_members_with_zero_padding_between_them() -> None:
+    raw = write_tar(SAMPLE_MEMBERS)
+    parts = gzip.compress(raw[:3000]) + bytes(100) + gzip.compress(raw[3000:])
+    for block_bytes in (512, 4 << 20):
+        assert read(parts, block_bytes=block_bytes) == SAMPLE_MEMBERS
+
+
+def test_gzip_cut_in_its_trailer_is_reported_at_the_end_of_the_data() -> None:
+    raw = write_tar(SAMPLE_MEMBERS)
+    got, exc = read_until_error(gzip.compress(raw)[:-4])
+    assert [(m.name, m.data) for m in got] == SAMPLE_MEMBERS
+    assert exc is not None
+    assert "truncated gzip stream" in str(exc)
+    assert exc.offset == len(raw)
+
+
+class OneByteReads(NonSeekable):
+    """A stream that hands out one byte per read (a slow socket)."""
+
+    def read(self, size: int) -> bytes:
+        return self._inner.read(min(size, 1))
+
+
+def test_gzip_is_detected_whatever_the_first_read_returns() -> None:
+    compressed = gzip.compress(write_tar(SAMPLE_MEMBERS))
+    got = [(m.name, m.data) for m in iter_members(OneByteReads(compressed), block_bytes=512)]
+    assert got == SAMPLE_MEMBERS
+
+
+def test_corrupt_gzip_is_reported_no_later_than_the_damage() -> None:
+    compressed = bytearray(gzip.compress(write_tar(SAMPLE_MEMBERS), 1))
+    compressed[40] ^= 0xFF
+    compressed[41] ^= 0xFF
+    for block_bytes in (512, 4 << 20):
+        with pytest.raises(ShardFormatError, match=r"near compressed byte (\d+)") as info:
+            read(bytes(compressed), "nonseekable", block_bytes=block_bytes)
+        near = re.search(r"near compressed byte (\d+)", str(info.value))
+        assert near is not None
+        assert 0 <= int(near.group(1)) <= 40
+
+
+@pytest.mark.parametrize("stream", ["bytesio", "nonseekable"])
+def test_truncated_member_error_is_at_its_data(stream: str) -> None:
+    data = member(b"a.txt", b"a") + member(b"big.bin", b"x" * 5000)
+    with pytest.raises(ShardFormatError, match="member data") as info:
+        read(data[:-1000], stream, block_bytes=512)
+    assert (info.value.member, info.value.offset) == ("big.bin", 1536)  # after its header
+
+
+def test_gzip_cut_inside_an_extended_header_says_so() -> None:
+    records = pax_records(path="p.bin", comment=random.Random(1).randbytes(30_000).hex())
+    raw = member(b"a.txt", b"a") + member(b"pax", records, b"x") + member(b"b.txt", b"b") + END
+    compressed = gzip.compress(raw)
+    with pytest.raises(ShardFormatError, match=r"\(in an extended header\)") as info:
+        read(compressed[: len(compressed) // 2], "nonseekable", block_bytes=512)
+    assert info.value.member is None
+
+
+def test_gzip_cut_inside_a_member_is_reported_where_the_data_stops() -> None:
+    payload = random.Random(2).randbytes(200_000)
+    compressed = gzip.compress(member(b"a.txt", b"a") + member(b"big.bin", payload) + END)
+    cut = compressed[: len(compressed) // 2]
+    available = len(zlib.decompressobj(wbits=31).decompress(cut))
+    for block_bytes in (512, 4 << 20):
+        got, exc = read_until_error(cut, block_bytes=block_bytes)
+        assert [m.name for m in got] == ["a.txt"]
+        assert exc is not None
+        assert exc.member == "big.bin"
+        assert exc.offset == available
+
+
+def names_until_error(stream: Any, **kw: Any) -> tuple[list[str], ShardFormatError | None]:
+    got: list[str] = []
+    try:
+        for item in iter_members(stream, **kw):
+            got.append(item.name)
+    except ShardFormatError as exc:
+        return got, exc
+    return got, None
+
+
+def test_member_cut_on_a_block_boundary_is_never_yielded() -> None:
+    data = member(b"a.txt", b"a") + member(b"b.bin", b"b" * 1024)  # no padding to hide the cut
+    for stream in ("bytesio", "nonseekable"):
+        got, exc = names_until_error(STREAMS[stream](data[:-100]), block_bytes=4096)
+        assert got == ["a.txt"]
+        assert exc is not None
+        assert exc.member == "b.bin"
+
+
+def test_large_member_with_one_byte_of_it_buffered() -> None:
+    payload = random.Random(3).randbytes(2000)
+    data = member(b"big.bin", payload) + END
+    assert read(data, block_bytes=513) == [("big.bin", payload)]  # 1 byte after the header
+
+
+class ForwardSeekFails(io.BytesIO):
+    """Seeks back, not forward (a stream that only rewinds what it buffered)."""
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        if whence == 1 and offset > 0:
+            raise OSError("cannot seek forward")
+        return super().seek(offset, whence)
+
+
+class BackwardSeekFails(io.BytesIO):
+    def seek(self, offset: int, whence: int = 0) -> int:
+        if whence == 1 and offset < 0:
+            raise OSError("cannot seek back")
+        return super().seek(offset, whence)
+
+
+def test_large_members_read_in_chunks_when_seeking_ahead_fails() -> None:
+    payload = random.Random(4).randbytes(1025)  # two blocks and one byte
+    data = member(b"big.bin", payload) + member(b"a.txt", b"a") + END
+    got = iter_members(ForwardSeekFails(data), block_bytes=512)
+    assert [(m.name, m.data) for m in got] == [("big.bin", payload), ("a.txt", b"a")]
+    with pytest.raises(ShardFormatError, match="member data") as info:
+        list(iter_members(ForwardSeekFails(data[:1000]), block_bytes=512))
+    assert info.value.member == "big.bin"
+
+
+def test_a_stream_that_cannot_seek_back_is_an_error() -> None:
+    data = member(b"big.bin", b"x" * 2000) + END
+    with pytest.raises(ShardFormatError, match="cannot seek back") as info:
+        list(iter_members(BackwardSeekFails(data), block_bytes=512))
+    assert info.value.offset == 512  # the member's data
+
+
+def test_eof_right_after_an_extended_header_at_the_start() -> None:
+    with pytest.raises(ShardFormatError, match="ends after an extended header") as info:
+        read(member(b"pax", pax_records(path="p.bin"), b"x"))
+    assert info.value.offset == 0
+
+
+def test_data_after_a_zero_block_is_found_beyond_the_buffer() -> None:
+    data = member(b"a.txt", b"a") + bytes(512) + member(b"b.txt", b"b") + END
+    with pytest.raises(ShardFormatError, match="a zero block followed by more data"):
+        read(data, "nonseekable", block_bytes=512)
+
+
+def test_a_short_second_zero_block_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    body = member(b"a.txt", b"a")
+    caplog.set_level(logging.DEBUG, logger="cloudshards._tarstream")
+    for tail, logged in ((END, False), (bytes(512), False), (bytes(600), True)):
+        caplog.clear()
+        assert read(body + tail) == [("a.txt", b"a")]
+        assert ("ends inside its second zero block" in caplog.text) is logged
+
+
+def test_gzip_followed_by_a_zlib_stream_raises() -> None:
+    compressed = gzip.compress(write_tar(SAMPLE_MEMBERS)) + zlib.compress(b"not gzip")
+    with pytest.raises(ShardFormatError, match="gzip"):
+        read(compressed)

@@ -917,7 +917,7 @@ def with_checksum(block: bytearray, fmt: bytes = b"%06o\0 ") -> bytes:
 def test_checksum_sums_every_byte_but_its_own_field(fmt: bytes) -> None:
     block = bytearray(header(b"a.txt", 1, magic=bytes(8)))  # v7: bytes 345-511 are free
     block[147] = ord(" ")  # the mtime field ended by a space, as old GNU tar writes it
-    block[157:257] = b"z" * 100  # a link name, ignored for a file
+    block[157:257] = b"\xfa" * 100  # a link name, ignored for a file (the signed sum differs)
     block[345:512] = b"y" * 167  # old GNU atime/ctime and padding: no name part without ustar
     assert sum(block) > 0o100000  # six significant digits: none of them may be dropped
     data = with_checksum(block, fmt) + pad(b"a") + END
@@ -983,11 +983,16 @@ def test_gzip_members_with_zero_padding_between_them() -> None:
 
 def test_gzip_cut_in_its_trailer_is_reported_at_the_end_of_the_data() -> None:
     raw = write_tar(SAMPLE_MEMBERS)
-    got, exc = read_until_error(gzip.compress(raw)[:-4])
-    assert [(m.name, m.data) for m in got] == SAMPLE_MEMBERS
-    assert exc is not None
-    assert "truncated gzip stream" in str(exc)
-    assert exc.offset == len(raw)
+    cut = gzip.compress(raw)[:-4]
+    for block_bytes in (512, 4 << 20):  # the compressed bytes read in one go, or in many
+        got, exc = read_until_error(cut, block_bytes=block_bytes)
+        assert [(m.name, m.data) for m in got] == SAMPLE_MEMBERS
+        assert exc is not None
+        assert (
+            f"truncated gzip stream (ends before the gzip trailer) near compressed byte {len(cut)}"
+            in str(exc)
+        )
+        assert exc.offset == len(raw)
 
 
 class OneByteReads(NonSeekable):

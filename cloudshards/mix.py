@@ -1,4 +1,8 @@
-"""Mixing several datasets: webdataset's ``RoundRobin`` and ``RandomMix``."""
+"""Mixing several datasets: webdataset's ``RoundRobin`` and ``RandomMix``.
+
+Resumption: none yet (a mix keeps no state; its datasets restart). Their configuration (number
+of datasets, proportions) is in a pipeline's state fingerprint.
+"""
 
 from __future__ import annotations
 
@@ -52,6 +56,10 @@ class RoundRobin(IterableDataset):  # type: ignore[type-arg]
         self.datasets = datasets
         self.longest = longest
 
+    def stage_config(self) -> dict[str, Any]:
+        """How many datasets are interleaved, and until when."""
+        return {"datasets": _count(self.datasets), "longest": self.longest}
+
     def __iter__(self) -> Iterator[Any]:
         sources = [iter(d) for d in self.datasets]
         if self.longest:
@@ -100,6 +108,15 @@ class RandomMix(IterableDataset):  # type: ignore[type-arg]
         self.probs = probs
         self.longest = longest
 
+    def stage_config(self) -> dict[str, Any]:
+        """How many datasets are mixed, in which proportions, until when."""
+        probs = None if self.probs is None else [float(p) for p in self.probs]
+        return {"datasets": _count(self.datasets), "probs": probs, "longest": self.longest}
+
     def __iter__(self) -> Iterator[Any]:
         sources = [iter(d) for d in self.datasets]
         return random_samples(sources, self.probs, longest=self.longest)
+
+
+def _count(datasets: Any) -> int | None:
+    return len(datasets) if hasattr(datasets, "__len__") else None

@@ -1,61 +1,44 @@
-"""DataPipeline: a chain of stages that is a torch IterableDataset, plus the fluent methods.
+"""DataPipeline: a chain of stages that is a torch IterableDataset (fluent methods: fluid.py).
 
 Each ``iter()`` is one epoch: the pipeline detects rank and worker, makes the (seed, epoch)
 context current while its stages run (so shard order and shuffles are deterministic and
-change per epoch), and builds a fresh iterator chain. Fluent methods return a new pipeline and
-never modify the one they are called on.
+change per epoch), and builds a fresh iterator chain. Stateful stages' running iterators are
+found by their ``state_key`` while the chain is built (:mod:`cloudshards.stages.base`); the
+pipeline nests their states in its own, restores them at the next ``iter()`` and fingerprints
+every stage's configuration (:mod:`cloudshards.stages.state`). Fluent methods return a new
+pipeline and never modify the one they are called on.
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset
 
-from cloudshards import config
-from cloudshards.dist import WorkerInfo, derive_seed
-from cloudshards.handlers import reraise_exception
-from cloudshards.stages import base, batch, fields, shuffle, transform
+from cloudshards.dist import WorkerInfo
+from cloudshards.fluid import FluidInterface
+from cloudshards.seeding import _env_seed, default_seed, epoch_context
+from cloudshards.stages import base
 from cloudshards.stages.base import IterationContext, PipelineStage
-from cloudshards.stages.epoch import _slice
-from cloudshards.types import ExceptionHandler
+from cloudshards.stages.epoch import EpochLimiter
+from cloudshards.stages.state import (
+    STATE_VERSION,
+    LiveEpoch,
+    StageRegistry,
+    fingerprint,
+    legacy_fingerprint,
+    mismatch_message,
+    upgrade,
+)
 
 __all__ = ["DataPipeline", "FluidInterface", "FluidWrapper", "default_seed"]
 
 logger = logging.getLogger(__name__)
-
-
-def default_seed() -> int:
-    """The base seed when none is given: ``CLOUDSHARDS_SEED``, else ``WDS_SEED``, else 0.
-
-    A fixed default keeps every rank on the same shard order without coordination, the way
-    ``DistributedSampler(seed=0)`` does; epochs still differ through the epoch number.
-    """
-    value = _env_seed()
-    return 0 if value is None else value
-
-
-def _env_seed() -> int | None:
-    import os
-
-    value = config.env_str("SEED") or os.environ.get("WDS_SEED")
-    return int(value) if value else None
-
-
-def _shuffles(stage: Any) -> bool:
-    return getattr(stage, "shuffle", None) is True or isinstance(stage, shuffle.Shuffler)
-
-
-def _torch_base_seed() -> int | None:
-    import torch.utils.data
-
-    info = torch.utils.data.get_worker_info()
-    return None if info is None else int(info.seed - info.id)
 
 
 class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
@@ -100,7 +83,7 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
         self._epoch_set = False
         self._epoch_from_user = False  # set_epoch was called since a WebLoader last pushed
         self._length: int | None = None
-        self._live: dict[str, Any] | None = None  # the running epoch, for state_dict
+        self._live: LiveEpoch | None = None  # the running epoch, for state_dict
         self._resume: dict[str, Any] | None = None
         for arg in args:
             if arg is None:
@@ -133,37 +116,14 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
         return self._epoch
 
     def _context(self, epoch: int | None = None) -> IterationContext:
-        info = WorkerInfo.detect()
-        if self._ranks is not None:
-            info = dataclasses.replace(info, rank=self._ranks[0], world_size=self._ranks[1])
-        seed = self.seed
-        epoch = self._epoch if epoch is None else epoch
-        if not self._epoch_set and info.world_size == 1 and not self._seed_given:
-            # Without set_epoch, non-persistent DataLoader workers get a fresh copy of the
-            # dataset each epoch, so their epoch counter never moves. Mixing in the DataLoader's
-            # per-epoch base seed (equal for all workers of one epoch) still reshuffles. Only
-            # on one rank (ranks must agree, and their torch seeds may differ) and only without
-            # a seed (a seed the user gives must fix the order regardless of torch's RNG).
-            base_seed = _torch_base_seed()
-            if base_seed is not None:
-                seed = derive_seed(seed, base_seed)
-        elif (
-            not self._epoch_set
-            and epoch == 0
-            and (info.num_workers > 1 or _torch_base_seed() is not None)
-            and (info.rank, info.worker) == (0, 0)
-            and any(_shuffles(stage) for stage in self.pipeline)
-        ):
-            # Several ranks or an explicit seed, DataLoader workers and no set_epoch: fresh
-            # (non-persistent) workers start from epoch 0 every time, so the order repeats.
-            why = f"with {info.world_size} ranks" if info.world_size > 1 else f"with seed={seed}"
-            logger.warning(
-                "no set_epoch() on this dataset %s: unless the DataLoader has "
-                "persistent_workers=True, its workers see epoch 0 every epoch and repeat its "
-                "order; call dataset.set_epoch(epoch) each epoch (the same value on every rank)",
-                why,
-            )
-        return IterationContext(seed=seed, epoch=epoch, info=info)
+        return epoch_context(
+            self.seed,
+            self._epoch if epoch is None else epoch,
+            ranks=self._ranks,
+            seed_given=self._seed_given,
+            epoch_set=self._epoch_set,
+            stages=self.pipeline,
+        )
 
     # --- iteration ---------------------------------------------------------------------------
 
@@ -183,11 +143,19 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
 
     def iterator1(self) -> Iterator[Any]:
         """Build the iterator chain for one pass over the data."""
+        return self._chain(None)
+
+    def _chain(self, registry: StageRegistry | None) -> Iterator[Any]:
+        # The chain of one pass; each stage's stateful iterator goes to the registry.
         if not self.pipeline:
             raise ValueError("DataPipeline has no source")
         source = self.invoke(self.pipeline[0])
+        if registry is not None:
+            registry.track(source)
         for step in self.pipeline[1:]:
             source = self.invoke(step, source)
+            if registry is not None:
+                registry.track(source)
         return iter(source)
 
     def iterator(self, epoch: int | None = None) -> Iterator[Any]:
@@ -196,27 +164,32 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
         context = self._context(epoch)
         context.bounded = self.nsamples > 0
         resume, self._resume = self._resume, None
-        first_repetition, yielded = 0, 0
+        passes = EpochLimiter(self.repetitions, self.nsamples)
+        saved: dict[str, Any] | None = None
         if resume is not None:
             self._check_consumer(resume, context.info)
             context.seed = int(resume["seed"])
-            first_repetition, yielded = int(resume["repetition"]), int(resume["yielded"])
             context.resumed = True
-            if resume["shards"] > 0:
-                context.resume = (int(resume["shards"]) - 1, int(resume["samples"]))
-        live = {"epoch": context.epoch, "seed": context.seed, "info": context.info}
-        live.update(repetition=first_repetition, yielded=yielded, position=context.position)
+            saved = dict(resume["stages"])
+            passes.load_state_dict(saved.pop(passes.state_key, {}))
+        live = LiveEpoch(context.epoch, context.seed, context.info, passes)
         self._live = live
-        limit = self.nsamples if self.nsamples > 0 else sys.maxsize
-        for repetition in range(first_repetition, self.repetitions):
+        custom = type(self).iterator1 is not DataPipeline.iterator1  # a subclass builds it
+        limit = passes.limit
+        yielded = passes.yielded
+        for repetition in range(passes.repetition, self.repetitions):
             if yielded >= limit:
                 break
-            context.repetition = live["repetition"] = repetition
+            context.repetition = passes.repetition = repetition
+            # Only the first pass of a restored epoch resumes its stages.
+            registry = live.registry = StageRegistry(saved, {passes.state_key: passes})
+            saved = None
+            build = self.iterator1 if custom else partial(self._chain, registry)
             count = 0
-            for sample in _with_context(context, self.iterator1):
+            for sample in base.run_in_context(context, build):
                 count += 1
                 yielded += 1
-                live["yielded"] = yielded
+                passes.yielded = yielded
                 yield sample
                 if yielded >= limit:
                     break
@@ -240,26 +213,35 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
                 dataset.set_epoch(self._epoch)
         it = self.iterator(self._epoch)
         # Until the first next(), state_dict() says "the start of this epoch".
-        self._live = {"epoch": self._epoch, "seed": None, "info": None, "repetition": 0}
-        self._live.update(yielded=0, position=[0, 0])
+        passes = EpochLimiter(self.repetitions, self.nsamples)
+        self._live = LiveEpoch(self._epoch, None, None, passes)
         self._epoch += 1
         return it
 
     # --- state ---------------------------------------------------------------------------------
 
-    def _fingerprint(self) -> str:
-        """What a state must match: the source's shards and the stage layout."""
-        parts: list[Any] = [type(self).__name__]
-        for stage in self.pipeline:
-            parts.append(type(stage).__name__)
-            urls = getattr(stage, "urls", None)
-            if isinstance(urls, list):
-                parts.append(urls)
-        return str(derive_seed(*parts))
+    def _fingerprint(self) -> tuple[str, list[str]]:
+        """What a state must match: the pipeline's seed and epoch limits, and each stage's
+        class and configuration (``stage_config()``); with the layout (a short hash per
+        stage) that says which one differs."""
+        key = (tuple(map(id, self.pipeline)), self.seed, self.repetitions, self.nsamples)
+        cached = self.__dict__.get("_fingerprint_cache")
+        if cached is not None and cached[0] == key:
+            return cached[1]  # type: ignore[no-any-return]
+        head = {
+            "pipeline": type(self).__name__,
+            "seed": self.seed,
+            "passes": EpochLimiter(self.repetitions, self.nsamples).stage_config(),
+        }
+        result = fingerprint(head, self.pipeline)
+        self.__dict__["_fingerprint_cache"] = (key, result)
+        return result
 
     def state_dict(self) -> dict[str, Any]:
-        """Where this process's stream is: epoch, pass, items delivered, and the reader's
-        position (shards begun, samples from the last one).
+        """Where this process's stream is: the epoch, its effective seed, and each stateful
+        stage's position under its key (``"passes"``: pass and items delivered; ``"reader"``:
+        shards begun and samples delivered from the last one); see
+        :mod:`cloudshards.stages.state` for the format.
 
         Restoring it with :meth:`load_state_dict` continues exactly after the last item
         delivered, unless a shuffle buffer held samples (those are lost: resume is then
@@ -267,48 +249,49 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
         saves and restores its own.
         """
         live = self._live
-        state: dict[str, Any] = {"version": 1, "fingerprint": self._fingerprint()}
+        digest, layout = self._fingerprint()
+        state: dict[str, Any] = {"version": STATE_VERSION, "fingerprint": digest}
+        state["layout"] = layout
         if live is None:
-            info = WorkerInfo.detect()
-            epoch, seed = self._epoch, None
-            state.update(repetition=0, yielded=0, shards=0, samples=0)
+            info, epoch, seed, stages = WorkerInfo.detect(), self._epoch, None, {}
         else:
-            info, epoch, seed = live["info"] or WorkerInfo.detect(), live["epoch"], live["seed"]
-            position = live["position"]
-            state.update(
-                repetition=live["repetition"],
-                yielded=live["yielded"],
-                shards=position[0],
-                samples=position[1],
-            )
+            info, epoch, seed = live.info or WorkerInfo.detect(), live.epoch, live.seed
+            stages = live.registry.state_dict()
         state.update(
             epoch=epoch,
             seed=seed,
             consumer=[info.rank, info.world_size, info.worker, info.num_workers],
+            stages=stages,
         )
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a :meth:`state_dict`: the next ``iter()`` resumes that epoch.
 
+        States of version 1 (saved before stages owned their state) are read too.
+
         Raises:
-            StateMismatchError: The state is from another dataset or configuration, or from
-                another rank/worker layout.
+            StateMismatchError: The state is from another dataset or configuration (other
+                shards, seed, epoch length, or stage configuration: a shuffle buffer or batch
+                size), or from another rank/worker layout.
         """
         from cloudshards.errors import StateMismatchError
 
-        if not isinstance(state, dict) or state.get("version") != 1:
+        version = state.get("version") if isinstance(state, dict) else None
+        if version == 1:
+            if state.get("fingerprint") != legacy_fingerprint(type(self).__name__, self.pipeline):
+                raise StateMismatchError(mismatch_message(None, []))
+            state = upgrade(state)
+        elif version == STATE_VERSION:
+            digest, layout = self._fingerprint()
+            if state.get("fingerprint") != digest:
+                raise StateMismatchError(mismatch_message(state.get("layout"), layout))
+        else:
             raise StateMismatchError(f"not a cloudshards pipeline state: {state!r:.200}")
-        if state.get("fingerprint") != self._fingerprint():
-            raise StateMismatchError(
-                "this state was saved by a different dataset or configuration (other shards "
-                "or stages); refusing to resume from it"
-            )
         self._epoch = int(state["epoch"])
         self._epoch_set = True
         self._epoch_from_user = True  # a WebLoader around it continues from this epoch
-        has_position = state["yielded"] or state["shards"] or state["repetition"]
-        if state.get("seed") is None or not has_position:
+        if state.get("seed") is None or not state.get("stages"):
             self._resume = None
         else:
             self._resume = dict(state)
@@ -384,181 +367,6 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
             close = getattr(step, "close", None)
             if callable(close) and not isinstance(step, DataLoader):
                 close()
-
-
-def _with_context(context: IterationContext, build: Callable[[], Iterator[Any]]) -> Iterator[Any]:
-    # Keep the context current whenever the chain's generators run (they start lazily, on
-    # the first next()), and only then, so that interleaved pipelines never see each other's.
-    local = base._local
-    previous = getattr(local, "context", None)
-    local.context = context
-    try:
-        it = build()
-    finally:
-        local.context = previous
-    while True:
-        previous = getattr(local, "context", None)
-        local.context = context
-        try:
-            sample = next(it)
-        except StopIteration:
-            return
-        finally:
-            local.context = previous
-        yield sample
-
-
-class FluidInterface:
-    """webdataset's fluent methods; each returns a new pipeline with one more stage."""
-
-    def compose(self, *args: Any) -> Any:  # provided by DataPipeline
-        raise NotImplementedError
-
-    def batched(
-        self,
-        batchsize: int,
-        collation_fn: Callable[[list[Any]], Any] | None = batch.default_collation_fn,
-        partial: bool = True,
-    ) -> Any:
-        """Group samples into batches (tensors and arrays stacked by the default collation)."""
-        return self.compose(batch.batched(batchsize, collation_fn=collation_fn, partial=partial))
-
-    def unbatched(self) -> Any:
-        """Split batches back into samples."""
-        return self.compose(batch.unbatched())
-
-    def listed(self, batchsize: int, partial: bool = True) -> Any:
-        """Group samples into plain lists (no collation)."""
-        return self.compose(batch.batched(batchsize, collation_fn=None, partial=partial))
-
-    def unlisted(self) -> Any:
-        """Flatten lists of samples."""
-        return self.compose(batch.unlisted())
-
-    def log_keys(self, logfile: str | None = None) -> Any:
-        """Append sample keys to ``logfile``."""
-        return self.compose(transform.log_keys(logfile))
-
-    def shuffle(self, size: int, **kw: Any) -> Any:
-        """Shuffle samples through a buffer of ``size`` (no-op when ``size < 1``)."""
-        if size < 1:
-            return self
-        return self.compose(shuffle.shuffle(size, **kw))
-
-    def map(self, f: Callable[[Any], Any], handler: ExceptionHandler = reraise_exception) -> Any:
-        """Apply ``f`` to every sample."""
-        return self.compose(transform.map(f, handler=handler))
-
-    def decode(
-        self,
-        *args: Any,
-        pre: Any = None,
-        post: Any = None,
-        only: Any = None,
-        partial: bool = False,
-        handler: ExceptionHandler = reraise_exception,
-        max_bytes: int | None = None,
-    ) -> Any:
-        """Decode fields with imagespecs (``"rgb"``, ``"torchrgb"``, ``"pil"``...) or handlers.
-
-        gzip, ``.npz``, ``.npy`` and ``.pth`` fields inflate to at most ``max_bytes``: by
-        default the ``max_member_bytes`` given to this pipeline, else
-        ``CLOUDSHARDS_MAX_DECODED_BYTES``, else ``CLOUDSHARDS_MAX_MEMBER_BYTES``, else 1 GiB.
-        """
-        from cloudshards.decoders import make_decoder
-
-        if max_bytes is None:
-            max_bytes = _member_limit(getattr(self, "pipeline", []))
-        decoder = make_decoder(
-            *args, pre=pre, post=post, only=only, partial=partial, max_bytes=max_bytes
-        )
-        return self.map(decoder, handler=handler)
-
-    def map_dict(self, handler: ExceptionHandler = reraise_exception, **kw: Any) -> Any:
-        """Apply ``kw[field]`` to each sample's field."""
-        return self.compose(transform.map_dict(handler=handler, **kw))
-
-    def select(self, predicate: Callable[[Any], bool], **kw: Any) -> Any:
-        """Keep samples for which ``predicate`` is true."""
-        return self.compose(transform.select(predicate, **kw))
-
-    def to_tuple(self, *args: Any, **kw: Any) -> Any:
-        """Turn dict samples into tuples of fields (``"jpg;png"`` takes the first present).
-
-        Right after ``.decode(...)``, the decoder is narrowed to the fields kept here: the
-        others would be decoded only to be dropped.
-        """
-        result = self.compose(fields.to_tuple(*args, **kw))
-        _narrow_decoder(result.pipeline, args)
-        return result
-
-    def map_tuple(self, *args: Any, handler: ExceptionHandler = reraise_exception) -> Any:
-        """Apply one function per tuple element."""
-        return self.compose(transform.map_tuple(*args, handler=handler))
-
-    def slice(self, *args: int | None) -> Any:
-        """Take ``islice(stream, *args)`` of each epoch (per worker)."""
-        return self.compose(base.FilterFunction(_slice, *args))
-
-    def rename(self, **kw: Any) -> Any:
-        """Rename fields, e.g. ``rename(image="jpg;png", label="cls")``."""
-        return self.compose(fields.rename(**kw))
-
-    def rsample(self, p: float = 0.5) -> Any:
-        """Keep each sample with probability ``p``."""
-        return self.compose(transform.rsample(p))
-
-    def rename_keys(self, *args: Any, **kw: Any) -> Any:
-        """Rename fields by glob patterns."""
-        return self.compose(fields.rename_keys(*args, **kw))
-
-    def extract_keys(self, *args: Any, **kw: Any) -> Any:
-        """Turn samples into tuples of fields matched by glob patterns."""
-        return self.compose(fields.extract_keys(*args, **kw))
-
-    def mcached(self) -> Any:
-        """Keep the first pass's samples in memory and replay them on later passes."""
-        from cloudshards.webdataset.filters import Cached
-
-        return self.compose(Cached())
-
-    def lmdb_cached(self, *args: Any, **kw: Any) -> Any:
-        """Not supported (it pickles samples into LMDB): raises ``UnsupportedError``."""
-        from cloudshards.webdataset.filters import LMDBCached
-
-        return self.compose(LMDBCached(*args, **kw))
-
-    def xdecode(self, *args: Any, **kw: Any) -> Any:
-        """Decode fields by glob patterns (decoders receive a stream)."""
-        return self.compose(fields.xdecode(*args, **kw))
-
-
-def _member_limit(stages: list[Any]) -> int | None:
-    """The ``max_member_bytes`` a reader stage was given explicitly, if any."""
-    for stage in stages:
-        limit = getattr(getattr(stage, "options", None), "max_member_bytes", None)
-        if isinstance(limit, int):
-            return limit
-    return None
-
-
-def _narrow_decoder(stages: list[Any], kept: tuple[Any, ...]) -> None:
-    """If the stage before the last (a ``to_tuple``) decodes every field, make it decode only
-    the fields ``to_tuple`` keeps. Replaces the stage in ``stages``; shared objects are not
-    modified."""
-    from cloudshards.decoders import Decoder
-
-    if len(stages) < 2 or not kept or not all(isinstance(k, str) for k in kept):
-        return
-    stage = stages[-2]
-    if not (isinstance(stage, base.FilterFunction) and stage.f is transform._map):
-        return
-    decoder = stage.args[0] if stage.args else None
-    if type(decoder) is not Decoder or decoder.only is not None:
-        return
-    narrowed = copy.copy(decoder)
-    narrowed.only = {name for spec in kept for name in spec.split(";")}
-    stages[-2] = base.FilterFunction(stage.f, narrowed, *stage.args[1:], **stage.kw)
 
 
 class FluidWrapper(DataPipeline, FluidInterface):

@@ -2,7 +2,8 @@
 
 Shards travel between stages as webdataset-style dicts ``{"url": ..., "shard_index": ...}``
 so that user-written splitters and filters from webdataset code keep working.
-Resumption: exact (the order is a pure function of seed, epoch and position).
+Resumption: exact (the order is a pure function of seed, epoch and position: the shard lists
+keep no state; each declares its configuration, ``stage_config()``, for the state fingerprint).
 """
 
 from __future__ import annotations
@@ -71,6 +72,10 @@ class ShardList:
     def __len__(self) -> int:
         return len(self.urls)
 
+    def stage_config(self) -> dict[str, Any]:
+        """The shard URLs and whether they are shuffled."""
+        return {"urls": self.urls, "shuffle": self.shuffle}
+
     def __iter__(self) -> Iterator[dict[str, Any]]:
         order: Iterable[int] = range(len(self.urls))
         if self.shuffle:
@@ -99,6 +104,10 @@ class SimpleShardList:
 
     def __len__(self) -> int:
         return len(self.urls)
+
+    def stage_config(self) -> dict[str, Any]:
+        """The shard URLs and the shuffle seed."""
+        return {"urls": self.urls, "seed": self.seed}
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         urls = self.urls.copy()
@@ -148,6 +157,15 @@ class ResampledShards:
 
     def __len__(self) -> int:
         return len(self.urls)
+
+    def stage_config(self) -> dict[str, Any]:
+        """The shard URLs and what decides the draws (not the pass counter ``epoch``)."""
+        return {
+            "urls": self.urls,
+            "nshards": self.nshards,
+            "seed": self.seed,
+            "deterministic": self.deterministic,
+        }
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         self.epoch += 1

@@ -1,8 +1,20 @@
-"""Filter currying (webdataset's ``pipelinefilter``) and the per-iteration context.
+"""The Stage protocol, filter currying (webdataset's ``pipelinefilter``) and the epoch context.
 
-The context carries (seed, epoch, rank, worker) into stages while a pipeline builds its
-iterator chain, so every random stage gets a seed that is deterministic, differs per epoch and
-per worker, and needs no global RNG.
+A pipeline stage is anything webdataset accepts (an iterable source, a callable
+``f(src) -> iterator``, a :class:`PipelineStage`); stateless stages need nothing more. A stage
+may also declare (see :class:`Stage` and :class:`StageIterator`):
+
+- its configuration, ``stage_config()``: plain data that the pipeline's state fingerprint
+  covers, so that a state saved with another configuration (shuffle buffer, batch size...)
+  is refused on restore;
+- its state: the iterator it returns while the pipeline runs has a ``state_key`` and
+  ``state_dict()``/``load_state_dict()``. The pipeline nests each such iterator's state under
+  its key, without knowing the stage's type, and hands it back at the next ``iter()``.
+
+The context (:class:`IterationContext`) carries the read-only facts of one epoch (seed, epoch,
+rank, worker, pass) into stages while the pipeline runs them, so every random stage gets a seed
+that is deterministic, differs per epoch and per worker, and needs no global RNG. It holds no
+position: positions are the stages' own state.
 """
 
 from __future__ import annotations
@@ -12,10 +24,10 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 from cloudshards.dist import WorkerInfo, derive_seed
 
@@ -24,11 +36,121 @@ __all__ = [
     "IterationContext",
     "PipelineStage",
     "RestCurried",
+    "Stage",
+    "StageIterator",
+    "StatefulIterator",
     "current_context",
     "iteration_context",
     "make_rng",
     "pipelinefilter",
+    "run_in_context",
+    "stateful_key",
 ]
+
+_T = TypeVar("_T")
+
+
+@runtime_checkable
+class Stage(Protocol):
+    """What a pipeline stage declares beyond being callable on its source (all optional).
+
+    ``stage_config()`` returns the configuration that decides what the stage delivers, as
+    plain data (numbers, strings, booleans, None, and lists or string-keyed dicts of those):
+    a shuffle's buffer size, a batch size, a shard list's URLs. The pipeline's state
+    fingerprint covers it, so restoring a state saved under another configuration raises
+    ``StateMismatchError``. Leave out what does not change positions (the functions a ``map``
+    applies, decoders). A stage without it counts by its class name (and ``urls``, if any).
+
+    A stage with state makes the iterator it returns while the pipeline runs a
+    :class:`StatefulIterator` (see :class:`StageIterator`).
+    """
+
+    def stage_config(self) -> Mapping[str, Any]:
+        """The configuration the state fingerprint covers (plain data)."""
+        ...
+
+
+@runtime_checkable
+class StatefulIterator(Protocol):
+    """The running iterator of a stateful stage: the pipeline finds it by its ``state_key``.
+
+    When a pipeline builds its chain (each ``iter()``, each pass of ``with_epoch``), every
+    iterator a stage returns that has a string ``state_key`` is registered under that key (a
+    second one with the same key becomes ``key.1``, then ``key.2``...). Then:
+
+    - ``load_state_dict(state)`` is called once, before its first ``next()``, with the state
+      it reported when the pipeline's state was saved, and only in the first pass of a
+      restored epoch; it must not start iterating.
+    - ``state_dict()`` is called between two items the pipeline delivers (under
+      ``StatefulDataLoader``: after each item a worker yields). It returns the position of
+      what this stage has *delivered* to the next stage, as plain JSON-able data; ``{}``
+      means "at its start" and is left out of the pipeline's state.
+
+    Resumption is exact when the stages after it hold no items between two deliveries
+    (``batched`` takes exactly one batch; a shuffle buffer does not).
+    """
+
+    state_key: str
+
+    def __iter__(self) -> Iterator[Any]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+
+class StageIterator(Iterator[_T]):
+    """Convenience base class for a stateful stage's running iterator.
+
+    Subclasses set ``state_key`` and implement ``__next__``, ``state_dict`` and
+    ``load_state_dict`` (see :class:`StatefulIterator`). A stage returns one from
+    ``__call__(src)`` (or :meth:`PipelineStage.run`)::
+
+        class Numbered(StageIterator[dict]):
+            state_key = "numbered"
+
+            def __init__(self, src):
+                self.src, self.count = iter(src), 0
+
+            def __next__(self):
+                sample = next(self.src)
+                self.count += 1
+                return {**sample, "n": self.count}
+
+            def state_dict(self):
+                return {"count": self.count} if self.count else {}
+
+            def load_state_dict(self, state):
+                self.count = int(state["count"])
+
+    Note that ``__next__`` is a method call per item; a stage on the per-sample path that
+    must be fast can return an object whose ``__iter__`` returns a generator instead (the
+    shard reader does).
+    """
+
+    state_key: ClassVar[str] = ""
+
+    def __iter__(self) -> Iterator[_T]:
+        return self
+
+    def __next__(self) -> _T:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position of what this iterator has delivered (plain data; ``{}``: at start)."""
+        raise NotImplementedError
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s result; called before the first ``next()``."""
+        raise NotImplementedError
+
+
+def stateful_key(it: object) -> str | None:
+    """The ``state_key`` of a stage's running iterator, or None when it has no state."""
+    key = getattr(it, "state_key", None)
+    if isinstance(key, str) and key and callable(getattr(it, "state_dict", None)):
+        return key
+    return None
 
 
 class PipelineStage:
@@ -57,6 +179,13 @@ class FilterFunction:
     def __call__(self, data: Any) -> Any:
         return self.f(data, *self.args, **self.kw)
 
+    def stage_config(self) -> dict[str, Any]:
+        """The filter's name and its plain-data arguments (a batch size, a slice...)."""
+        from cloudshards.stages.state import plain
+
+        name = getattr(self.f, "__qualname__", type(self.f).__name__)
+        return {"filter": name, "args": plain(list(self.args)), "kw": plain(self.kw)}
+
     def __repr__(self) -> str:
         return f"<{getattr(self.f, '__name__', self.f)} {self.args} {self.kw}>"
 
@@ -82,13 +211,19 @@ def pipelinefilter(f: Callable[..., Any]) -> RestCurried:
 
 @dataclass
 class IterationContext:
-    """What a pipeline knows while it builds one epoch's iterator chain.
+    """What a pipeline's stages may read while it runs one epoch (never a position).
+
+    Stages read it through :func:`current_context` (and :func:`make_rng`) while they build
+    their iterators and while the pipeline's ``next()`` runs them: random stages for their
+    seed, splitters for rank and worker, the shard list for (seed, epoch).
 
     Attributes:
-        seed: The pipeline's base seed.
+        seed: The pipeline's base seed (the effective one: restored from a state on resume).
         epoch: The epoch being built.
         info: Rank and worker of this process.
         repetition: Index of the pass over the data within this epoch (``with_epoch`` repeats).
+        bounded: The epoch's length is set by ``with_epoch`` (so it needs no balancing).
+        resumed: This epoch continues from a restored state (it may have nothing left).
     """
 
     seed: int
@@ -96,10 +231,6 @@ class IterationContext:
     info: WorkerInfo
     repetition: int = 0
     _draws: int = field(default=0, repr=False)
-    #: Reader position for ``state_dict``: [shards begun this pass, samples from the last].
-    position: list[int] = field(default_factory=lambda: [0, 0])
-    #: Where to resume the first pass: (shards to skip, samples to skip in the next one).
-    resume: tuple[int, int] | None = None
     #: The epoch's length is set by ``with_epoch`` (so it needs no balancing).
     bounded: bool = False
     #: This epoch continues from a restored state (it may legitimately have nothing left).
@@ -145,3 +276,26 @@ def make_rng(salt: str) -> random.Random:
         return random.Random(context.stage_seed(salt))
     # Outside a pipeline (a filter called by hand) behave like webdataset: a fresh seed.
     return random.Random(derive_seed(os.getpid(), time.time_ns(), os.urandom(8)))
+
+
+def run_in_context(context: IterationContext, build: Callable[[], Iterator[Any]]) -> Iterator[Any]:
+    """Build an iterator chain and run it with ``context`` current: while ``build()`` runs and
+    during every ``next()`` (the chain's generators start lazily, and random stages draw their
+    seeds then), and only then, so that interleaved pipelines never see each other's."""
+    local = _local
+    previous = getattr(local, "context", None)
+    local.context = context
+    try:
+        it = build()
+    finally:
+        local.context = previous
+    while True:
+        previous = getattr(local, "context", None)
+        local.context = context
+        try:
+            sample = next(it)
+        except StopIteration:
+            return
+        finally:
+            local.context = previous
+        yield sample

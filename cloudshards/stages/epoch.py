@@ -1,4 +1,4 @@
-"""Epoch shaping: slice, with_epoch-style truncation, and repeatedly.
+"""Epoch shaping: slice, with_epoch-style truncation (:class:`EpochLimiter`), and repeatedly.
 
 Resumption: exact (counters only).
 """
@@ -7,12 +7,57 @@ from __future__ import annotations
 
 import itertools
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from cloudshards.stages.base import pipelinefilter
 
-__all__ = ["_slice", "guess_batchsize", "repeatedly", "repeatedly0", "slice"]
+__all__ = ["EpochLimiter", "_slice", "guess_batchsize", "repeatedly", "repeatedly0", "slice"]
+
+
+class EpochLimiter:
+    """A pipeline's passes over its data in one epoch (``repeat``) and the epoch's length
+    (``with_epoch``): its configuration, and while an epoch runs, its position.
+
+    The pipeline makes one per ``iter()``, runs pass after pass (a pass that yields nothing
+    ends the epoch) and counts the items it delivers in ``repetition`` and ``yielded``.
+
+    Resumption: exact (the pass and the items delivered in the epoch; state key ``passes``).
+
+    Args:
+        repetitions: Passes per epoch (``sys.maxsize``: until ``nsamples``).
+        nsamples: Items per epoch, or -1 for no limit.
+    """
+
+    __slots__ = ("nsamples", "repetition", "repetitions", "yielded")
+
+    state_key = "passes"
+
+    def __init__(self, repetitions: int = 1, nsamples: int = -1) -> None:
+        self.repetitions = repetitions
+        self.nsamples = nsamples
+        self.repetition = 0
+        self.yielded = 0
+
+    @property
+    def limit(self) -> int:
+        """Items per epoch (``sys.maxsize`` when unlimited)."""
+        return self.nsamples if self.nsamples > 0 else sys.maxsize
+
+    def stage_config(self) -> dict[str, Any]:
+        """Passes and items per epoch."""
+        return {"repetitions": self.repetitions, "nsamples": self.nsamples}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The current pass and the items delivered this epoch (``{}`` before any)."""
+        if not (self.repetition or self.yielded):
+            return {}
+        return {"repetition": self.repetition, "yielded": self.yielded}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue in pass ``repetition`` with ``yielded`` items already delivered."""
+        self.repetition = int(state.get("repetition", 0))
+        self.yielded = int(state.get("yielded", 0))
 
 
 def _slice(data: Iterable[Any], *args: int | None) -> Iterator[Any]:

@@ -2,7 +2,7 @@
 
 ``open_shards`` is the opener behind webdataset's ``url_opener`` and ``tarfile_samples``;
 the other webdataset building blocks live in :mod:`cloudshards.webdataset.tariterators`.
-Resumption: exact at shard granularity (position = shard, samples delivered from it).
+Resumption: exact (:class:`ShardReader`'s state: shards begun, samples delivered from the last).
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from collections.abc import Callable, Generator, Iterable, Iterator
+from collections import deque
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from functools import partial
 from typing import Any
 from urllib.parse import urlsplit
@@ -25,12 +26,13 @@ from cloudshards.handlers import reraise_exception
 from cloudshards.io import OpenOptions, open_shard
 from cloudshards.prefetch import ShardPrefetcher
 from cloudshards.redact import redact_url
-from cloudshards.stages.base import current_context, pipelinefilter
+from cloudshards.stages.base import pipelinefilter
 from cloudshards.tar import iter_members
 from cloudshards.types import ExceptionHandler, Member, NameFilter, Sample
 from cloudshards.urls import protocol_of
 
 __all__ = [
+    "ShardReader",
     "env_cache",
     "open_shards",
     "read_shards",
@@ -96,7 +98,7 @@ def read_shards(
     name_filter: NameFilter | None = None,
     cache: ShardCache | None = None,
     fetch: FetchOptions | None = None,
-) -> Iterator[Sample]:
+) -> ShardReader:
     """Yield the samples of each shard in ``src`` (dicts with a ``url``), in order.
 
     A shard that fails to open or parse goes to ``handler``: it raises, returns True to skip
@@ -106,39 +108,127 @@ def read_shards(
     never is. Configuration errors (unknown protocol, missing backend) always raise.
     With a ``cache``, shards open through the node cache. Remote shards are prefetched and
     read with parallel ranged GETs as ``fetch`` says (default :meth:`FetchOptions.from_env`).
+
+    Returns a :class:`ShardReader`: an iterator that a pipeline saves and restores (its
+    ``state_key`` is ``"reader"``).
     """
-    options = options or OpenOptions()
-    context = current_context()
-    position = context.position if context is not None else [0, 0]
-    position[:] = [0, 0]
-    resume = context.resume if context is not None else None
-    if context is not None:
-        context.resume = None  # only the first pass of a restored epoch resumes
-    shards = open_shards(
-        _positioned(src, resume), handler=handler, options=options, cache=cache, fetch=fetch
-    )
-    try:
-        yield from _read_opened(shards, handler, options, name_filter, position)
-    finally:
-        shards.close()  # stops the prefetcher's threads now, not when garbage-collected
+    return ShardReader(src, handler, options, name_filter, cache, fetch)
+
+
+class ShardReader(Iterator[Sample]):
+    """The running shard reader: the samples of each shard in order, and its position.
+
+    Its position is (shards begun, samples delivered from the last one), counted over the
+    shards its source yields in this pass; balancing's per-shard ``skip``/``take`` are
+    applied within each shard. Iterating it iterates one generator (no method call per
+    sample); :meth:`state_dict` reads the counters that generator keeps.
+
+    Resumption: exact (state ``{"shards": n, "samples": m}``: the first ``n - 1`` shards are
+    skipped without opening them, and the first ``m`` samples of the next without reading
+    their data).
+    """
+
+    state_key = "reader"
+
+    def __init__(
+        self,
+        src: Iterable[dict[str, Any]],
+        handler: ExceptionHandler,
+        options: OpenOptions | None,
+        name_filter: NameFilter | None,
+        cache: ShardCache | None,
+        fetch: FetchOptions | None,
+    ) -> None:
+        self._src = src
+        self._handler = handler
+        self._options = options
+        self._name_filter = name_filter
+        self._cache = cache
+        self._fetch = fetch
+        #: [shards begun, samples delivered from the last]; updated by the generator.
+        self._position = [0, 0]
+        self._resume: tuple[int, int] | None = None
+        self._it: Iterator[Sample] | None = None
+
+    def __iter__(self) -> Iterator[Sample]:
+        if self._it is None:
+            self._it = self._run()
+        return self._it
+
+    def __next__(self) -> Sample:
+        return next(self.__iter__())
+
+    def close(self) -> None:
+        """Stop reading (closes the open shard and the prefetcher's threads)."""
+        close = getattr(self._it, "close", None)
+        if close is not None:
+            close()
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"shards": shards begun, "samples": delivered from the last}``; ``{}`` before any."""
+        shards, samples = self._position
+        return {"shards": shards, "samples": samples} if shards else {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue after what :meth:`state_dict` said was delivered (before iterating)."""
+        if self._it is not None:
+            raise RuntimeError("a ShardReader is restored before it starts reading")
+        shards = int(state.get("shards", 0))
+        self._resume = (shards - 1, int(state.get("samples", 0))) if shards > 0 else None
+
+    def _run(self) -> Iterator[Sample]:
+        options = self._options or OpenOptions()
+        numbered: deque[tuple[dict[str, Any], int, int]] = deque()
+        shards = open_shards(
+            _positioned(self._src, self._resume, numbered),
+            handler=self._handler,
+            options=options,
+            cache=self._cache,
+            fetch=self._fetch,
+        )
+        try:
+            yield from _read_opened(
+                shards, self._handler, options, self._name_filter, self._position, numbered
+            )
+        finally:
+            shards.close()  # stops the prefetcher's threads now, not when garbage-collected
 
 
 def _positioned(
-    src: Iterable[dict[str, Any]], resume: tuple[int, int] | None
+    src: Iterable[dict[str, Any]],
+    resume: tuple[int, int] | None,
+    numbered: deque[tuple[dict[str, Any], int, int]],
 ) -> Iterator[dict[str, Any]]:
-    """Number the shards (for ``state_dict``); on resume skip the shards already read
-    (without opening them) and the samples already delivered from the next one."""
+    """Number the shards (for ``state_dict``: each shard yielded goes to ``numbered`` with its
+    number and the samples skipped in it); on resume skip the shards already read (without
+    opening them) and the samples already delivered from the next one."""
     skip_shards, skip_samples = resume or (0, 0)
     for number, shard in enumerate(src):
         if number < skip_shards:
             continue
-        shard = {**shard, "__position__": number}
+        shard = dict(shard)  # a dict of our own: the reader finds it again by identity
+        resumed = 0
         if number == skip_shards and skip_samples:
             shard["skip"] = shard.get("skip", 0) + skip_samples
             if "take" in shard:
                 shard["take"] = max(0, shard["take"] - skip_samples)
-            shard["__resumed__"] = skip_samples
+            resumed = skip_samples
+        numbered.append((shard, number, resumed))
         yield shard
+
+
+def _number_of(
+    numbered: deque[tuple[dict[str, Any], int, int]], shard: dict[str, Any]
+) -> tuple[int, int] | None:
+    """(number, samples skipped) of an opened shard; the shards yielded before it that never
+    opened (skipped after an open error) are dropped. By identity, else by URL."""
+    for same in (lambda entry: entry[0] is shard, lambda entry: entry[0]["url"] == shard["url"]):
+        for i, entry in enumerate(numbered):
+            if same(entry):
+                for _ in range(i + 1):
+                    numbered.popleft()
+                return entry[1], entry[2]
+    return None
 
 
 def _skipping(name_filter: NameFilter | None, skip: int) -> NameFilter:
@@ -195,12 +285,14 @@ def _read_opened(
     options: OpenOptions,
     name_filter: NameFilter | None,
     position: list[int],
+    numbered: deque[tuple[dict[str, Any], int, int]],
 ) -> Iterator[Sample]:
     for shard, stream in shards:
         url = shard["url"]
         index = shard.get("shard_index")
-        position[0] = shard.get("__position__", position[0]) + 1
-        position[1] = shard.get("__resumed__", 0)
+        number = _number_of(numbered, shard)
+        position[0], position[1] = (position[0], 0) if number is None else number
+        position[0] += 1
         skip = shard.get("skip", 0)
         record: MemberTable | None = None
         try:

@@ -1,6 +1,8 @@
 """Sample shuffling with a bounded buffer (webdataset's ``shuffle`` and ``detshuffle``).
 
-Resumption: approximate (up to ``bufsize`` buffered samples per worker are not replayed).
+Resumption: approximate (up to ``bufsize`` buffered samples per worker are not replayed). The
+buffer size, ``initial`` and seed are in the state fingerprint: a state saved with another
+shuffle is refused.
 """
 
 from __future__ import annotations
@@ -80,6 +82,10 @@ class Shuffler:
             rng = make_rng("shuffle")
         return _shuffle(data, self.bufsize, self.initial, rng=rng, seed=self.seed)
 
+    def stage_config(self) -> dict[str, Any]:
+        """Buffer size, initial fill and seed (an explicit ``rng`` counts by its type)."""
+        return {"bufsize": self.bufsize, "initial": self.initial, "seed": self.seed}
+
     def __repr__(self) -> str:
         return f"<shuffle bufsize={self.bufsize} initial={self.initial}>"
 
@@ -103,6 +109,10 @@ class detshuffle(PipelineStage):
         self.initial = initial
         self.seed = seed
         self.epoch = epoch
+
+    def stage_config(self) -> dict[str, Any]:
+        """Buffer size, initial fill and seed (not the epoch counter)."""
+        return {"bufsize": self.bufsize, "initial": self.initial, "seed": self.seed}
 
     def run(self, src: Iterable[Any]) -> Iterator[Any]:
         """Shuffle ``src`` with the next epoch's seed."""

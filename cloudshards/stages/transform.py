@@ -6,6 +6,7 @@ curried filter factory. Resumption: exact (no buffered state).
 
 from __future__ import annotations
 
+import copy
 import logging
 import sys
 from collections.abc import Callable, Iterable, Iterator
@@ -16,6 +17,7 @@ from cloudshards.stages.base import make_rng, pipelinefilter
 from cloudshards.types import ExceptionHandler, Sample
 
 __all__ = [
+    "Decode",
     "_associate",
     "_decode",
     "_info",
@@ -64,6 +66,47 @@ def _map(
 
 
 map = pipelinefilter(_map)
+
+
+class Decode:
+    """The stage ``.decode(...)`` adds: :func:`_map` with a decoder, which can be told the
+    fields the rest of the pipeline uses (``to_tuple`` right after it does).
+
+    Resumption: exact (no buffered state).
+
+    Args:
+        decoder: Called on each sample (a :class:`~cloudshards.decoders.Decoder` can be
+            narrowed; any other callable is used as it is).
+        handler: What a decoding error does (webdataset handler).
+    """
+
+    def __init__(
+        self, decoder: Callable[[Any], Any], handler: ExceptionHandler = reraise_exception
+    ) -> None:
+        self.decoder = decoder
+        self.handler = handler
+
+    def __call__(self, data: Iterable[Any]) -> Iterator[Any]:
+        return _map(data, self.decoder, self.handler)
+
+    def stage_config(self) -> dict[str, Any]:
+        """Nothing: which fields are decoded, and how, changes no position."""
+        return {}
+
+    def for_fields(self, fields: set[str]) -> Decode | None:
+        """A copy that decodes only ``fields``, or None when the decoder already chose its
+        fields (``only=``) or is not a plain :class:`~cloudshards.decoders.Decoder`."""
+        from cloudshards.decoders import Decoder
+
+        decoder = self.decoder
+        if type(decoder) is not Decoder or decoder.only is not None:
+            return None
+        narrowed = copy.copy(decoder)
+        narrowed.only = set(fields)
+        return Decode(narrowed, self.handler)
+
+    def __repr__(self) -> str:
+        return f"<decode {self.decoder!r}>"
 
 
 def _map_dict(

@@ -1,0 +1,182 @@
+"""Pipeline state: the fingerprint of a stage layout, and the nesting of stage states.
+
+A pipeline's ``state_dict()`` is plain data (version 2)::
+
+    {
+        "version": 2,
+        "fingerprint": "<sha256 of the pipeline's seed, epoch limits and stage configs>",
+        "layout": ["ShardList:1a2b3c4d", "_Split:...", ...],  # one short hash per stage
+        "epoch": 3,                     # the epoch this state is in
+        "seed": 123,                    # the effective seed of that epoch (None: not started)
+        "consumer": [rank, world_size, worker, num_workers],
+        "stages": {                     # each stateful stage's state, under its own key
+            "passes": {"repetition": 0, "yielded": 17},
+            "reader": {"shards": 3, "samples": 2},
+        },
+    }
+
+Stages at their start report ``{}`` and are left out of ``"stages"``. Version 1 (one flat dict:
+``repetition``, ``yielded``, ``shards``, ``samples``) is read by :func:`upgrade`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from cloudshards.dist import derive_seed
+from cloudshards.stages.base import stateful_key
+
+__all__ = [
+    "STATE_VERSION",
+    "LiveEpoch",
+    "StageRegistry",
+    "describe_stage",
+    "fingerprint",
+    "legacy_fingerprint",
+    "mismatch_message",
+    "plain",
+    "upgrade",
+]
+
+STATE_VERSION = 2
+
+_SCALARS = (str, int, float, bool, type(None))
+
+
+def plain(value: Any) -> Any:
+    """``value`` as JSON-able data for a fingerprint: scalars, lists and string-keyed dicts
+    stay; anything else (a function, an RNG, a decoder) becomes ``"<TypeName>"``."""
+    if isinstance(value, _SCALARS):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [plain(item) for item in value]
+    if isinstance(value, Mapping) and all(isinstance(key, str) for key in value):
+        return {key: plain(item) for key, item in value.items()}
+    return f"<{type(value).__name__}>"
+
+
+def describe_stage(stage: Any) -> list[Any]:
+    """What the fingerprint covers of one stage: its class name and its configuration
+    (``stage_config()``; without one, its ``urls`` list if it has one, as version 1 did)."""
+    config = getattr(stage, "stage_config", None)
+    if callable(config) and not isinstance(stage, type):
+        return [type(stage).__name__, plain(dict(config()))]
+    urls = getattr(stage, "urls", None)
+    if isinstance(urls, list):
+        return [type(stage).__name__, plain(urls)]
+    return [type(stage).__name__]
+
+
+def _digest(value: Any) -> str:
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), default=repr)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def fingerprint(head: Mapping[str, Any], stages: Iterable[Any]) -> tuple[str, list[str]]:
+    """(fingerprint, layout) of a pipeline: ``head`` holds its own configuration (seed, epoch
+    limits); the layout names each stage with a short hash of its description, so that a
+    mismatch can say which stage differs."""
+    described = [describe_stage(stage) for stage in stages]
+    layout = [f"{part[0]}:{_digest(part)[:8]}" for part in described]
+    return _digest([plain(dict(head)), described]), layout
+
+
+def legacy_fingerprint(name: str, stages: Iterable[Any]) -> str:
+    """Version 1's fingerprint: class names and ``urls`` lists only."""
+    parts: list[Any] = [name]
+    for stage in stages:
+        parts.append(type(stage).__name__)
+        urls = getattr(stage, "urls", None)
+        if isinstance(urls, list):
+            parts.append(urls)
+    return str(derive_seed(*parts))
+
+
+def upgrade(state: Mapping[str, Any]) -> dict[str, Any]:
+    """A version 1 state in version 2's shape (its fingerprint is checked by the caller)."""
+    stages: dict[str, Any] = {}
+    if state.get("repetition") or state.get("yielded"):
+        stages["passes"] = {
+            "repetition": int(state.get("repetition", 0)),
+            "yielded": int(state.get("yielded", 0)),
+        }
+    if state.get("shards"):
+        stages["reader"] = {"shards": int(state["shards"]), "samples": int(state["samples"])}
+    result = {key: state[key] for key in ("epoch", "seed", "consumer") if key in state}
+    return {**result, "version": STATE_VERSION, "stages": stages}
+
+
+class StageRegistry:
+    """The stateful iterators of one pass over the data, by key, in chain order.
+
+    ``track(it)`` is called on each iterator a stage returns while the chain is built; a
+    stateful one is registered and, when ``saved`` has its key, restored.
+    """
+
+    __slots__ = ("_saved", "iterators")
+
+    def __init__(
+        self, saved: Mapping[str, Any] | None = None, fixed: Mapping[str, Any] | None = None
+    ) -> None:
+        #: ``fixed``: the pipeline's own stateful parts (its epoch limiter), restored by it.
+        self.iterators: dict[str, Any] = dict(fixed or {})
+        self._saved = saved
+
+    def track(self, it: Any) -> None:
+        """Register ``it`` if it is a stage's stateful iterator (and restore it)."""
+        key = stateful_key(it)
+        if key is None:
+            return
+        unique, n = key, 0
+        while unique in self.iterators:
+            n += 1
+            unique = f"{key}.{n}"
+        self.iterators[unique] = it
+        if self._saved is not None and unique in self._saved:
+            it.load_state_dict(self._saved[unique])
+
+    def state_dict(self) -> dict[str, Any]:
+        """Each registered iterator's state under its key (those at their start left out)."""
+        result: dict[str, Any] = {}
+        for key, it in self.iterators.items():
+            state = it.state_dict()
+            if state:
+                result[key] = state
+        return result
+
+
+def mismatch_message(saved: Any, now: list[str]) -> str:
+    """The error for a fingerprint mismatch, naming the stage that differs when the saved
+    layout says (``saved``: the state's ``layout``; ``now``: this pipeline's)."""
+    message = (
+        "this state was saved by a different dataset or configuration (other shards or "
+        "stages); refusing to resume from it"
+    )
+    return message + _difference(saved, now)
+
+
+def _difference(saved: Any, now: list[str]) -> str:
+    if not isinstance(saved, list):
+        return ""
+    if len(saved) != len(now):
+        return f" (it has {len(saved)} stages, this pipeline {len(now)})"
+    for number, (before, after) in enumerate(zip(saved, now, strict=True)):
+        if before != after:
+            name = after.split(":")[0]
+            return f" (stage {number}, {name}, is configured differently)"
+    return " (the seed or the epoch length, with_epoch/repeat, differ)"
+
+
+class LiveEpoch:
+    """The running epoch, for ``state_dict``: its effective seed and its stages' registry."""
+
+    __slots__ = ("epoch", "info", "registry", "seed")
+
+    def __init__(self, epoch: int, seed: int | None, info: Any, passes: Any) -> None:
+        self.epoch = epoch
+        self.seed = seed
+        self.info = info
+        self.registry = StageRegistry(None, {passes.state_key: passes})

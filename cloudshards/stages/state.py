@@ -60,14 +60,19 @@ def plain(value: Any) -> Any:
 
 def describe_stage(stage: Any) -> list[Any]:
     """What the fingerprint covers of one stage: its class name and its configuration
-    (``stage_config()``; without one, its ``urls`` list if it has one, as version 1 did)."""
+    (``stage_config()``; without one, its ``urls`` list if it has one, as version 1 did, and
+    its ``balance`` mode if it has one: the splitter of :class:`~cloudshards.WebDataset`)."""
     config = getattr(stage, "stage_config", None)
     if callable(config) and not isinstance(stage, type):
         return [type(stage).__name__, plain(dict(config()))]
+    result: list[Any] = [type(stage).__name__]
     urls = getattr(stage, "urls", None)
     if isinstance(urls, list):
-        return [type(stage).__name__, plain(urls)]
-    return [type(stage).__name__]
+        result.append(plain(urls))
+    balance = getattr(stage, "balance", None)
+    if isinstance(balance, str):
+        result.append({"balance": balance})
+    return result
 
 
 def _digest(value: Any) -> str:
@@ -171,7 +176,11 @@ def _difference(saved: Any, now: list[str]) -> str:
 
 
 class LiveEpoch:
-    """The running epoch, for ``state_dict``: its effective seed and its stages' registry."""
+    """The running epoch, for ``state_dict``: its effective seed and its stages' registry.
+
+    Pickled (a pipeline handed to DataLoader workers while it runs), it becomes a snapshot:
+    the running iterators cannot travel, their states at that moment do.
+    """
 
     __slots__ = ("epoch", "info", "registry", "seed")
 
@@ -179,4 +188,27 @@ class LiveEpoch:
         self.epoch = epoch
         self.seed = seed
         self.info = info
-        self.registry = StageRegistry(None, {passes.state_key: passes})
+        self.registry: StageRegistry | _Snapshot = StageRegistry(None, {passes.state_key: passes})
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        states = self.registry.state_dict()
+        return (_thawed, (self.epoch, self.seed, self.info, states))
+
+
+class _Snapshot:
+    """Stage states frozen when a running epoch was pickled."""
+
+    __slots__ = ("states",)
+
+    def __init__(self, states: dict[str, Any]) -> None:
+        self.states = states
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.states)
+
+
+def _thawed(epoch: int, seed: int | None, info: Any, states: dict[str, Any]) -> LiveEpoch:
+    live = LiveEpoch.__new__(LiveEpoch)
+    live.epoch, live.seed, live.info = epoch, seed, info
+    live.registry = _Snapshot(states)
+    return live

@@ -158,9 +158,9 @@ def _member_limit(stages: list[Any]) -> int | None:
 
 def _narrow_previous(stages: list[Any], kept: tuple[Any, ...]) -> None:
     """Tell the stage before the last (the one ``to_tuple`` follows) which fields the rest of
-    the pipeline uses, if it declares ``for_fields`` (a :class:`~cloudshards.stages.transform.
-    Decode` does); it returns a narrowed copy, or None to stay as it is. Replaces the stage in
-    ``stages``; shared objects are not modified."""
+    the pipeline uses, if it declares ``for_fields`` (``.decode()``'s stage,
+    :class:`~cloudshards.stages.transform.Decode`, does); it returns a narrowed copy, or None
+    to stay as it is. Replaces the stage in ``stages``; shared objects are not modified."""
     if len(stages) < 2 or not kept or not all(isinstance(k, str) for k in kept):
         return
     for_fields = getattr(stages[-2], "for_fields", None)

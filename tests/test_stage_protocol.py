@@ -226,16 +226,17 @@ def test_a_version_1_state_still_resumes(make_shards: Any) -> None:
     shards = make_shards(UNEVEN)
 
     def build_plain() -> Any:
-        return wds.WebDataset(shards.spec(), shardshuffle=True, seed=5).with_epoch(40).batched(2)
+        ds = wds.WebDataset(shards.spec(), shardshuffle=True, seed=5).decode()
+        return ds.to_tuple("__key__", "cls").with_epoch(40).batched(2)
 
     reference = build_plain()
     reference.set_epoch(3)
-    everything = [b["__key__"] for b in reference]
+    everything = [b[0] for b in reference]
     for k in (3, 14, 17):
         first = build_plain()
         first.set_epoch(3)
         it = iter(first)
-        head = [next(it)["__key__"] for _ in range(k)]
+        head = [next(it)[0] for _ in range(k)]
         state = first.state_dict()
         passes, reader = state["stages"].get("passes", {}), state["stages"].get("reader", {})
         old = {
@@ -251,7 +252,7 @@ def test_a_version_1_state_still_resumes(make_shards: Any) -> None:
         }
         second = build_plain()
         second.load_state_dict(old)
-        assert head + [b["__key__"] for b in second] == everything
+        assert head + [b[0] for b in second] == everything
     with pytest.raises(StateMismatchError, match="different dataset"):
         build_plain().load_state_dict({**old, "fingerprint": "0"})
 

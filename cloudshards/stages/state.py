@@ -48,9 +48,12 @@ _SCALARS = (str, int, float, bool, type(None))
 
 def plain(value: Any) -> Any:
     """``value`` as JSON-able data for a fingerprint: scalars, lists and string-keyed dicts
-    stay; anything else (a function, an RNG, a decoder) becomes ``"<TypeName>"``."""
+    stay; a callable (a function, a decoder) becomes ``"<callable>"``, since fixing a ``map``
+    function must not invalidate a checkpoint; anything else (an RNG) ``"<TypeName>"``."""
     if isinstance(value, _SCALARS):
         return value
+    if callable(value):
+        return "<callable>"
     if isinstance(value, (list, tuple)):
         return [plain(item) for item in value]
     if isinstance(value, Mapping) and all(isinstance(key, str) for key in value):
@@ -93,7 +96,8 @@ def legacy_fingerprint(name: str, stages: Iterable[Any]) -> str:
     """Version 1's fingerprint: class names and ``urls`` lists only."""
     parts: list[Any] = [name]
     for stage in stages:
-        parts.append(type(stage).__name__)
+        # A stage that replaced another keeps the old class name here (``.decode()``'s).
+        parts.append(getattr(stage, "v1_name", type(stage).__name__))
         urls = getattr(stage, "urls", None)
         if isinstance(urls, list):
             parts.append(urls)

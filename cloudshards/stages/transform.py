@@ -80,6 +80,9 @@ class Decode:
         handler: What a decoding error does (webdataset handler).
     """
 
+    #: Its class name in version 1 states (it was a ``map`` filter then).
+    v1_name = "FilterFunction"
+
     def __init__(
         self, decoder: Callable[[Any], Any], handler: ExceptionHandler = reraise_exception
     ) -> None:

@@ -22,6 +22,7 @@ Stages at their start report ``{}`` and are left out of ``"stages"``. Version 1 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -62,11 +63,15 @@ def plain(value: Any) -> Any:
 
 
 def describe_stage(stage: Any) -> list[Any]:
-    """What the fingerprint covers of one stage: its class name and its configuration
+    """What the fingerprint covers of one stage: its class name (a function's or class's own
+    name when the stage is one) and its configuration
     (``stage_config()``; without one, its ``urls`` list if it has one, as version 1 did, and
     its ``balance`` mode if it has one: the splitter of :class:`~cloudshards.WebDataset`)."""
+    if isinstance(stage, type) or inspect.isroutine(stage):
+        # A class or a generator function used as a stage: by its own name.
+        return [getattr(stage, "__qualname__", type(stage).__name__)]
     config = getattr(stage, "stage_config", None)
-    if callable(config) and not isinstance(stage, type):
+    if callable(config):
         return [type(stage).__name__, plain(dict(config()))]
     result: list[Any] = [type(stage).__name__]
     urls = getattr(stage, "urls", None)

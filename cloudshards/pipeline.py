@@ -177,24 +177,29 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
         custom = type(self).iterator1 is not DataPipeline.iterator1  # a subclass builds it
         limit = passes.limit
         yielded = passes.yielded
-        for repetition in range(passes.repetition, self.repetitions):
-            if yielded >= limit:
-                break
-            context.repetition = passes.repetition = repetition
-            # Only the first pass of a restored epoch resumes its stages.
-            registry = live.registry = StageRegistry(saved, {passes.state_key: passes})
-            saved = None
-            build = self.iterator1 if custom else partial(self._chain, registry)
-            count = 0
-            for sample in base.run_in_context(context, build):
-                count += 1
-                yielded += 1
-                passes.yielded = yielded
-                yield sample
+        try:
+            for repetition in range(passes.repetition, self.repetitions):
                 if yielded >= limit:
                     break
-            if count == 0:
-                break
+                context.repetition = passes.repetition = repetition
+                # Only the first pass of a restored epoch resumes its stages.
+                registry = live.registry = StageRegistry(saved, {passes.state_key: passes})
+                saved = None
+                build = self.iterator1 if custom else partial(self._chain, registry)
+                count = 0
+                for sample in base.run_in_context(context, build):
+                    count += 1
+                    yielded += 1
+                    passes.yielded = yielded
+                    yield sample
+                    if yielded >= limit:
+                        break
+                if count == 0:
+                    break
+        finally:
+            # Stopped early (closed, dropped, an error) or done: keep what the stages said and
+            # let their iterators go, so that a dropped epoch closes its shards at once.
+            live.freeze()
         if self._live is live:
             self._live = None
 

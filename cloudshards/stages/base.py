@@ -88,6 +88,11 @@ class StatefulIterator(Protocol):
 
     Resumption is exact when the stages after it hold no items between two deliveries
     (``batched`` takes exactly one batch; a shuffle buffer does not).
+
+    The pipeline holds the iterator while its epoch runs; when the epoch ends or is dropped it
+    keeps the last ``state_dict()`` and lets the iterator go. Avoid a reference cycle between
+    the iterator and a generator it runs (a generator method of ``self``): the chain behind
+    it, open shards included, would then wait for the cyclic garbage collector to close.
     """
 
     state_key: str

@@ -152,7 +152,18 @@ class ShardReader(Iterator[Sample]):
 
     def __iter__(self) -> Iterator[Sample]:
         if self._it is None:
-            self._it = self._run()
+            # The generator must not refer back to this object: a cycle would keep it (and
+            # its open shard) alive after the chain is dropped, until the cyclic GC runs.
+            self._it = _read(
+                self._src,
+                self._handler,
+                self._options,
+                self._name_filter,
+                self._cache,
+                self._fetch,
+                self._resume,
+                self._position,
+            )
         return self._it
 
     def __next__(self) -> Sample:
@@ -176,22 +187,31 @@ class ShardReader(Iterator[Sample]):
         shards = int(state.get("shards", 0))
         self._resume = (shards - 1, int(state.get("samples", 0))) if shards > 0 else None
 
-    def _run(self) -> Iterator[Sample]:
-        options = self._options or OpenOptions()
-        numbered: deque[tuple[dict[str, Any], int, int]] = deque()
-        shards = open_shards(
-            _positioned(self._src, self._resume, numbered),
-            handler=self._handler,
-            options=options,
-            cache=self._cache,
-            fetch=self._fetch,
-        )
-        try:
-            yield from _read_opened(
-                shards, self._handler, options, self._name_filter, self._position, numbered
-            )
-        finally:
-            shards.close()  # stops the prefetcher's threads now, not when garbage-collected
+
+def _read(
+    src: Iterable[dict[str, Any]],
+    handler: ExceptionHandler,
+    options: OpenOptions | None,
+    name_filter: NameFilter | None,
+    cache: ShardCache | None,
+    fetch: FetchOptions | None,
+    resume: tuple[int, int] | None,
+    position: list[int],
+) -> Iterator[Sample]:
+    """:class:`ShardReader`'s generator: keeps ``position`` up to date as it delivers."""
+    options = options or OpenOptions()
+    numbered: deque[tuple[dict[str, Any], int, int]] = deque()
+    shards = open_shards(
+        _positioned(src, resume, numbered),
+        handler=handler,
+        options=options,
+        cache=cache,
+        fetch=fetch,
+    )
+    try:
+        yield from _read_opened(shards, handler, options, name_filter, position, numbered)
+    finally:
+        shards.close()  # stops the prefetcher's threads now, not when garbage-collected
 
 
 def _positioned(

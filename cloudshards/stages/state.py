@@ -199,6 +199,17 @@ class LiveEpoch:
         self.info = info
         self.registry: StageRegistry | _Snapshot = StageRegistry(None, {passes.state_key: passes})
 
+    def freeze(self) -> None:
+        """Keep the stages' states as they are now and release their running iterators
+        (which hold the open shards and the prefetcher's threads)."""
+        if isinstance(self.registry, _Snapshot):
+            return
+        try:
+            states = self.registry.state_dict()
+        except Exception:  # e.g. while the epoch is torn down at interpreter exit
+            states = {}
+        self.registry = _Snapshot(states)
+
     def __reduce__(self) -> tuple[Any, ...]:
         states = self.registry.state_dict()
         return (_thawed, (self.epoch, self.seed, self.info, states))

@@ -280,3 +280,40 @@ def test_progress_bars_show_on_a_terminal(make_shards: Any) -> None:
     assert "samples/s" in lines[0]
     assert "MB/s" in lines[0]
     assert lines[1].startswith("waiting for I/O ")
+
+
+# --- the inspecting commands do not import torch ------------------------------------------------
+
+#: Runs the command line in this interpreter, then reports whether torch was imported.
+_RUN_AND_CHECK_TORCH = """
+import runpy, sys
+sys.argv = ["cloudshards", *sys.argv[1:]]
+try:
+    runpy.run_module("cloudshards.cli", run_name="__main__")
+except SystemExit as exc:
+    code = exc.code
+else:
+    code = 0
+print("exit", code or 0, "torch", "torch" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["--help"], ["ls"], ["ls", "--count"], ["head"], ["cat", "-n", "2"], ["cache", "info"]],
+    ids=" ".join,
+)
+def test_inspecting_commands_do_not_import_torch(
+    command: list[str], make_shards: Any, tmp_path: Any
+) -> None:
+    shards = make_shards([2, 3])
+    target = {"--help": [], "cache": [str(tmp_path)]}.get(command[0], [shards.spec()])
+    result = subprocess.run(
+        [sys.executable, "-c", _RUN_AND_CHECK_TORCH, *command, *target],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "exit 0 torch False"

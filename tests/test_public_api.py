@@ -6,7 +6,13 @@ must exist in cloudshards, so ``import cloudshards as wds`` finds them.
 
 from __future__ import annotations
 
+import ast
+import builtins
+import importlib
 import inspect
+import io
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -34,13 +40,10 @@ MUST_EXIST = [
     "decode",
     "shuffle",
     "detshuffle",
-    "map",
     "map_dict",
     "map_tuple",
     "rename",
     "rename_keys",
-    "select",
-    "slice",
     "to_tuple",
     "extract_keys",
     "getfirst",
@@ -78,11 +81,15 @@ ALSO_PROVIDED = [
     "PipelineStage",
     "associate",
     "gzfilter",
-    "info",
     "torch_loads",
     "transform_with",
     "xdecode",
 ]
+
+#: webdataset 1.0.2 exports these too, but on ``from cloudshards import *`` they would shadow
+#: builtins (``map``, ``slice``), the ``select`` module, or a common name (``info``): they are
+#: attributes (``wds.map(f)`` in a ``DataPipeline``) kept out of ``__all__``.
+NOT_IN_ALL = ["info", "map", "select", "slice"]
 
 
 def test_all_is_sorted_and_unique() -> None:
@@ -230,3 +237,91 @@ def test_webdataset_arguments_are_accepted_by_name() -> None:
     ]
     parameters = inspect.signature(cloudshards.WebDataset).parameters
     assert [name for name in arguments if name not in parameters] == []
+
+
+# --- the lazy facade ---------------------------------------------------------------------------
+
+
+def test_all_shadows_no_builtin() -> None:
+    namespace: dict[str, Any] = {}
+    exec("from cloudshards import *", namespace)
+    shadowing = [
+        name
+        for name in cloudshards.__all__
+        if hasattr(builtins, name) or name in sys.stdlib_module_names
+    ]
+    assert shadowing == []
+    assert [name for name in NOT_IN_ALL if name in namespace] == []
+
+
+@pytest.mark.parametrize("name", NOT_IN_ALL)
+def test_names_kept_out_of_all_are_attributes(name: str) -> None:
+    assert hasattr(webdataset, name)
+    assert name not in cloudshards.__all__
+    assert callable(getattr(cloudshards, name))
+    assert name in dir(cloudshards)
+
+
+def test_names_kept_out_of_all_work_in_a_pipeline() -> None:
+    import cloudshards as wds
+
+    log = io.StringIO()
+    pipeline = wds.DataPipeline(
+        lambda: iter([{"__key__": str(i), "x": i} for i in range(10)]),
+        wds.map(lambda sample: {**sample, "x": sample["x"] * 2}),
+        wds.select(lambda sample: sample["x"] % 4 == 0),
+        wds.slice(3),
+        wds.info(n=1, stream=log),
+    )
+    assert [sample["x"] for sample in pipeline] == [0, 4, 8]
+    assert log.getvalue().startswith("--- \n__key__ '0'\n")
+
+
+def test_every_webdataset_top_level_name_resolves() -> None:
+    public = [name for name in dir(webdataset) if not name.startswith("_")]
+    assert [name for name in public if not hasattr(cloudshards, name)] == []
+
+
+def test_every_exported_name_resolves_to_its_module() -> None:
+    for name, module in cloudshards._MODULE_OF.items():
+        assert getattr(cloudshards, name) is getattr(importlib.import_module(module), name)
+    assert set(cloudshards.__all__) - {"__version__"} <= set(cloudshards._MODULE_OF)
+
+
+def test_type_checking_block_matches_the_table() -> None:
+    # The names type checkers see (an `if TYPE_CHECKING:` import block) come from the modules
+    # that __getattr__ loads them from, and they are exactly the names of __all__.
+    tree = ast.parse(inspect.getsource(cloudshards))
+    block = next(
+        node
+        for node in tree.body
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING"
+    )
+    seen = {
+        alias.name: node.module
+        for node in block.body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+    assert {name: cloudshards._MODULE_OF.get(name) for name in seen} == seen
+    assert set(seen) == set(cloudshards.__all__) - {"__version__"}
+
+
+def run_python(code: str) -> str:
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_import_does_not_import_torch(make_shards: Any) -> None:
+    shards = make_shards([2, 3])
+    out = run_python(
+        "import sys\n"
+        "import cloudshards\n"
+        "assert 'torch' not in sys.modules, 'import cloudshards imported torch'\n"
+        f"dataset = cloudshards.WebDataset({shards.spec()!r}, shardshuffle=False)\n"
+        "print(sum(1 for _ in dataset), 'torch' in sys.modules)\n"
+    )
+    assert out.split() == ["5", "True"]

@@ -25,6 +25,8 @@ from cloudshards.webdataset import (
     utils,
     writer,
 )
+from cloudshards.webdataset._install import install_as_webdataset as install_as_webdataset
+from cloudshards.webdataset._install import install_from_env as install_from_env
 from cloudshards.webdataset.autodecode import (
     Continue,
     Decoder,

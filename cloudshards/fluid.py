@@ -7,6 +7,7 @@ never modified. Mixed into :class:`~cloudshards.pipeline.FluidWrapper`,
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -57,9 +58,9 @@ class FluidInterface:
 
     def map(self, f: Callable[[Any], Any], handler: ExceptionHandler = reraise_exception) -> Any:
         """Apply ``f`` to every sample."""
-        from cloudshards.decoders import Decoder
-
-        if type(f) is Decoder:  # a decoder can be narrowed by a to_tuple after it
+        decoders = sys.modules.get("cloudshards.decoders")  # f cannot be a Decoder without it
+        if decoders is not None and type(f) is decoders.Decoder:
+            # A decoder can be told the fields a to_tuple right after it keeps.
             return self.compose(transform.Decode(f, handler=handler))
         return self.compose(transform.map(f, handler=handler))
 

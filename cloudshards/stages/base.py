@@ -59,7 +59,8 @@ class Stage(Protocol):
     a shuffle's buffer size, a batch size, a shard list's URLs. The pipeline's state
     fingerprint covers it, so restoring a state saved under another configuration raises
     ``StateMismatchError``. Leave out what does not change positions (the functions a ``map``
-    applies, decoders). A stage without it counts by its class name (and ``urls``, if any).
+    applies, decoders). A stage without it counts by its class name (and its ``urls`` list and
+    ``balance`` mode, if it has them); a function or class used as a stage, by its own name.
 
     A stage with state makes the iterator it returns while the pipeline runs a
     :class:`StatefulIterator` (see :class:`StageIterator`).

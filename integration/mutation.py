@@ -772,12 +772,17 @@ def _walk_with_parent(root: ast.AST) -> Iterator[tuple[ast.AST, ast.AST | None]]
             stack.append((child, node))
 
 
+# The mutated files as they were when their mutants were made: the copies get these texts and
+# every mutant is applied to them, so edits to the checkout during a run change nothing.
+SNAPSHOT: dict[str, str] = {}
+
+
 def generate(areas: Sequence[str]) -> list[Mutant]:
     mutants: list[Mutant] = []
     for name in areas:
         area = AREAS[name]
         for path, patterns in area.targets.items():
-            source = (REPO / path).read_text()
+            source = SNAPSHOT.setdefault(path, (REPO / path).read_text())
             mutants += _Generator(name, path, source, patterns, area.swap).run()
     return mutants
 
@@ -848,6 +853,8 @@ def copy_tree(destination: Path) -> None:
         target = destination / relative
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(source, target)
+    for relative, text in SNAPSHOT.items():
+        (destination / relative).write_text(text)
     (destination / "_mutation_coverage_ctx.py").write_text(_COVERAGE_PLUGIN)
     # Measure the processes the tests fork too (the cache's tests fork ranks).
     (destination / ".mutation-coveragerc").write_text(
@@ -973,7 +980,6 @@ class Runner:
         self.isolation = isolation
         self.timeout_s = timeout_s
         self.hard_limit_s = hard_limit_s
-        self.originals: dict[str, str] = {}
         self.processes: dict[int, subprocess.Popen[bytes]] = {}
         self.running: dict[int, _Job] = {}
 
@@ -1010,7 +1016,7 @@ class Runner:
         return _Job(mutant, slot, stage, tests, time.monotonic(), pid, log)
 
     def _install(self, slot: int, mutant: Mutant | None, path: str) -> None:
-        original = self.originals.setdefault(path, (REPO / path).read_text())
+        original = SNAPSHOT[path]
         text = original if mutant is None else apply(original, mutant)
         (self.trees[slot] / path).write_text(text)
 

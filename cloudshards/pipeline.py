@@ -177,6 +177,9 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
         custom = type(self).iterator1 is not DataPipeline.iterator1  # a subclass builds it
         limit = passes.limit
         yielded = passes.yielded
+        # A restored pass may have nothing left (saved after its last item): that ends the
+        # pass, not the epoch.
+        resumed_pass = resume is not None
         try:
             for repetition in range(passes.repetition, self.repetitions):
                 if yielded >= limit:
@@ -194,8 +197,9 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
                     yield sample
                     if yielded >= limit:
                         break
-                if count == 0:
+                if count == 0 and not resumed_pass:
                     break
+                resumed_pass = False
         finally:
             # Stopped early (closed, dropped, an error) or done: keep what the stages said and
             # let their iterators go, so that a dropped epoch closes its shards at once.

@@ -204,3 +204,25 @@ def test_stateful_dataloader_resume_keeps_the_workers_seed(make_shards: Any) -> 
     second.load_state_dict(state)
     assert keys(second) == keys(tail)
     assert sorted(keys(head) + keys(tail)) == sorted(shards.keys)
+
+
+@pytest.mark.parametrize("k", [30, 31, 32])
+def test_with_epoch_resumes_exactly_at_the_end_of_a_pass(make_shards: Any, k: int) -> None:
+    # with_epoch(50) over 31 samples runs a second pass; a state saved after the first pass's
+    # last sample restores a pass with nothing left, which must not end the epoch.
+    shards = make_shards(UNEVEN)
+    everything, resumed = resume_after(
+        lambda: wds.WebDataset(shards.spec(), shardshuffle=True, seed=4).with_epoch(50), k
+    )
+    assert len(everything) == 50
+    assert keys(resumed) == keys(everything)
+
+
+@pytest.mark.parametrize("k", [31, 62])
+def test_repeat_resumes_exactly_at_the_end_of_a_pass(make_shards: Any, k: int) -> None:
+    shards = make_shards(UNEVEN)
+    everything, resumed = resume_after(
+        lambda: wds.WebDataset(shards.spec(), shardshuffle=True, seed=4).repeat(3), k
+    )
+    assert len(everything) == 93
+    assert keys(resumed) == keys(everything)

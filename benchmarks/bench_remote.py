@@ -160,7 +160,7 @@ def run_rss(args: argparse.Namespace) -> int:
     """Peak resident memory with K shards prefetched, against the design's budget."""
     import subprocess
 
-    from cloudshards.fetch import FetchOptions
+    from cloudshards.source import FetchOptions
 
     fetch = FetchOptions()
     window_mib = fetch.part_bytes * fetch.concurrency / (1 << 20)

@@ -63,7 +63,6 @@ if TYPE_CHECKING:
         load_index,
         write_index,
     )
-    from cloudshards.io import gopen, open_shard
     from cloudshards.mix import RandomMix, RoundRobin
     from cloudshards.pipeline import DataPipeline, FluidInterface, FluidWrapper
     from cloudshards.shards import (
@@ -75,6 +74,7 @@ if TYPE_CHECKING:
         split_by_node,
         split_by_worker,
     )
+    from cloudshards.source import gopen, open_shard
     from cloudshards.stages.base import PipelineStage, pipelinefilter
     from cloudshards.stages.batch import batched, default_collation_fn, unbatched, unlisted
     from cloudshards.stages.epoch import repeatedly
@@ -153,7 +153,6 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "load_index",
         "write_index",
     ),
-    "cloudshards.io": ("gopen", "open_shard"),
     "cloudshards.mix": ("RandomMix", "RoundRobin"),
     "cloudshards.pipeline": ("DataPipeline", "FluidInterface", "FluidWrapper"),
     "cloudshards.shards": (
@@ -165,6 +164,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "split_by_node",
         "split_by_worker",
     ),
+    "cloudshards.source": ("gopen", "open_shard"),
     "cloudshards.stages.base": ("PipelineStage", "pipelinefilter"),
     "cloudshards.stages.batch": ("batched", "default_collation_fn", "unbatched", "unlisted"),
     "cloudshards.stages.epoch": ("repeatedly", "slice"),

@@ -14,13 +14,12 @@ from typing import Any, NamedTuple
 
 from cloudshards._index_format import DatasetIndex, IndexedMember, IndexedSample, ShardIndex
 from cloudshards.errors import ConfigError, ShardFormatError
-from cloudshards.fetch import FetchOptions, ResumableStream, open_remote, retry
 from cloudshards.grouping import group_members, make_name_filter
-from cloudshards.io import OpenOptions, ShardStream, open_shard
 from cloudshards.redact import redact_url
+from cloudshards.source import FetchOptions, OpenOptions, object_info, open_source, retry
 from cloudshards.tar import iter_members
 from cloudshards.types import Member
-from cloudshards.urls import expand_urls, protocol_of, resolve
+from cloudshards.urls import expand_urls, protocol_of
 
 __all__ = ["build_index", "scan_shard"]
 
@@ -121,11 +120,7 @@ def scan_shard(
 ) -> ShardIndex:
     """Index one shard: its size and store metadata, then every sample's members."""
     size, etag, mtime = _describe(url, options, fetch)
-    stream: ShardStream | ResumableStream
-    if protocol_of(url) == "file":
-        stream = open_shard(url, options, shard_index=position)
-    else:
-        stream = open_remote(url, options, fetch=fetch, shard_index=position)
+    stream = open_source(url, options, fetch=fetch, shard_index=position)
     try:
         head = _Head(stream)
         samples = list(_samples(head, url, position, options.member_limit()))
@@ -181,9 +176,8 @@ def _describe(
     url: str, options: OpenOptions, fetch: FetchOptions
 ) -> tuple[int | None, str | None, str | None]:
     """Size, ETag and modification time of a shard, from one metadata request."""
-    fs, path = resolve(url, options.storage_options)
     details: dict[str, Any] = retry(
-        lambda: fs.info(path), url=url, offset=0, options=fetch, what="HEAD"
+        lambda: object_info(url, options), url=url, offset=0, options=fetch, what="HEAD"
     )
     size = details.get("size")
     etag = details.get("ETag") or details.get("etag") or details.get("md5Hash")

@@ -17,9 +17,8 @@ from typing import Any
 from cloudshards._index_format import DatasetIndex, read_index
 from cloudshards._index_location import entry_outside, parent_url, relative_entry, strip_query
 from cloudshards.errors import ConfigError, ShardOpenError
-from cloudshards.fetch import FetchOptions, retry
-from cloudshards.io import map_backend_error
 from cloudshards.redact import caused_by, redact_url
+from cloudshards.source import FetchOptions, map_backend_error, read_object, retry
 from cloudshards.urls import protocol_of, resolve
 
 __all__ = ["default_index_url", "load_index", "read_bytes", "write_index"]
@@ -85,14 +84,13 @@ def load_index(
 
 def read_bytes(url: str, storage_options: Mapping[str, Any] | None) -> bytes | None:
     """The whole object at ``url``, or None when it does not exist."""
-    fs, path = resolve(url, storage_options)
-
-    def call() -> bytes:
-        data: bytes = fs.cat_file(path)
-        return data
-
     try:
-        return retry(call, url=url, offset=0, options=FetchOptions.from_env())
+        return retry(
+            lambda: read_object(url, storage_options),
+            url=url,
+            offset=0,
+            options=FetchOptions.from_env(),
+        )
     except ShardOpenError as exc:
         if caused_by(exc, FileNotFoundError):
             return None

@@ -30,10 +30,9 @@ from typing import Any
 from cloudshards import config
 from cloudshards.cache import ShardCache
 from cloudshards.errors import ConfigError, ShardOpenError
-from cloudshards.fetch import FetchOptions, open_remote
 from cloudshards.grouping import is_meta_name, split_key
-from cloudshards.io import OpenOptions, open_shard
 from cloudshards.redact import redact_url
+from cloudshards.source import FetchOptions, OpenOptions, open_source
 from cloudshards.tar import iter_members
 from cloudshards.urls import protocol_of
 
@@ -60,12 +59,7 @@ def count_shard_samples(
 ) -> int:
     """Count the samples of one shard by reading its member names (data is skipped: a local
     or cached shard is read header by header; a remote one streams through once)."""
-    if cache is not None:
-        stream: Any = cache.open(url, options, wait_s=fetch.stall_timeout_s)
-    elif protocol_of(url) in ("file", "pipe"):
-        stream = open_shard(url, options)
-    else:
-        stream = open_remote(url, options, fetch=fetch)
+    stream = open_source(url, options, fetch=fetch, cache=cache)
     count = 0
     last_key: str | None = None
 

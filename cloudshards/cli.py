@@ -18,8 +18,8 @@ from cloudshards import __version__
 from cloudshards.cache import cache_info, clear_cache
 from cloudshards.errors import CloudShardsError, ConfigError
 from cloudshards.grouping import group_members
-from cloudshards.io import open_shard, shard_size
 from cloudshards.redact import redact_text, redact_url
+from cloudshards.source import open_shard, shard_size
 from cloudshards.tar import iter_members
 from cloudshards.urls import expand_urls
 

@@ -20,10 +20,8 @@ from cloudshards.balance import BALANCE_MODES, assign_samples, resolve_sample_co
 from cloudshards.cache import ShardCache
 from cloudshards.dist import WorkerInfo
 from cloudshards.errors import ConfigError
-from cloudshards.fetch import FetchOptions
 from cloudshards.grouping import make_name_filter
 from cloudshards.handlers import as_handler, reraise_exception
-from cloudshards.io import OpenOptions
 from cloudshards.pipeline import DataPipeline, FluidInterface
 from cloudshards.shards import (
     ResampledShards,
@@ -32,6 +30,7 @@ from cloudshards.shards import (
     split_by_node,
     split_by_worker,
 )
+from cloudshards.source import FetchOptions, OpenOptions
 from cloudshards.stages.base import IterationContext, current_context
 from cloudshards.stages.read import read_shards
 from cloudshards.types import ExceptionHandler
@@ -386,7 +385,7 @@ class WebDataset(DataPipeline, FluidInterface):
     def stats(self) -> dict[str, dict[str, float]]:
         """This process's counters: ``io`` (shards, requests, retries, bytes, wait_s,
         failures) and, with a cache, ``cache`` (hits, misses, waits, bytes from disk...)."""
-        from cloudshards.fetch import process_stats
+        from cloudshards.source import process_stats
 
         result: dict[str, dict[str, float]] = {"io": process_stats().as_dict()}
         if self.cache is not None:

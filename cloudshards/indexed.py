@@ -10,7 +10,7 @@ import concurrent.futures as cf
 import logging
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch.utils.data
 
@@ -36,13 +36,24 @@ from cloudshards._index_read import (
 from cloudshards._index_sampler import DistributedChunkedSampler
 from cloudshards.cache import ShardCache
 from cloudshards.errors import ConfigError, ShardError, ShardFormatError, ShardOpenError
-from cloudshards.fetch import FetchOptions, RangeIgnoredError, fetch_range, process_stats
 from cloudshards.handlers import as_handler, reraise_exception
-from cloudshards.io import OpenOptions, ShardStream
-from cloudshards.prefetch import PartStream
 from cloudshards.redact import redact_url
+from cloudshards.source import (
+    EntrySource,
+    FetchOptions,
+    OpenOptions,
+    PartStream,
+    RangeIgnoredError,
+    ShardSource,
+    ShardStream,
+    fetch_range,
+    is_local_file,
+    open_local_fd,
+    open_source,
+    process_stats,
+)
 from cloudshards.types import ExceptionHandler, Sample
-from cloudshards.urls import expand_urls, protocol_of, resolve
+from cloudshards.urls import expand_urls, resolve
 
 __all__ = [
     "DatasetIndex",
@@ -213,7 +224,7 @@ class IndexedDataset(torch.utils.data.Dataset[Any]):
     def _fetch(self, position: int, shard: ShardIndex, entry: IndexedSample) -> bytes:
         state = self._process()
         length = entry.end - entry.start
-        if self.cache is not None or protocol_of(shard.url) == "file":
+        if self.cache is not None or is_local_file(shard.url):
             handle = state.acquire(position, lambda: self._open_file(position, shard))
             if handle is not None:
                 try:
@@ -245,16 +256,8 @@ class IndexedDataset(torch.utils.data.Dataset[Any]):
 
     def _open_file(self, position: int, shard: ShardIndex) -> OpenFile | None:
         """Open a local shard or its cache entry (downloading it first); None: no file."""
-        if protocol_of(shard.url) == "file":
-            _, path = resolve(shard.url, self.storage_options)
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except OSError as exc:
-                raise ShardOpenError(
-                    "object not found" if isinstance(exc, FileNotFoundError) else str(exc),
-                    url=shard.url,
-                    shard_index=position,
-                ) from exc
+        if is_local_file(shard.url):
+            fd = open_local_fd(shard.url, self.options, position)
             return checked(OpenFile(fd, lambda: os.close(fd)), shard, position)
         assert self.cache is not None
         with cf.ThreadPoolExecutor(self.fetch.concurrency, "cloudshards-indexed-dl") as pool:
@@ -276,37 +279,32 @@ class IndexedDataset(torch.utils.data.Dataset[Any]):
                     "with ranged GETs instead"
                 )
                 return None
-        fd = stream._raw.fileno()
+        fd = stream.fileno()
         return checked(OpenFile(fd, stream.close), shard, position)
 
-    def _open_cached(self, position: int, shard: ShardIndex, pool: cf.ThreadPoolExecutor) -> Any:
+    def _open_cached(
+        self, position: int, shard: ShardIndex, pool: cf.ThreadPoolExecutor
+    ) -> ShardSource:
         assert self.cache is not None
 
-        def open_store() -> PartStream:
+        def check_size(size: int) -> None:
             # One metadata request per download: refuse a shard that changed size.
-            fs, path = resolve(shard.url, self.storage_options)
-            details: dict[str, Any] = fs.info(path)
-            if details.get("size") is not None and int(details["size"]) != shard.size:
+            if size != shard.size:
                 raise ShardFormatError(
-                    f"shard is {details['size']} bytes, the index says {shard.size} ({STALE_HINT})",
+                    f"shard is {size} bytes, the index says {shard.size} ({STALE_HINT})",
                     url=shard.url,
                     shard_index=position,
                 )
-            details = {**details, "size": shard.size}
-            stats = process_stats()
-            stream = PartStream(
-                shard.url, fs, path, details, executor=pool, options=self.fetch, stats=stats,
-                shard_index=position,
-            )  # fmt: skip
-            stream.start()
-            return stream
 
-        return self.cache.open(
+        return open_source(
             shard.url,
             self.options,
+            fetch=self.fetch,
+            cache=self.cache,
             shard_index=position,
-            wait_s=self.fetch.stall_timeout_s,
-            open_store=open_store,
+            executor=pool,
+            size=shard.size,
+            check_size=check_size,
         )
 
     def _process(self) -> ProcessState:
@@ -371,6 +369,6 @@ def _as_index(
     return build_index(urls, storage_options)
 
 
-def _is_file(stream: Any) -> bool:
-    # A complete cache entry (or a local file): a ShardStream over a real file.
-    return isinstance(stream, ShardStream) and hasattr(stream._raw, "fileno")
+def _is_file(stream: ShardSource) -> TypeGuard[EntrySource]:
+    # A complete cache entry: a ShardStream over a real file.
+    return isinstance(stream, ShardStream) and hasattr(stream, "fileno")

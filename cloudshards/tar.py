@@ -9,7 +9,6 @@ import logging
 from collections.abc import Iterator
 from typing import Protocol
 
-from cloudshards._membertable import MemberTable
 from cloudshards._tarheader import (
     BLOCK,
     ZERO_BLOCK,
@@ -23,6 +22,7 @@ from cloudshards._tarheader import (
 from cloudshards._tarstream import MAX_OFFSET, BlockReader, describe_size
 from cloudshards.config import DEFAULT_BLOCK_BYTES, DEFAULT_MAX_MEMBER_BYTES
 from cloudshards.errors import ConfigError, ShardFormatError
+from cloudshards.membertable import MemberTable
 from cloudshards.types import Member, NameFilter
 
 __all__ = ["ReadableStream", "iter_members"]

@@ -18,8 +18,8 @@ from typing import Any, BinaryIO, Literal, cast
 
 from cloudshards.encoders import make_encoder
 from cloudshards.errors import CloudShardsError, ConfigError
-from cloudshards.io import map_backend_error, open_output
 from cloudshards.redact import raise_redacted, redact_url
+from cloudshards.source import map_backend_error, open_output
 from cloudshards.types import Sample
 from cloudshards.urls import protocol_of, resolve
 

@@ -3,9 +3,10 @@
 
 Four areas, each with the test files that guard it:
 
-- ``tar``: the tar reader (``tar.py``, ``_tarheader.py``, ``_tarstream.py``, ``_membertable.py``);
+- ``tar``: the tar reader (``tar.py``, ``_tarheader.py``, ``_tarstream.py``, ``membertable.py``);
 - ``cache``: the node cache's commit path (reserve, write, verify, rename/commit, unlock, and the
-  follower's reads) in ``cache.py`` and its private ``_cache*.py`` modules;
+  follower's reads) in the ``cache/`` package (``shardcache.py``, ``budget.py``, ``tee.py``,
+  ``follow.py``, ``lock.py``, ``facts.py``);
 - ``balance``: ``balance.py`` (``assign_samples``, the counts key, the counting pass);
 - ``redaction``: ``redact.py``.
 
@@ -98,7 +99,7 @@ AREAS: dict[str, Area] = {
             "cloudshards/tar.py": ("*",),
             "cloudshards/_tarheader.py": ("*",),
             "cloudshards/_tarstream.py": ("*",),
-            "cloudshards/_membertable.py": ("*",),
+            "cloudshards/membertable.py": ("*",),
         },
         tests=(
             "tests/test_tar.py",
@@ -110,21 +111,21 @@ AREAS: dict[str, Area] = {
     ),
     "cache": Area(
         targets={
-            "cloudshards/cache.py": (
+            "cloudshards/cache/shardcache.py": (
                 "ShardCache._claim",
                 "ShardCache._take_over",
                 "ShardCache._open_hit",
                 "ShardCache._download",
-                "ShardCache._reserve",
             ),
-            "cloudshards/_cachestreams.py": ("TeeStream.*",),
-            "cloudshards/_cachefollow.py": ("FollowStream.*",),
-            "cloudshards/_cachelock.py": (
+            "cloudshards/cache/budget.py": ("CacheBudget._reserve",),
+            "cloudshards/cache/tee.py": ("TeeStream.*",),
+            "cloudshards/cache/follow.py": ("FollowStream.*",),
+            "cloudshards/cache/lock.py": (
                 "DownloadLock.*",
                 "is_locked",
                 "is_poisoned",
             ),
-            "cloudshards/_cachefacts.py": (
+            "cloudshards/cache/facts.py": (
                 "remote_facts",
                 "trusted_md5",
                 "_gcs_md5",
@@ -144,7 +145,7 @@ AREAS: dict[str, Area] = {
         ),
         swap=(
             "ShardCache._download*",
-            "ShardCache._reserve",
+            "CacheBudget._reserve",
             "ShardCache._open_hit",
             "TeeStream.*",
             "FollowStream.*",
@@ -283,10 +284,10 @@ REVIEWED_EQUIVALENTS: dict[str, str] = {
     "cloudshards/_tarstream.py:BlockReader.finish_at_eof: self.base + self.pos → self.base - self.pos": (
         "pos is 0 here: it runs after a failed fill(), which rebases the buffer"
     ),
-    "cloudshards/_membertable.py:MemberTable.rows: zip(self.names, self.offsets, self.sizes, strict=True) → zip(self.names, self.offsets, self.sizes, strict=False)": (
+    "cloudshards/membertable.py:MemberTable.rows: zip(self.names, self.offsets, self.sizes, strict=True) → zip(self.names, self.offsets, self.sizes, strict=False)": (
         "the columns have one length: appended together, or checked by load_table"
     ),
-    "cloudshards/_membertable.py:load_table: zip(offsets, sizes, strict=True) → zip(offsets, sizes, strict=False)": (
+    "cloudshards/membertable.py:load_table: zip(offsets, sizes, strict=True) → zip(offsets, sizes, strict=False)": (
         "the lengths were compared just before"
     ),
     # --- balance ------------------------------------------------------------------------------

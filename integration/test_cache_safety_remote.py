@@ -25,8 +25,8 @@ from urllib.parse import urlsplit
 import pytest
 
 import cloudshards as wds
-from cloudshards._cachestreams import TeeStream
 from cloudshards.cache import entry_name
+from cloudshards.cache.tee import TeeStream
 from cloudshards.errors import ShardOpenError
 
 if TYPE_CHECKING:

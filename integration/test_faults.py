@@ -28,12 +28,16 @@ from cloudsim import CloudSim
 from cloudsim_fixtures import cloudsim_factory, via  # noqa: F401
 
 import cloudshards as wds
-from cloudshards import prefetch
 from cloudshards.cache import cache_info
 from cloudshards.errors import ShardOpenError
-from cloudshards.fetch import FetchOptions, IOStats
-from cloudshards.io import OpenOptions
-from cloudshards.prefetch import PartStream, ShardPrefetcher
+from cloudshards.source import (
+    FetchOptions,
+    IOStats,
+    OpenOptions,
+    PartStream,
+    ShardPrefetcher,
+    parts,
+)
 
 if TYPE_CHECKING:
     from conftest import LocalDataset, RemoteDataset
@@ -72,9 +76,9 @@ def quiet_backends(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture(autouse=True)
 def unranged_hosts() -> Iterator[set[str]]:
     """Forget hosts marked as ignoring Range, before and after each test."""
-    prefetch._UNRANGED_HOSTS.clear()
-    yield prefetch._UNRANGED_HOSTS
-    prefetch._UNRANGED_HOSTS.clear()
+    parts._UNRANGED_HOSTS.clear()
+    yield parts._UNRANGED_HOSTS
+    parts._UNRANGED_HOSTS.clear()
 
 
 @pytest.fixture

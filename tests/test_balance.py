@@ -291,8 +291,7 @@ def test_the_index_next_to_the_shards_is_found_once_then_remembered(
 
 def test_counting_skips_metadata_like_the_dataset(tmp_path: Path) -> None:
     from cloudshards.balance import count_shard_samples
-    from cloudshards.fetch import FetchOptions
-    from cloudshards.io import OpenOptions
+    from cloudshards.source import FetchOptions, OpenOptions
 
     shard = tmp_path / "shard-000000.tar"
     write_members(shard, ["__meta__/info.json", "__a.jpg", "__a.txt", "b.jpg", "__meta__"], 1)
@@ -309,21 +308,22 @@ def test_counting_opens_local_shards_directly_and_remote_ones_with_retries(
     import fsspec
 
     from cloudshards import balance
-    from cloudshards.fetch import FetchOptions
-    from cloudshards.io import OpenOptions
+    from cloudshards.source import FetchOptions, OpenOptions
 
     shard = tmp_path / "shard-000000.tar"
     write_members(shard, ["a.jpg", "b.jpg"], 1)
     remote = f"memory://cloudshards-balance-{tmp_path.name}/shard-000000.tar"
     fsspec.filesystem("memory").pipe(remote, shard.read_bytes())
     opened: list[str] = []
-    real_open_remote = balance.open_remote
+    from cloudshards.source import opener
+
+    real_open_remote = opener.open_remote
 
     def open_remote(url: str, options: Any, **kw: Any) -> Any:
         opened.append(url)
         return real_open_remote(url, options, **kw)
 
-    monkeypatch.setattr(balance, "open_remote", open_remote)
+    monkeypatch.setattr(opener, "open_remote", open_remote)
     options, fetch = OpenOptions(allow_pipe=True), FetchOptions()
     for url in (str(shard), f"file://{shard}", f"pipe:cat {shard}", remote):
         assert balance.count_shard_samples(url, options, fetch) == 2
@@ -390,7 +390,7 @@ def test_the_counting_pass_gets_the_fetch_options_and_at_most_eight_threads(
     import time
 
     from cloudshards import balance
-    from cloudshards.fetch import FetchOptions
+    from cloudshards.source import FetchOptions
 
     seen: list[Any] = []
     active, most, gated = [0], [0], [False]

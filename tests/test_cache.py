@@ -34,10 +34,12 @@ import pytest
 from torch.utils.data import DataLoader
 
 import cloudshards as wds
-from cloudshards._cachestreams import TeeStream, is_locked
-from cloudshards.cache import ShardCache, _endpoint, cache_info, clear_cache, entry_name
+from cloudshards.cache import ShardCache, cache_info, clear_cache, entry_name
+from cloudshards.cache.keys import store_endpoint as _endpoint
+from cloudshards.cache.lock import is_locked
+from cloudshards.cache.tee import TeeStream
 from cloudshards.cli import main as cli_main
-from cloudshards.io import OpenOptions
+from cloudshards.source import OpenOptions
 
 SampleList = list[tuple[str, dict[str, bytes]]]
 
@@ -1144,8 +1146,7 @@ def test_every_stream_is_a_context_manager(make_shards: Any, store: Store, tmp_p
         with cache.open(url) as stream:
             assert read_all(stream) == shards.paths[0].read_bytes()
         assert stream.closed
-    from cloudshards.fetch import open_remote
-    from cloudshards.io import OpenOptions
+    from cloudshards.source import OpenOptions, open_remote
 
     with open_remote(url, OpenOptions()) as remote:
         assert read_all(remote) == shards.paths[0].read_bytes()

@@ -18,10 +18,9 @@ from fsspec.registry import _registry as fsspec_registry
 
 import cloudshards as wds
 import cloudshards.urls
-from cloudshards import prefetch
-from cloudshards._cachelock import is_locked
 from cloudshards.cache import entry_name
-from cloudshards.io import OpenOptions
+from cloudshards.cache.lock import is_locked
+from cloudshards.source import OpenOptions, prefetch
 
 
 @pytest.fixture

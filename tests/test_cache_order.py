@@ -21,10 +21,10 @@ import pytest
 from fsspec.registry import _registry as fsspec_registry
 
 import cloudshards.urls
-from cloudshards import _cachelock
-from cloudshards._cachefollow import FollowStream
-from cloudshards._cachelock import is_locked
 from cloudshards.cache import ShardCache, entry_name
+from cloudshards.cache import lock as _cachelock
+from cloudshards.cache.follow import FollowStream
+from cloudshards.cache.lock import is_locked
 from cloudshards.errors import ShardOpenError
 
 

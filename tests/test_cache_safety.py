@@ -34,13 +34,14 @@ import pytest
 from fsspec.registry import _registry as fsspec_registry
 
 import cloudshards as wds
-import cloudshards._cachefacts
+import cloudshards.cache.facts
 import cloudshards.urls
-from cloudshards._cachefacts import canonical_url, store_endpoint, trusted_md5
-from cloudshards._cachestreams import TeeStream
 from cloudshards.cache import ShardCache, entry_name
+from cloudshards.cache.facts import trusted_md5
+from cloudshards.cache.keys import canonical_url, store_endpoint
+from cloudshards.cache.tee import TeeStream
 from cloudshards.errors import ShardOpenError
-from cloudshards.io import OpenOptions
+from cloudshards.source import OpenOptions
 
 SampleList = list[tuple[str, dict[str, bytes]]]
 
@@ -197,7 +198,7 @@ def gcs(store: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[type[FakeGCS]]
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setitem(fsspec_registry, "gs", FakeGCS)
     monkeypatch.setattr(cloudshards.urls, "_fs_cache", {})
-    monkeypatch.setattr(cloudshards._cachefacts, "_DISTRUSTED", set())  # per process
+    monkeypatch.setattr(cloudshards.cache.facts, "_DISTRUSTED", set())  # per process
     monkeypatch.setattr(FakeGCS, "md5_hash", None)
     monkeypatch.setattr(FakeGCS, "corrupt_at", None)
     monkeypatch.setattr(FakeGCS, "corrupt_times", 0)

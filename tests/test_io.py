@@ -12,7 +12,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 import cloudshards as wds
 from cloudshards.errors import ConfigError, ShardFormatError, ShardOpenError
-from cloudshards.io import OpenOptions, open_shard
+from cloudshards.source import OpenOptions, open_shard
 
 
 @pytest.fixture
@@ -73,7 +73,7 @@ class _FailingFile:
 
 
 def test_read_errors_become_shard_open_errors_with_offset() -> None:
-    from cloudshards.io import ShardStream
+    from cloudshards.source import ShardStream
 
     stream = ShardStream(_FailingFile(), "s3://bucket/a.tar?X-Amz-Signature=SECRET")  # type: ignore[arg-type]
     assert stream.read(10) == b"x" * 10

@@ -17,10 +17,10 @@ import fakes
 import pytest
 
 import cloudshards as wds
-from cloudshards._cachefacts import entry_name
-from cloudshards._cachefollow import FollowStream
-from cloudshards._cachelock import DownloadLock, is_locked
 from cloudshards.cache import ShardCache
+from cloudshards.cache.follow import FollowStream
+from cloudshards.cache.keys import entry_name
+from cloudshards.cache.lock import DownloadLock, is_locked
 
 
 @pytest.fixture(autouse=True)
@@ -268,7 +268,7 @@ def test_a_verified_download_saves_the_table_of_a_parse_that_ends_after_the_comm
     the reader has parsed the held-back end: its table is saved after the commit."""
     import hashlib
 
-    from cloudshards import cache as cache_module
+    from cloudshards.cache import shardcache as cache_module
 
     shards = make_shards([3])
     url = fakes.url_of(shards.paths[0])
@@ -287,7 +287,7 @@ def test_a_shard_of_unknown_size_is_streamed_under_a_budget(
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from cloudshards import cache as cache_module
+    from cloudshards.cache import shardcache as cache_module
 
     (url,), (content,) = shard(make_shards)
     monkeypatch.setattr(cache_module, "remote_facts", lambda *args: (None, None))

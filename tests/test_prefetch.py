@@ -14,11 +14,8 @@ import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 
 import cloudshards as wds
-from cloudshards import prefetch
 from cloudshards.errors import ShardOpenError
-from cloudshards.fetch import FetchOptions, IOStats
-from cloudshards.io import OpenOptions
-from cloudshards.prefetch import ShardPrefetcher
+from cloudshards.source import FetchOptions, IOStats, OpenOptions, ShardPrefetcher, parts, prefetch
 
 
 class FaultyMemoryFileSystem(MemoryFileSystem):
@@ -90,10 +87,10 @@ def faultmem() -> Iterator[type[FaultyMemoryFileSystem]]:
     cls.no_size, cls.info_gate = False, None
     cls.log.clear()
     cls.calls = cls.in_flight = cls.peak_in_flight = 0
-    prefetch._UNRANGED_HOSTS.clear()
+    parts._UNRANGED_HOSTS.clear()
     yield cls
     cls.store.clear()
-    prefetch._UNRANGED_HOSTS.clear()
+    parts._UNRANGED_HOSTS.clear()
 
 
 def upload(make_shards: Any, sizes: list[int], payload_bytes: int = 20_000) -> Any:
@@ -172,7 +169,7 @@ def test_server_ignoring_range_is_detected(
     shards = upload(make_shards, [8, 8, 8])
     faultmem.ignore_range = True
     assert read_all(shards) == expected(shards)
-    assert "faultmem://bucket" in prefetch._UNRANGED_HOSTS
+    assert "faultmem://bucket" in parts._UNRANGED_HOSTS
     assert [r.getMessage() for r in caplog.records if "ignores Range" in r.getMessage()] == [
         "faultmem://bucket ignores Range requests; streaming its shards with one GET each"
     ]

@@ -13,11 +13,8 @@ from typing import Any
 
 import pytest
 
-from cloudshards import fetch
 from cloudshards.cli import main
 from cloudshards.errors import ConfigError, ShardOpenError
-from cloudshards.fetch import FetchOptions
-from cloudshards.io import OpenOptions, map_backend_error, open_shard
 from cloudshards.redact import (
     RedactedError,
     install_log_redaction,
@@ -26,6 +23,8 @@ from cloudshards.redact import (
     redact_url,
     scrubbed,
 )
+from cloudshards.source import FetchOptions, OpenOptions, map_backend_error, open_shard
+from cloudshards.source import retries as fetch
 
 SECRET = "hunter2"
 
@@ -236,8 +235,8 @@ def test_open_failure_chain_is_clean_end_to_end(tmp_path: Path) -> None:
 def test_redacted_causes_keep_their_kind_for_retry_decisions() -> None:
     """Permanent failures stay permanent although the cause is now a redacted copy: a missing
     object is asked for once, not retried; a reset is retried."""
-    from cloudshards.fetch import is_retryable
     from cloudshards.redact import caused_by
+    from cloudshards.source import is_retryable
 
     missing = map_backend_error(FileNotFoundError("gone"), "s3://b/k.tar")
     missing.__cause__ = scrubbed(FileNotFoundError("gone"))

@@ -12,20 +12,17 @@ import logging
 import os
 from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
-from functools import partial
 from typing import Any
 from urllib.parse import urlsplit
 
 from cloudshards import config
-from cloudshards._membertable import MemberTable, iter_table
 from cloudshards.cache import ShardCache
 from cloudshards.errors import ConfigError
-from cloudshards.fetch import FetchOptions
 from cloudshards.grouping import group_members, make_name_filter, split_key
 from cloudshards.handlers import reraise_exception
-from cloudshards.io import OpenOptions, open_shard
-from cloudshards.prefetch import ShardPrefetcher
+from cloudshards.membertable import MemberTable, iter_table
 from cloudshards.redact import redact_url
+from cloudshards.source import FetchOptions, OpenOptions, ShardPrefetcher, ShardSource
 from cloudshards.stages.base import pipelinefilter
 from cloudshards.tar import iter_members
 from cloudshards.types import ExceptionHandler, Member, NameFilter, Sample
@@ -50,7 +47,7 @@ def open_shards(
     options: OpenOptions | None = None,
     cache: ShardCache | None = None,
     fetch: FetchOptions | None = None,
-) -> Generator[tuple[dict[str, Any], Any], None, None]:
+) -> Generator[tuple[dict[str, Any], ShardSource], None, None]:
     """Yield ``(shard, stream)`` for each shard dict in ``src``, keeping the next ones in flight.
 
     Remote shards are prefetched and read with parallel ranged GETs and retries as ``fetch``
@@ -63,31 +60,14 @@ def open_shards(
     fetch = fetch or FetchOptions.from_env()
     prefetcher = ShardPrefetcher(src, options=options, fetch=fetch, cache=cache)
     for shard, opened in prefetcher:
-        url = shard["url"]
-        index = shard.get("shard_index")
-        try:
-            if isinstance(opened, BaseException):
-                raise opened
-            if cache is not None:
-                stream = cache.open(
-                    url,
-                    options,
-                    shard_index=index,
-                    wait_s=fetch.stall_timeout_s,
-                    open_store=partial(prefetcher.open_remote, shard, prefetcher.executor()),
-                )
-            elif opened is not None:
-                stream = opened
-            else:
-                stream = open_shard(url, options, shard_index=index)
-        except ConfigError:
-            raise
-        except Exception as exn:
-            if handler(exn):
-                logger.debug("skipped shard %s after open error", redact_url(url))
-                continue
+        if not isinstance(opened, BaseException):
+            yield shard, opened
+            continue
+        if isinstance(opened, ConfigError) or not isinstance(opened, Exception):
+            raise opened
+        if not handler(opened):
             return
-        yield shard, stream
+        logger.debug("skipped shard %s after open error", redact_url(shard["url"]))
 
 
 def read_shards(

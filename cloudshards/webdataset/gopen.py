@@ -18,10 +18,9 @@ from subprocess import PIPE
 from typing import Any
 from urllib.parse import urlparse
 
-from cloudshards import io as _io
+from cloudshards import source as _io
 from cloudshards.errors import ConfigError
-from cloudshards.fetch import open_remote
-from cloudshards.io import OpenOptions
+from cloudshards.source import OpenOptions, open_remote
 from cloudshards.webdataset._unsupported import unsupported_function
 
 __all__ = [

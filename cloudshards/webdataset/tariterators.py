@@ -17,7 +17,7 @@ import braceexpand
 
 from cloudshards.grouping import make_name_filter, split_key
 from cloudshards.handlers import reraise_exception
-from cloudshards.io import OpenOptions
+from cloudshards.source import OpenOptions
 from cloudshards.stages.base import make_rng
 from cloudshards.stages.read import env_cache, open_shards, tarfile_samples, tarfile_to_samples
 from cloudshards.tar import iter_members
@@ -80,7 +80,7 @@ def url_opener(
     parallel ranged GETs and retries, and through the node cache when the environment names
     one (``CLOUDSHARDS_CACHE_DIR`` or ``WDS_CACHE``). Keyword arguments: ``storage_options``,
     ``allow_pipe``, ``cache`` (a :class:`~cloudshards.ShardCache`, overriding the
-    environment), ``fetch`` (:class:`~cloudshards.fetch.FetchOptions`); webdataset's ``gopen``
+    environment), ``fetch`` (:class:`~cloudshards.source.FetchOptions`); webdataset's ``gopen``
     arguments (``bufsize``...) are accepted and ignored. A failing open goes to ``handler``.
     The consumer closes each stream (:func:`tar_file_expander` does).
     """

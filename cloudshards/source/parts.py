@@ -1,10 +1,8 @@
-"""Shard prefetch and parallel ranged reads for remote stores.
+"""Remote shards read as a window of parallel ranged GETs, handed on in order.
 
-While the consumer parses shard i, shards i+1..i+K (in the consumer's exact order) are already
-being fetched; each remote shard is read as a window of ``concurrency`` ranged GETs of
-``part_bytes``, handed on in order as soon as the next part is complete. Memory is bounded by
-(K + 1) x concurrency x part_bytes. Closing (or garbage-collecting) the iterator cancels what
-is pending and joins the threads.
+Each remote shard is read as ``concurrency`` ranged GETs of ``part_bytes`` in flight, the next
+part handed on as soon as it is complete; the size lookup goes out together with the first
+(small) part. A host that answers ranged GETs with whole objects is streamed from then on.
 """
 
 from __future__ import annotations
@@ -14,30 +12,24 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
-from cloudshards import fetch as fetch_module
-from cloudshards.cache import ShardCache
 from cloudshards.errors import ShardOpenError
-from cloudshards.fetch import (
-    FetchOptions,
-    IOStats,
-    RangeIgnoredError,
-    ResumableStream,
-    fetch_range,
-    open_remote,
-    retry,
-)
-from cloudshards.io import OpenOptions, ShardStream
 from cloudshards.redact import redact_url
+from cloudshards.source import remote
+from cloudshards.source.options import FetchOptions, OpenOptions
+from cloudshards.source.remote import fetch_range
+from cloudshards.source.resumable import ResumableStream, open_remote
+from cloudshards.source.retries import IOStats, RangeIgnoredError, retry
 from cloudshards.types import ByteSource, ClosingStream
-from cloudshards.urls import protocol_of, resolve
+from cloudshards.urls import resolve
 
-__all__ = ["PartStream", "ShardPrefetcher"]
+__all__ = ["FIRST_PART_BYTES", "PartStream", "open_parts", "open_sized_parts"]
 
-logger = logging.getLogger(__name__)
+# The logger's name from before the module moved: logging configurations name it.
+logger = logging.getLogger("cloudshards.prefetch")
 
 #: Size of each shard's first ranged GET (the rest use ``part_bytes``): time to first sample.
 FIRST_PART_BYTES = 64 << 10
@@ -315,217 +307,84 @@ class PartStream(ClosingStream):
             logger.debug("shard done: %s", record)
 
 
-Opened = ShardStream | PartStream | ResumableStream
+def open_parts(
+    url: str,
+    options: OpenOptions,
+    fetch: FetchOptions,
+    *,
+    executor: cf.ThreadPoolExecutor,
+    stats: IOStats,
+    shard_index: int | None = None,
+    cancel: threading.Event | None = None,
+) -> PartStream | ResumableStream:
+    """Look up the shard's size and start its first ranged GETs (one resumable streaming GET
+    for hosts known to ignore Range)."""
+    stats.add(shards=1)
 
-
-class ShardPrefetcher:
-    """Yield ``(shard, stream_or_error)`` in order, keeping the next shards in flight.
-
-    Args:
-        shards: Shard dicts (``{"url": ..., "shard_index": ...}``) in consumer order.
-        options: How to open shards (storage options).
-        fetch: Prefetch depth, part size, concurrency, retries, stall timeout.
-        stats: Counters to update (default: this process's).
-        cache: With a node cache, shards are yielded as None and the consumer opens them
-            through the cache: a hit, a download it claims itself (streamed through while it
-            is written, as parallel ranged GETs), or following a download in progress. The
-            shards after the next one are downloaded into the cache ahead, each by a thread
-            that writes at the store's speed whatever its consumer does (so other processes
-            following it never wait for this one); closing the iterator cancels them.
-    """
-
-    def __init__(
-        self,
-        shards: Iterable[dict[str, Any]],
-        *,
-        options: OpenOptions,
-        fetch: FetchOptions,
-        stats: IOStats | None = None,
-        cache: ShardCache | None = None,
-    ) -> None:
-        self._shards = iter(shards)
-        self._options = options
-        self._fetch = fetch
-        self._stats = stats if stats is not None else fetch_module.process_stats()
-        self._cache = cache
-        self._pool: cf.ThreadPoolExecutor | None = None
-        self._cancel = threading.Event()
-
-    def __iter__(self) -> Iterator[tuple[dict[str, Any], Opened | BaseException | None]]:
-        fetch = self._fetch
-        # Each shard in flight: its opening task (size lookup) plus its ranged GETs.
-        workers = (fetch.prefetch + 1) * (fetch.concurrency + 1)
-        # Threads start on the first remote shard only: local datasets never create any.
-        executor = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cloudshards")
-        pending: deque[tuple[dict[str, Any], cf.Future[Opened | None]]] = deque()
-        first_bytes = threading.Event()
-        first_submitted = False
-        ahead: list[threading.Thread] = []  # downloads into the cache, joined at the end
-        try:
-            while True:
-                while len(pending) <= fetch.prefetch:
-                    shard = next(self._shards, None)
-                    if shard is None:
-                        break
-                    remote = protocol_of(shard["url"]) not in ("file", "pipe")
-                    if self._cache is not None and remote and pending:
-                        task = executor.submit(self._download_ahead, shard, executor, ahead)
-                        pending.append((shard, task))
-                    elif self._fetch_later(shard["url"]):
-                        later: cf.Future[Opened | None] = cf.Future()
-                        later.set_result(None)
-                        pending.append((shard, later))
-                    else:
-                        # The first remote shard goes out alone: the shards after it start
-                        # once its first bytes are in, so they do not slow its first sample.
-                        if first_submitted:
-                            task = executor.submit(self._open, shard, executor, first_bytes, None)
-                        else:
-                            first_submitted = True
-                            task = executor.submit(self._open, shard, executor, None, first_bytes)
-                        pending.append((shard, task))
-                if not pending:
-                    return
-                shard, future = pending.popleft()
-                start = time.perf_counter()
-                try:
-                    opened: Opened | BaseException | None = future.result()
-                except Exception as exc:
-                    opened = exc
-                self._stats.add(wait_s=time.perf_counter() - start)
-                yield shard, opened
-        finally:
-            self._cancel.set()  # in-flight ranged GETs stop retrying
-            first_bytes.set()
-            for _, future in pending:
-                future.cancel()
-                if future.done() and not future.cancelled() and future.exception() is None:
-                    stream = future.result()
-                    if stream is not None:
-                        stream.close()
-            executor.shutdown(wait=True, cancel_futures=True)
-            if self._pool is not None:
-                self._pool.shutdown(wait=True, cancel_futures=True)
-                self._pool = None
-            for thread in ahead:
-                thread.join(fetch.stall_timeout_s)
-
-    def _download_ahead(
-        self,
-        shard: dict[str, Any],
-        executor: cf.ThreadPoolExecutor,
-        threads: list[threading.Thread],
-    ) -> Opened | None:
-        """Start downloading a later shard into the node cache (see ShardCache.download_ahead);
-        the consumer opens it through the cache, so there is no stream to hand on."""
-        assert self._cache is not None
-        thread = self._cache.download_ahead(
-            shard["url"],
-            self._options,
-            shard_index=shard.get("shard_index"),
-            open_store=lambda: self.open_remote(shard, executor),
-            cancel=self._cancel,
-        )
-        if thread is not None:
-            threads.append(thread)
-        return None
-
-    def _fetch_later(self, url: str) -> bool:
-        """Local files, pipes and cached shards open at consumption time."""
-        return self._cache is not None or protocol_of(url) in ("file", "pipe")
-
-    def _open(
-        self,
-        shard: dict[str, Any],
-        executor: cf.ThreadPoolExecutor,
-        wait_for: threading.Event | None,
-        signal: threading.Event | None,
-    ) -> Opened | None:
-        """Start fetching one remote shard: its size, then its first ranged GETs.
-
-        Waits for ``wait_for`` (bounded) first; sets ``signal`` when its first bytes are in.
-        """
-        if wait_for is not None:
-            wait_for.wait(self._fetch.stall_timeout_s)
-        try:
-            stream = self.open_remote(shard, executor)
-        except BaseException:
-            if signal is not None:
-                signal.set()
-            raise
-        if isinstance(stream, PartStream):
-            stream.start(on_first_part=None if signal is None else signal.set)
-        elif signal is not None:
-            signal.set()
-        return stream
-
-    def executor(self) -> cf.ThreadPoolExecutor:
-        """A pool for ranged GETs opened at consumption time (created on first use)."""
-        if self._pool is None:
-            fetch = self._fetch
-            self._pool = cf.ThreadPoolExecutor(
-                max_workers=fetch.concurrency + 1, thread_name_prefix="cloudshards"
-            )
-        return self._pool
-
-    def open_remote(self, shard: dict[str, Any], executor: cf.ThreadPoolExecutor) -> Opened:
-        """Look up the shard's size and start its first ranged GETs."""
-        url = shard["url"]
-        index = shard.get("shard_index")
-        self._stats.add(shards=1)
-        if _host_key(url) in _UNRANGED_HOSTS:
-            return self._stream(url, index)
-        fs, path = resolve(url, self._options.storage_options)
-
-        def info() -> dict[str, Any]:
-            self._stats.add(requests=1)
-            details: dict[str, Any] = fs.info(path)
-            return details
-
-        # The first (small) part goes out with the size lookup: one round trip to first byte,
-        # and the reader starts on it without waiting for the lookup.
-        first = executor.submit(
-            fetch_range,
-            fs,
-            path,
-            0,
-            min(FIRST_PART_BYTES, self._fetch.part_bytes),
-            url=url,
-            size=None,
-            options=self._fetch,
-            stats=self._stats,
-            cancel=self._cancel,
-        )
-        details = executor.submit(
-            retry,
-            info,
-            url=url,
-            offset=0,
-            options=self._fetch,
-            stats=self._stats,
-            what="HEAD",
-            cancel=self._cancel,
-        )
-        return PartStream(
-            url,
-            fs,
-            path,
-            details,
-            executor=executor,
-            options=self._fetch,
-            stats=self._stats,
-            shard_index=index,
-            cancel=self._cancel,
-            first_part=first,
-            open_tail=lambda offset: self._stream(url, index, start=offset),
-        )
-
-    def _stream(self, url: str, index: int | None, *, start: int = 0) -> ResumableStream:
+    def stream(start: int = 0) -> ResumableStream:
         return open_remote(
-            url, self._options, fetch=self._fetch, stats=self._stats, shard_index=index, start=start
+            url, options, fetch=fetch, stats=stats, shard_index=shard_index, start=start
         )
 
+    if _host_key(url) in _UNRANGED_HOSTS:
+        return stream()
+    fs, path = resolve(url, options.storage_options)
 
-def current_thread_count() -> int:
-    """Threads started by prefetchers that are still alive (for tests and diagnostics)."""
-    return sum(1 for t in threading.enumerate() if t.name.startswith("cloudshards"))
+    def lookup() -> dict[str, Any]:
+        stats.add(requests=1)
+        return remote.info(fs, path)
+
+    # The first (small) part goes out with the size lookup: one round trip to first byte,
+    # and the reader starts on it without waiting for the lookup.
+    first_end = min(FIRST_PART_BYTES, fetch.part_bytes)
+    first = executor.submit(
+        fetch_range, fs, path, 0, first_end, url=url, size=None, options=fetch, stats=stats,
+        cancel=cancel,
+    )  # fmt: skip
+    details = executor.submit(
+        retry, lookup, url=url, offset=0, options=fetch, stats=stats, what="HEAD", cancel=cancel
+    )
+    return PartStream(
+        url,
+        fs,
+        path,
+        details,
+        executor=executor,
+        options=fetch,
+        stats=stats,
+        shard_index=shard_index,
+        cancel=cancel,
+        first_part=first,
+        open_tail=stream,
+    )
+
+
+def open_sized_parts(
+    url: str,
+    options: OpenOptions,
+    fetch: FetchOptions,
+    *,
+    executor: cf.ThreadPoolExecutor,
+    stats: IOStats,
+    size: int,
+    check_size: Callable[[int], None],
+    shard_index: int | None = None,
+) -> PartStream:
+    """Ranged GETs of an object whose size is known already (from an index): one metadata
+    request first, whose size goes to ``check_size`` (which raises to refuse the object)."""
+    fs, path = resolve(url, options.storage_options)
+    details = remote.info(fs, path)
+    if details.get("size") is not None:
+        check_size(int(details["size"]))
+    stream = PartStream(
+        url,
+        fs,
+        path,
+        {**details, "size": size},
+        executor=executor,
+        options=fetch,
+        stats=stats,
+        shard_index=shard_index,
+    )
+    stream.start()
+    return stream

@@ -1,16 +1,12 @@
-"""What the node cache's modules share: per-process counters, the download lock (a
-``flock`` that dies with its holder), and how a full disk or a bad download is recognised."""
+"""The node cache's locks (a ``flock`` that dies with its holder), how a full disk or a bad
+download is recognised, and the named checkpoints of the commit path (for tests)."""
 
 from __future__ import annotations
 
 import errno
 import fcntl
-import logging
 import os
 import stat
-from dataclasses import dataclass, field
-
-logger = logging.getLogger(__name__)
 
 #: Errors that mean "the disk cannot take this entry": degrade to uncached streaming.
 DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
@@ -26,7 +22,8 @@ def _checkpoint(point: str) -> None:
 
     Tests monkeypatch this module attribute to pause a thread at one point (an Event wait) or
     to look at the cache's state there, which makes the ordering rules observable without
-    relying on timing. Callers use ``_cachelock._checkpoint(...)`` (never a ``from`` import),
+    relying on timing. Callers use ``_cachelock._checkpoint(...)`` (after ``from
+    cloudshards.cache import lock as _cachelock``; never a ``from`` import of the function),
     so a patch reaches them. Points, in the order a download meets them:
 
     - ``"before_claim"``: ``ShardCache._claim``, before it tries the download lock (the
@@ -48,57 +45,9 @@ def is_disk_full(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS
 
 
-def warn_disk_full(stats: CacheStats, exc: OSError) -> None:
-    """Note that the disk took no more, with one warning per process and cache directory."""
-    stats._disk_full = True
-    if "disk full" not in stats._warned:
-        stats._warned.add("disk full")
-        logger.warning(
-            "cache disk full or read-only (%s); streaming shards without caching until there "
-            "is room (free space there, or give cache_dir another disk)",
-            exc.strerror or exc,
-        )
-
-
 def is_poisoned(fd: int) -> bool:
     """Whether the partial file open at ``fd`` was marked as failing verification."""
     return bool(os.fstat(fd).st_mode & stat.S_IXUSR)
-
-
-@dataclass
-class CacheStats:
-    """Per-process cache counters.
-
-    Attributes:
-        hits: Shards served from a complete entry.
-        misses: Shards this process downloaded (and cached), itself or ahead in the background.
-        waits: Shards read by following another process's download.
-        uncached: Shards streamed without caching (disk full or read-only, over budget, early
-            stop, failed verification).
-        bytes_network: Bytes this process read from the store through the cache.
-        bytes_disk: Bytes read from cache files (a shard this process downloaded ahead counts
-            as a miss only: reading it back is part of that download, not a hit).
-        evictions: Entries this process evicted.
-    """
-
-    hits: int = 0
-    misses: int = 0
-    waits: int = 0
-    uncached: int = 0
-    bytes_network: int = 0
-    bytes_disk: int = 0
-    evictions: int = 0
-    _warned: set[str] = field(default_factory=set, repr=False)
-    #: Entries this process downloaded ahead that its consumer has not opened yet.
-    _ahead: set[str] = field(default_factory=set, repr=False)
-    #: Downloads ahead start once this process has committed an entry, and never after the
-    #: disk filled up: they must not cost a second download of what cannot be cached.
-    _committed_one: bool = field(default=False, repr=False)
-    _disk_full: bool = field(default=False, repr=False)
-
-    def as_dict(self) -> dict[str, int]:
-        """The counters as a plain dict."""
-        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
 
 
 class DownloadLock:

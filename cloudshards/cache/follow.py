@@ -7,10 +7,11 @@ import os
 import time
 from collections.abc import Callable
 
-from cloudshards import _cachelock
-from cloudshards._cachelock import CacheStats, is_locked, is_poisoned
-from cloudshards._membertable import MemberTable, write_table
+from cloudshards.cache import lock as _cachelock
+from cloudshards.cache.lock import is_locked, is_poisoned
+from cloudshards.cache.stats import CacheStats
 from cloudshards.errors import ShardOpenError
+from cloudshards.membertable import MemberTable, write_table
 from cloudshards.redact import redact_url
 from cloudshards.types import ByteSource, ClosingStream
 
@@ -24,7 +25,7 @@ class FollowStream(ClosingStream):
     renamed into place) means the real end; the downloader's lock is free without a commit
     means it died or stopped, and ``take_over(offset)`` returns a stream that continues for
     us, unless the downloader marked the file as failing verification (see
-    :data:`~cloudshards._cachelock.POISONED_MODE`): the bytes read so far may be wrong, and
+    :data:`~cloudshards.cache.lock.POISONED_MODE`): the bytes read so far may be wrong, and
     ``read`` raises instead.
 
     Args:

@@ -8,15 +8,10 @@ import logging
 import os
 from collections.abc import Callable
 
-from cloudshards._cachelock import (
-    POISONED_MODE,
-    CacheStats,
-    is_disk_full,
-    is_locked,
-    warn_disk_full,
-)
-from cloudshards._membertable import MemberTable, write_table
+from cloudshards.cache.lock import POISONED_MODE, is_disk_full, is_locked
+from cloudshards.cache.stats import CacheStats, warn_disk_full
 from cloudshards.errors import CacheError, ShardOpenError
+from cloudshards.membertable import MemberTable, write_table
 from cloudshards.redact import redact_url
 from cloudshards.types import ByteSource, ClosingStream
 
@@ -47,7 +42,7 @@ class TeeStream(ClosingStream):
         abandon: Called when the partial file is given up (removes it, releases the lock).
         expected_size: Size the store reported, verified at the end when known.
         expected_md5: Hex MD5 to verify, when the store guarantees one
-            (see :func:`cloudshards._cachefacts.trusted_md5`).
+            (see :func:`cloudshards.cache.facts.trusted_md5`).
         skip: Bytes already delivered to this consumer (taking over a dead download).
         refetch: Opens the object again from its start, to recheck a checksum mismatch.
         distrust: Called when the store's checksum proves not to be the MD5 of its bytes.
@@ -96,6 +91,9 @@ class TeeStream(ClosingStream):
         self._keep = True  # False: verified as consistent but not cached after all
         self._committed = False
         self._cancelled = False  # closing abandons the partial file, however little is left
+        #: Set when the shard, not cached, is no longer this stream's to count: a download
+        #: ahead that was cancelled, or whose consumer streams the shard itself.
+        self.handed_back = False
         self._error: ShardOpenError | None = None
         self._fd: int | None = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self.closed = False
@@ -214,8 +212,6 @@ class TeeStream(ClosingStream):
         except OSError as exc:
             logger.debug("cache: closing %s: %s", self.partial, exc)
         self._abandon()
-        self.stats.misses -= 1
-        self.stats.uncached += 1
 
     def _fail(self, reason: str) -> None:
         """Bytes from this download may have reached readers wrong: raise to this one (now and
@@ -322,13 +318,9 @@ class TeeStream(ClosingStream):
             return
         if self._commit(self._written):
             self._committed = True
-        else:
-            self.stats.misses -= 1
-            self.stats.uncached += 1
+            self.stats.misses += 1
 
     def _not_kept(self, exc: OSError) -> None:
-        self.stats.misses -= 1
-        self.stats.uncached += 1
         if is_disk_full(exc):
             warn_disk_full(self.stats, exc)
         else:
@@ -344,6 +336,7 @@ class TeeStream(ClosingStream):
         """
         unfinished = not self.closed and self._fd is not None and self._keep and self._tail is None
         self._cancelled = True
+        self.handed_back = self.handed_back or unfinished
         self.close()
         return unfinished
 
@@ -373,6 +366,8 @@ class TeeStream(ClosingStream):
                         logger.debug("cache: not caching %s: %s", redact_url(self.url), exc)
             self._drop_partial()
         finally:
+            if not self._committed and not self.handed_back:
+                self.stats.uncached += 1  # each shard counts once: a miss (cached) or this
             try:
                 self.remote.close()
             except Exception as exc:  # see the docstring

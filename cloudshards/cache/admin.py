@@ -1,0 +1,54 @@
+"""Looking at and clearing a cache directory from outside (``cloudshards cache info|clear``)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from typing import Any
+
+from cloudshards.cache.budget import CacheBudget
+
+__all__ = ["cache_info", "clear_cache"]
+
+
+def cache_info(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """Describe a cache directory: entries, bytes, partial downloads, summed counters."""
+    directory = os.path.abspath(os.fspath(directory))
+    data = os.path.join(directory, "data")
+    result: dict[str, Any] = {"directory": directory, "entries": 0, "bytes": 0, "partial": 0}
+    if os.path.isdir(data):
+        for item in os.scandir(data):
+            if item.name.endswith(".partial"):
+                result["partial"] += 1
+            else:
+                result["entries"] += 1
+                result["bytes"] += item.stat().st_size
+    totals: dict[str, int] = {}
+    stats_dir = os.path.join(directory, "stats")
+    if os.path.isdir(stats_dir):
+        for item in os.scandir(stats_dir):
+            if item.name.endswith(".json"):
+                with contextlib.suppress(OSError, ValueError), open(item.path) as f:
+                    for key, value in json.load(f).items():
+                        totals[key] = totals.get(key, 0) + int(value)
+    result["counters"] = totals
+    return result
+
+
+def clear_cache(directory: str | os.PathLike[str]) -> int:
+    """Remove every entry not in use (and stale partial files); returns entries removed."""
+    cache = CacheBudget(directory)
+    if not os.path.isdir(os.path.join(cache.directory, "data")):
+        return 0
+    cache._ensure_ready()
+    removed = 0
+    with cache._global_lock():
+        entries, _ = cache._scan()
+        for name, _, _ in entries:
+            if cache._evict(name):
+                removed += 1
+    for item in os.scandir(cache._path("stats")):
+        with contextlib.suppress(OSError):
+            os.unlink(item.path)
+    return removed

@@ -1,0 +1,381 @@
+"""Per-node shard cache on local disk, shared by every rank and worker on the machine: opening
+a shard through it (a hit, a download, following another process's download).
+
+Its files are described in :mod:`cloudshards.cache.layout`.
+``<name>`` is a hash of the URL (credentials and signing parameters removed) plus a sanitised
+basename, so no URL can name a path outside the directory and no secret reaches a file name.
+Exactly one process downloads a shard (it holds the entry's flock, which dies with it); it
+serves its own consumer while writing ``.partial``, verifies length (and an MD5 when the store
+guarantees one, see :mod:`cloudshards.cache.facts`), then renames into place. Other processes
+follow the growing file, or take over if the downloader dies. Entries in use hold a shared
+flock, which eviction respects. A full or read-only disk never fails a read: the shard is
+streamed from the store instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+from cloudshards.cache import ahead
+from cloudshards.cache import lock as _cachelock
+from cloudshards.cache.budget import CacheBudget
+from cloudshards.cache.facts import distrust_checksums, remote_facts
+from cloudshards.cache.follow import FollowStream
+from cloudshards.cache.keys import entry_name, store_endpoint
+from cloudshards.cache.layout import _CachedFile
+from cloudshards.cache.lock import DownloadLock, is_disk_full
+from cloudshards.cache.stats import CacheStats, warn_disk_full
+from cloudshards.cache.tee import TeeStream
+from cloudshards.errors import CacheError
+from cloudshards.membertable import write_table
+from cloudshards.redact import redact_url
+from cloudshards.source import (
+    OpenOptions,
+    ShardSource,
+    StoreOpener,
+    discard,
+    is_local,
+    open_remote,
+    open_shard,
+)
+
+__all__ = ["ShardCache"]
+
+logger = logging.getLogger(__name__)
+
+
+class ShardCache(CacheBudget):
+    """A cache directory on local disk shared by all processes on this node.
+
+    Cheap to construct and picklable: directories, locks and files are touched on first use.
+
+    Args:
+        directory: Cache directory (created if missing).
+        max_bytes: Byte budget (least recently used entries not in use are evicted); None or
+            a value <= 0 for no limit.
+    """
+
+    # --- opening --------------------------------------------------------------------------
+
+    def open(
+        self,
+        url: str,
+        options: OpenOptions | None = None,
+        *,
+        shard_index: int | None = None,
+        wait_s: float = 120.0,
+        open_store: StoreOpener | None = None,
+    ) -> ShardSource:
+        """Open a shard through the cache: a hit reads the local file, a miss downloads once
+        per node while streaming, a download in flight elsewhere is followed.
+
+        Local paths and ``pipe:`` URLs are opened directly (caching them gains nothing).
+
+        Args:
+            url: The shard URL.
+            options: Storage options.
+            shard_index: Position in the epoch (for errors).
+            wait_s: How long to wait for another process's download to start writing.
+            open_store: Opens the shard in the store on a miss (e.g. as parallel ranged
+                GETs); default: one streaming GET that resumes after failures.
+
+        A full or read-only cache disk (ENOSPC, EDQUOT, EFBIG, EROFS wherever the cache writes)
+        streams the shard from the store instead, with one warning per process.
+
+        Raises:
+            CacheError: Another process holds the download but wrote nothing for ``wait_s``.
+        """
+        options = options or OpenOptions()
+        if is_local(url):
+            return open_shard(url, options, shard_index=shard_index)
+        return self.open_entry(
+            url, options, shard_index=shard_index, wait_s=wait_s, open_store=open_store
+        )
+
+    def open_entry(
+        self,
+        url: str,
+        options: OpenOptions,
+        *,
+        shard_index: int | None,
+        wait_s: float,
+        open_store: StoreOpener | None,
+    ) -> ShardSource:
+        """Open a remote shard through the cache (see :meth:`open`; this is what
+        :func:`~cloudshards.source.open_source` calls for a remote shard)."""
+        try:
+            self._ensure_ready()
+        except OSError as exc:
+            if not is_disk_full(exc):
+                raise
+            return self._stream_uncached(url, options, shard_index, open_store, exc)
+        name = entry_name(url, store_endpoint(url, options))
+        deadline = time.monotonic() + wait_s
+        delay = 0.002
+        own = name in self.stats._ahead  # downloaded ahead by this process: counted as a miss
+        self.stats._ahead.discard(name)
+        while True:
+            hit = self._open_hit(name, url, shard_index, counted=not own)
+            if hit is not None:
+                return hit
+            try:
+                lock = self._claim(name)
+            except OSError as exc:
+                if not is_disk_full(exc):
+                    raise CacheError(
+                        f"cannot lock a cache entry for {redact_url(url)}: {exc}"
+                    ) from exc
+                return self._stream_uncached(url, options, shard_index, open_store, exc)
+            if lock is not None:
+                return self._download(
+                    url, name, options, shard_index, lock, skip=0, open_store=open_store
+                )
+            try:
+                fd = os.open(self._path("data", name + ".partial"), os.O_RDONLY)
+            except FileNotFoundError:
+                # The downloader has the lock but has not created its file yet (first byte
+                # latency, retries, waiting for the budget lock), or just finished: look again.
+                if time.monotonic() > deadline:
+                    raise CacheError(
+                        f"another process holds the download of {redact_url(url)} but wrote "
+                        f"nothing for {wait_s:.0f} s"
+                    ) from None
+                time.sleep(delay)
+                delay = min(delay * 2, 0.05)
+                continue
+            if not own:
+                self.stats.waits += 1
+            follow = FollowStream(
+                fd,
+                url,
+                entry=self._path("data", name),
+                lock_path=self._path("locks", name + ".lock"),
+                stats=CacheStats() if own else self.stats,
+                take_over=lambda offset: self._take_over(url, name, options, shard_index, offset),
+                on_close=self._save_stats,
+            )
+            follow.table_path = self._table_path(name)
+            return follow
+
+    def download_ahead(
+        self,
+        url: str,
+        options: OpenOptions,
+        *,
+        shard_index: int | None = None,
+        open_store: StoreOpener | None = None,
+        cancel: threading.Event | None = None,
+    ) -> threading.Thread | None:
+        """Start downloading a shard that will be read soon, in a background thread (see
+        :func:`cloudshards.cache.ahead.download_ahead`); None when nothing started."""
+        return ahead.download_ahead(
+            self, url, options, shard_index=shard_index, open_store=open_store, cancel=cancel
+        )
+
+    def _claim(self, name: str) -> DownloadLock | None:
+        """Take the download lock of an entry that is not complete; None if it is complete
+        or another process holds the lock."""
+        _cachelock._checkpoint("before_claim")
+        lock = DownloadLock(self._path("locks", name + ".lock"))
+        if not lock.try_acquire():
+            return None
+        if os.path.exists(self._path("data", name)):
+            lock.release()
+            return None
+        return lock
+
+    def _take_over(
+        self, url: str, name: str, options: OpenOptions, shard_index: int | None, offset: int
+    ) -> ShardSource:
+        try:
+            lock = self._claim(name)
+        except OSError as exc:
+            if not is_disk_full(exc):
+                raise
+            warn_disk_full(self.stats, exc)
+            lock = None
+        if lock is not None:
+            return self._download(url, name, options, shard_index, lock, skip=offset)
+        # Someone else took over first (or finished), or the disk is full: stream this one
+        # directly from the store.
+        stream = open_remote(url, options, shard_index=shard_index)
+        discard(stream, offset)
+        return stream
+
+    def _open_hit(
+        self, name: str, url: str, shard_index: int | None, *, counted: bool = True
+    ) -> _CachedFile | None:
+        entry = self._path("data", name)
+        try:
+            fd = os.open(entry, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        fcntl.flock(fd, fcntl.LOCK_SH)  # in use: eviction skips it
+        info = os.fstat(fd)
+        meta = self._read_meta(name)
+        try:
+            same = os.stat(entry).st_ino == info.st_ino
+        except FileNotFoundError:
+            same = False
+        if not same:  # evicted between open and lock
+            os.close(fd)
+            return None
+        if meta is None or meta.get("size") != info.st_size:
+            os.close(fd)
+            logger.warning(
+                "cache: entry for %s is corrupt or truncated; refetching", redact_url(url)
+            )
+            with contextlib.suppress(OSError):  # a read-only disk: it is streamed instead
+                self._remove_entry(name)
+            return None
+        with contextlib.suppress(OSError):
+            os.utime(entry)  # least-recently-used order
+        if counted:
+            self.stats.hits += 1
+        raw = os.fdopen(fd, "rb", buffering=0)
+        return _CachedFile(raw, url, self, shard_index, self._table_path(name), counted=counted)
+
+    def _download(
+        self,
+        url: str,
+        name: str,
+        options: OpenOptions,
+        shard_index: int | None,
+        lock: DownloadLock,
+        *,
+        skip: int,
+        open_store: StoreOpener | None = None,
+        count_uncached: bool = True,
+    ) -> ShardSource:
+        endpoint = store_endpoint(url, options)
+        try:
+            if open_store is not None:
+                remote = open_store()
+            else:
+                remote = open_remote(url, options, shard_index=shard_index)
+            size, md5 = remote_facts(remote, url, options, endpoint)
+        except BaseException:
+            lock.release()
+            raise
+        partial = self._path("data", name + ".partial")
+        stats = self.stats
+
+        def abandon() -> None:
+            with contextlib.suppress(OSError):
+                os.unlink(partial)
+            lock.release()
+
+        try:
+            reserved = self._reserve(name, size, lock)
+        except OSError as exc:
+            abandon()
+            return self._degrade(
+                remote, skip, exc, f"cannot reserve room for {partial}", counted=count_uncached
+            )
+        if reserved != "ok":
+            lock.release()
+            if reserved == "full":
+                self._warn_once("cache: budget full of entries in use; streaming without caching")
+            if count_uncached:
+                stats.uncached += 1
+            self._save_stats()
+            discard(remote, skip)
+            return remote
+
+        tee: TeeStream | None = None
+
+        def commit(nbytes: int) -> bool:
+            written: list[str] = []
+            try:
+                written.append(self._path("meta", name + ".json"))
+                self._write_meta(name, {"url": redact_url(url), "size": nbytes, "md5": md5})
+                table = tee.member_table if tee is not None else None
+                if table is not None:
+                    written.append(self._table_path(name))
+                    write_table(self._table_path(name), table, nbytes)
+                else:  # never leave an older entry's table next to this one
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(self._table_path(name))
+                _cachelock._checkpoint("before_rename")
+                os.replace(partial, self._path("data", name))
+                _cachelock._checkpoint("after_rename")
+            except OSError as exc:
+                for path in (partial, *written):
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
+                if is_disk_full(exc):
+                    warn_disk_full(stats, exc)
+                else:
+                    logger.warning("cache: cannot commit %s (%s); not cached", redact_url(url), exc)
+                return False
+            finally:
+                lock.release()  # only now: a free lock means "entry in place, or none"
+            _cachelock._checkpoint("after_unlock")
+            stats._committed_one = True
+            return True
+
+        try:
+            tee = TeeStream(
+                remote,
+                partial,
+                commit=commit,
+                abandon=abandon,
+                on_close=self._save_stats,
+                stats=stats,
+                expected_size=size,
+                expected_md5=md5,
+                skip=skip,
+                refetch=lambda: open_remote(url, options, shard_index=shard_index),
+                distrust=lambda: distrust_checksums(url, endpoint),
+            )
+            tee.table_path = self._table_path(name)
+            return tee
+        except OSError as exc:
+            abandon()
+            return self._degrade(
+                remote, skip, exc, f"cannot create cache file {partial}", counted=count_uncached
+            )
+
+    def _degrade(
+        self, remote: ShardSource, skip: int, exc: OSError, what: str, *, counted: bool = True
+    ) -> ShardSource:
+        """Serve ``remote`` without caching when the disk took no more; raise otherwise.
+        ``counted``: it counts as a shard streamed uncached."""
+        if not is_disk_full(exc):
+            with contextlib.suppress(Exception):
+                remote.close()
+            raise CacheError(f"{what}: {exc}") from exc
+        warn_disk_full(self.stats, exc)
+        if counted:
+            self.stats.uncached += 1
+        self._save_stats()
+        discard(remote, skip)
+        return remote
+
+    def _stream_uncached(
+        self,
+        url: str,
+        options: OpenOptions,
+        shard_index: int | None,
+        open_store: StoreOpener | None,
+        exc: OSError,
+    ) -> ShardSource:
+        """Open the shard in the store, not through the cache: its disk is full or read-only."""
+        remote = (
+            open_store()
+            if open_store is not None
+            else open_remote(url, options, shard_index=shard_index)
+        )
+        return self._degrade(remote, 0, exc, f"cannot use the cache in {self.directory}")
+
+    def info(self) -> dict[str, Any]:
+        """Entries, bytes and summed per-process counters of this cache directory."""
+        from cloudshards.cache.admin import cache_info
+
+        return cache_info(self.directory)

@@ -1,0 +1,70 @@
+"""The shard source: the only code that turns a shard URL into bytes.
+
+:func:`open_source` opens a shard (a local file, a ``pipe:`` command, a store object read as
+parallel ranged GETs or one resumable GET, or through the node cache); :class:`ShardPrefetcher`
+keeps the next shards in flight; :mod:`cloudshards.source.remote` is the one module that calls
+the fsspec filesystem to read bytes or metadata: a new transport plugs in there.
+"""
+
+from __future__ import annotations
+
+from cloudshards.source.local import is_local, is_local_file, local_path, open_local_fd
+from cloudshards.source.opener import (
+    EntrySource,
+    NodeCache,
+    ShardSource,
+    StoreOpener,
+    open_source,
+    store_opener,
+)
+from cloudshards.source.options import FetchOptions, OpenOptions
+from cloudshards.source.parts import PartStream
+from cloudshards.source.plain import gopen, open_shard, shard_size
+from cloudshards.source.prefetch import ShardPrefetcher, current_thread_count
+from cloudshards.source.process import PerProcess
+from cloudshards.source.remote import fetch_range, object_info, open_output, read_object
+from cloudshards.source.resumable import ResumableStream, open_remote
+from cloudshards.source.retries import (
+    IOStats,
+    RangeIgnoredError,
+    is_retryable,
+    process_stats,
+    retry,
+)
+from cloudshards.source.stream import ShardStream, discard, map_backend_error
+
+__all__ = [
+    "EntrySource",
+    "FetchOptions",
+    "IOStats",
+    "NodeCache",
+    "OpenOptions",
+    "PartStream",
+    "PerProcess",
+    "RangeIgnoredError",
+    "ResumableStream",
+    "ShardPrefetcher",
+    "ShardSource",
+    "ShardStream",
+    "StoreOpener",
+    "current_thread_count",
+    "discard",
+    "fetch_range",
+    "gopen",
+    "is_local",
+    "is_local_file",
+    "is_retryable",
+    "local_path",
+    "map_backend_error",
+    "object_info",
+    "open_local_fd",
+    "open_output",
+    "open_remote",
+    "open_shard",
+    "open_source",
+    "process_stats",
+    "read_object",
+    "retry",
+    "shard_size",
+    "store_opener",
+]

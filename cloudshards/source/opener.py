@@ -1,0 +1,190 @@
+"""``open_source``: the one function that turns a shard URL into a readable byte stream.
+
+Local files and ``pipe:`` commands open where they are. A remote shard is read from the store
+(as parallel ranged GETs when the caller lends a thread pool, else as one resumable streaming
+GET), or through the node cache, which calls back the store opener made here on a miss.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+from collections.abc import Callable
+from functools import partial
+from typing import TYPE_CHECKING, Protocol
+
+from cloudshards.source.local import is_local
+from cloudshards.source.options import FetchOptions, OpenOptions
+from cloudshards.source.parts import open_parts, open_sized_parts
+from cloudshards.source.plain import open_shard
+from cloudshards.source.resumable import open_remote
+from cloudshards.source.retries import IOStats, process_stats
+
+if TYPE_CHECKING:
+    from cloudshards.membertable import MemberTable
+
+__all__ = ["EntrySource", "NodeCache", "ShardSource", "StoreOpener", "open_source"]
+
+
+class ShardSource(Protocol):
+    """An open shard: sequential reads from its start, the byte offset reached, and close.
+
+    Every opener returns one (:class:`~cloudshards.source.stream.ShardStream`,
+    :class:`~cloudshards.source.parts.PartStream`,
+    :class:`~cloudshards.source.resumable.ResumableStream`, the cache's streams); closing
+    twice is safe. Backend failures surface as :class:`~cloudshards.errors.ShardOpenError`.
+    """
+
+    url: str
+    offset: int
+
+    def read(self, size: int = -1) -> bytes: ...
+
+    def close(self) -> None: ...
+
+
+class EntrySource(ShardSource, Protocol):
+    """A source over a whole local file (a complete cache entry): its descriptor, for
+    ``mmap``/``pread``, and its saved member table, for reading members by offset."""
+
+    def fileno(self) -> int: ...
+
+    def member_table(self) -> MemberTable | None: ...
+
+    def save_member_table(self, table: MemberTable) -> None: ...
+
+    def count_bytes(self, nbytes: int) -> None: ...
+
+
+#: Opens a remote shard in the store from its start (what the cache calls on a miss).
+StoreOpener = Callable[[], ShardSource]
+
+
+class NodeCache(Protocol):
+    """What :func:`open_source` needs of a node cache (:class:`cloudshards.cache.ShardCache`)."""
+
+    def open_entry(
+        self,
+        url: str,
+        options: OpenOptions,
+        *,
+        shard_index: int | None,
+        wait_s: float,
+        open_store: StoreOpener | None,
+    ) -> ShardSource: ...
+
+    def download_ahead(
+        self,
+        url: str,
+        options: OpenOptions,
+        *,
+        shard_index: int | None = None,
+        open_store: StoreOpener | None = None,
+        cancel: threading.Event | None = None,
+    ) -> threading.Thread | None: ...
+
+
+def open_source(
+    url: str,
+    options: OpenOptions | None = None,
+    *,
+    fetch: FetchOptions | None = None,
+    cache: NodeCache | None = None,
+    shard_index: int | None = None,
+    executor: cf.ThreadPoolExecutor | None = None,
+    stats: IOStats | None = None,
+    cancel: threading.Event | None = None,
+    size: int | None = None,
+    check_size: Callable[[int], None] | None = None,
+) -> ShardSource:
+    """Open a shard for reading from its start.
+
+    Args:
+        url: A local path, ``file://``, any fsspec URL, or (opt-in) ``pipe:CMD``.
+        options: Storage options and switches; defaults when None.
+        fetch: Part size, concurrency, retries, stall timeout (default: from the environment).
+        cache: A node cache: remote shards open through it (a hit, a download it claims, or
+            following another process's download).
+        shard_index: Position of the shard in the epoch, for error messages.
+        executor: A pool for ranged GETs: remote shards are read as parallel ranged parts.
+            Without one, as one streaming GET that resumes after failures.
+        stats: I/O counters to update (default: this process's).
+        cancel: Set when the reader is closed: pending retries stop.
+        size: The object's size as known already (an index's), with ``check_size`` called
+            on the store's size before any byte is read (it raises to refuse the object).
+
+    Raises:
+        ShardOpenError: The object is missing, access is denied, or the store failed.
+        ConfigError: The URL's protocol is unknown, its backend is missing, or ``pipe:`` is
+            not allowed.
+        CacheError: Another process holds the cache download but wrote nothing in time.
+    """
+    options = options or OpenOptions()
+    if is_local(url):
+        return open_shard(url, options, shard_index=shard_index)
+    fetch = fetch or FetchOptions.from_env()
+    store = store_opener(
+        url,
+        options,
+        fetch,
+        cached=cache is not None,
+        shard_index=shard_index,
+        executor=executor,
+        stats=stats,
+        cancel=cancel,
+        size=size,
+        check_size=check_size,
+    )
+    if cache is not None:
+        return cache.open_entry(
+            url, options, shard_index=shard_index, wait_s=fetch.stall_timeout_s, open_store=store
+        )
+    assert store is not None
+    return store()
+
+
+def store_opener(
+    url: str,
+    options: OpenOptions,
+    fetch: FetchOptions,
+    *,
+    cached: bool = False,
+    shard_index: int | None = None,
+    executor: cf.ThreadPoolExecutor | None = None,
+    stats: IOStats | None = None,
+    cancel: threading.Event | None = None,
+    size: int | None = None,
+    check_size: Callable[[int], None] | None = None,
+) -> StoreOpener | None:
+    """How a remote shard is opened in the store (see :func:`open_source`); None for a cached
+    shard without a pool: the cache's own default (one resumable streaming GET)."""
+    if executor is None:
+        if cached:
+            return None
+        return partial(open_remote, url, options, fetch=fetch, stats=stats, shard_index=shard_index)
+    if size is not None:
+        return partial(
+            open_sized_parts,
+            url,
+            options,
+            fetch,
+            executor=executor,
+            stats=stats if stats is not None else process_stats(),
+            size=size,
+            check_size=check_size or _any_size,
+            shard_index=shard_index,
+        )
+    return partial(
+        open_parts,
+        url,
+        options,
+        fetch,
+        executor=executor,
+        stats=stats if stats is not None else process_stats(),
+        shard_index=shard_index,
+        cancel=cancel,
+    )
+
+
+def _any_size(size: int) -> None:
+    del size

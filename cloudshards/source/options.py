@@ -1,0 +1,107 @@
+"""How shards are opened and fetched: the two frozen option dataclasses of the shard source."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from cloudshards import config
+from cloudshards.errors import ConfigError
+
+__all__ = ["FetchOptions", "OpenOptions"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OpenOptions:
+    """How shards are opened.
+
+    Attributes:
+        storage_options: Per-protocol fsspec options (``{"s3": {...}}``) or one flat mapping.
+        allow_pipe: Allow ``pipe:CMD`` URLs, which run ``CMD`` in a shell. Off by default;
+            ``CLOUDSHARDS_ALLOW_PIPE=1`` turns it on when this is None.
+        block_bytes: Size of each read from the store.
+        max_member_bytes: Largest tar member read into memory (a guard against hostile or
+            corrupt headers); None means ``CLOUDSHARDS_MAX_MEMBER_BYTES`` or 1 GiB.
+    """
+
+    # Never in the repr: it holds credentials.
+    storage_options: Mapping[str, Any] | None = field(default=None, repr=False)
+    allow_pipe: bool | None = None
+    block_bytes: int = config.DEFAULT_BLOCK_BYTES
+    max_member_bytes: int | None = None
+
+    def member_limit(self) -> int:
+        """The member size limit, after the environment default."""
+        if self.max_member_bytes is not None:
+            return self.max_member_bytes
+        return config.env_int("MAX_MEMBER_BYTES", config.DEFAULT_MAX_MEMBER_BYTES)
+
+    def pipe_allowed(self) -> bool:
+        """Whether ``pipe:`` URLs may run, after the environment default."""
+        if self.allow_pipe is not None:
+            return self.allow_pipe
+        return config.env_bool("ALLOW_PIPE", False)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FetchOptions:
+    """How remote shards are fetched.
+
+    Attributes:
+        prefetch: Shards opened ahead of the one being read (0 turns prefetch off).
+        part_bytes: Size of each ranged GET.
+        concurrency: Ranged GETs in flight per shard.
+        retries: Further attempts after a failed request (0: no retry).
+        backoff_s: First retry delay; doubles each time, with full jitter.
+        max_backoff_s: Cap on one retry delay.
+        stall_timeout_s: A part that makes no progress for this long is an error.
+    """
+
+    # Defaults measured with benchmarks/bench_remote.py (30 ms before each request, 25 MB/s per
+    # connection, 20 MiB shards), samples/s: 2 MiB x 16 11,882 (the simulator's link with 24
+    # raw connections: 13,484), 2 MiB x 32 10,740, 2 MiB x 8 5,843, 4 MiB x 8 8,568, 1 MiB x
+    # 16 7,461. What counts is the number of GETs in flight: a prefetched shard stops when its
+    # window is full, so the window of the shard being read carries the link. Memory bound:
+    # (2 + 1) x 16 x 2 MiB = 96 MiB.
+    prefetch: int = 2
+    part_bytes: int = 2 << 20
+    concurrency: int = 16
+    retries: int = 5
+    backoff_s: float = 0.1
+    max_backoff_s: float = 5.0
+    stall_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.prefetch < 0:
+            raise ConfigError(f"prefetch must be >= 0, got {self.prefetch}")
+        if self.part_bytes < 1 << 16:
+            raise ConfigError(f"part_bytes must be >= 64 KiB, got {self.part_bytes}")
+        if self.concurrency < 1:
+            raise ConfigError(f"concurrency must be >= 1, got {self.concurrency}")
+        if self.retries < 0:
+            raise ConfigError(f"retries must be >= 0, got {self.retries}")
+        if self.stall_timeout_s <= 0:
+            raise ConfigError(f"stall_timeout_s must be > 0, got {self.stall_timeout_s}")
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> FetchOptions:
+        """Defaults from ``CLOUDSHARDS_PREFETCH``, ``..._PART_BYTES``, ``..._CONCURRENCY``,
+        ``..._RETRIES``, ``..._STALL_TIMEOUT_S``; explicit (non-None) overrides win."""
+        defaults = cls()
+        values: dict[str, Any] = {
+            "prefetch": config.env_int("PREFETCH", defaults.prefetch),
+            "part_bytes": config.env_int("PART_BYTES", defaults.part_bytes),
+            "concurrency": config.env_int("CONCURRENCY", defaults.concurrency),
+            "retries": config.env_int("RETRIES", defaults.retries),
+            "stall_timeout_s": float(
+                config.env_int("STALL_TIMEOUT_S", int(defaults.stall_timeout_s))
+            ),
+        }
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+    @property
+    def max_buffered_bytes(self) -> int:
+        """Upper bound on the bytes held in memory: (prefetch + 1) x concurrency x part."""
+        return (self.prefetch + 1) * self.concurrency * self.part_bytes

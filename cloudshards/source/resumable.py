@@ -1,0 +1,128 @@
+"""One streaming GET that resumes after transient failures, for whole-shard sequential reads
+(the cache's downloads and rechecks, balancing counts, index building, hosts that ignore Range)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+from cloudshards.source.options import FetchOptions, OpenOptions
+from cloudshards.source.plain import open_shard
+from cloudshards.source.retries import IOStats, is_retryable, process_stats, retry
+from cloudshards.source.stream import ShardStream, discard
+from cloudshards.types import ClosingStream
+
+__all__ = ["ResumableStream", "open_remote"]
+
+
+def open_remote(
+    url: str,
+    options: OpenOptions,
+    *,
+    fetch: FetchOptions | None = None,
+    stats: IOStats | None = None,
+    shard_index: int | None = None,
+    start: int = 0,
+) -> ResumableStream:
+    """Open a remote shard as one streaming GET that resumes after transient failures,
+    positioned at byte ``start``."""
+    return ResumableStream(
+        url,
+        lambda: open_shard(url, options, shard_index=shard_index),
+        options=fetch or FetchOptions.from_env(),
+        stats=stats if stats is not None else process_stats(),
+        shard_index=shard_index,
+        start=start,
+    )
+
+
+class ResumableStream(ClosingStream):
+    """One streaming GET that survives resets: a failed read reopens the object and continues
+    at the current offset (seeking where the backend can, else re-reading and dropping the
+    prefix, which also works with servers that ignore Range), with bounded retries.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        open_raw: Callable[[], ShardStream],
+        *,
+        options: FetchOptions,
+        stats: IOStats,
+        shard_index: int | None = None,
+        start: int = 0,
+    ) -> None:
+        self.url = url
+        self.shard_index = shard_index
+        self._open_raw = open_raw
+        self._options = options
+        self._stats = stats
+        self.offset = start
+        self.closed = False
+        if start:
+            self._stream = self._open_at(start)
+        else:
+            stats.add(requests=1)
+            self._stream = open_raw()
+        raw = getattr(self._stream, "_raw", None)
+        self.size = getattr(raw, "size", None)
+        self.details = getattr(raw, "details", None)
+
+    def read(self, size: int = -1) -> bytes:
+        """Read up to ``size`` bytes, resuming after transient failures."""
+
+        def attempt() -> bytes:
+            try:
+                return self._stream.read(size)
+            except Exception as exc:
+                if not is_retryable(exc):
+                    raise
+                self._reopen()
+                raise
+
+        data = retry(
+            attempt, url=self.url, offset=self.offset, options=self._options, stats=self._stats
+        )
+        self.offset += len(data)
+        self._stats.add(bytes=len(data))
+        return data
+
+    def _reopen(self) -> None:
+        # Called after a failure; the next attempt reads from a fresh stream at our offset.
+        with contextlib.suppress(Exception):
+            self._stream.close()
+        self._stream = self._open_at(self.offset)
+
+    def _open_at(self, offset: int) -> ShardStream:
+        self._stats.add(requests=1)
+        stream = self._open_raw()
+        try:
+            if not _seek(stream, offset) and discard(stream, offset) < offset:
+                raise ConnectionError("object shorter than before while resuming")
+        except BaseException:
+            stream.close()
+            raise
+        return stream
+
+    def close(self) -> None:
+        """Close the underlying stream."""
+        if not self.closed:
+            self.closed = True
+            self._stream.close()
+
+
+def _seek(stream: ShardStream, offset: int) -> bool:
+    """Position a freshly opened stream at ``offset`` if its file can seek; False otherwise.
+
+    fsspec's streaming HTTP file says it is seekable but refuses any real seek: try, and let
+    the caller re-read the prefix instead.
+    """
+    raw = getattr(stream, "_raw", None)
+    seek = getattr(raw, "seek", None)
+    if not callable(seek):
+        return False
+    try:
+        seek(offset)
+    except (ValueError, OSError):
+        return False
+    return True

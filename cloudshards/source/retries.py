@@ -1,0 +1,189 @@
+"""Bounded, logged retries of store requests, and this process's I/O counters.
+
+fsspec's HTTP filesystem retries nothing, so retries live here, for every protocol: a reset
+connection, 5xx/429/SlowDown answer or timeout is retried with exponential backoff and full
+jitter, a bounded number of times; a missing object or denied access is not.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from cloudshards.errors import CloudShardsError, ConfigError, ShardOpenError
+from cloudshards.redact import RedactedError, raise_redacted, redact_text, redact_url
+from cloudshards.source.options import FetchOptions
+from cloudshards.source.process import PerProcess
+from cloudshards.source.stream import map_backend_error
+
+__all__ = [
+    "IOStats",
+    "RangeIgnoredError",
+    "is_retryable",
+    "process_stats",
+    "retry",
+]
+
+# The logger's name from before the module moved: logging configurations name it.
+logger = logging.getLogger("cloudshards.fetch")
+
+# Backoff jitter from the OS: never the global ``random`` module, whose sequence the user's
+# augmentations own, and no seeded state that forked DataLoader workers would share.
+_jitter = random.SystemRandom()
+
+T = TypeVar("T")
+
+
+@dataclass
+class IOStats:
+    """I/O counters of this process (thread-safe increments).
+
+    Attributes:
+        shards: Shards opened.
+        requests: Ranged GETs and streaming opens sent.
+        retries: Requests repeated after a transient failure.
+        bytes: Bytes received from stores.
+        wait_s: Time the consumer spent blocked waiting for bytes.
+        failures: Shards given up on after retries.
+    """
+
+    shards: int = 0
+    requests: int = 0
+    retries: int = 0
+    bytes: int = 0
+    wait_s: float = 0.0
+    failures: int = 0
+    parent: IOStats | None = field(default=None, repr=False)
+    per_shard: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=1000))
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, **counts: float) -> None:
+        """Add to counters atomically (and to the parent's, for per-shard counters)."""
+        with self._lock:
+            for key, value in counts.items():
+                setattr(self, key, getattr(self, key) + value)
+        if self.parent is not None:
+            self.parent.add(**counts)
+
+    def as_dict(self) -> dict[str, float]:
+        """The counters as a plain dict (without the per-shard records)."""
+        return {
+            k: v
+            for k, v in self.__dict__.items()
+            if not k.startswith("_") and k not in ("parent", "per_shard")
+        }
+
+
+_process_stats: PerProcess[IOStats] = PerProcess(IOStats)
+
+
+def process_stats() -> IOStats:
+    """This process's I/O counters (each DataLoader worker has its own)."""
+    return _process_stats.get()
+
+
+class RangeIgnoredError(CloudShardsError):
+    """The server answered a ranged request with the whole object (it ignores Range)."""
+
+    def __init__(self, body: bytes) -> None:
+        super().__init__("server ignored the Range header")
+        self.body = body
+
+
+_NOT_RETRYABLE = (FileNotFoundError, IsADirectoryError, PermissionError, ConfigError)
+_AUTH_OR_CLIENT = (
+    "AccessDenied",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "NoSuchKey",
+    "NoSuchBucket",
+    "NoCredentials",
+    "Forbidden",
+    "Unauthorized",
+)
+
+
+def is_retryable(exc: BaseException) -> bool:
+    """True for transient failures: resets, timeouts, 5xx, 429/SlowDown, short bodies.
+
+    A :class:`~cloudshards.redact.RedactedError` (a backend's error, kept redacted as the
+    cause of ours) is judged by the kind of error it copies.
+    """
+    if isinstance(exc, ShardOpenError) and exc.__cause__ is not None:
+        return is_retryable(exc.__cause__)  # ours, wrapping the backend's: judge the backend's
+    kind = type(exc)
+    if isinstance(exc, RedactedError):
+        if exc.original_type is None:
+            return False
+        kind = exc.original_type
+    if issubclass(kind, (*_NOT_RETRYABLE, RangeIgnoredError)):
+        return False
+    status = getattr(exc, "status", None) or getattr(exc, "code", None)
+    if isinstance(status, int) and 400 <= status < 500 and status not in (408, 429):
+        return False
+    text = f"{kind.__name__} {exc}"
+    return not any(marker in text for marker in _AUTH_OR_CLIENT)
+
+
+def retry(
+    call: Callable[[], T],
+    *,
+    url: str,
+    offset: int,
+    options: FetchOptions,
+    stats: IOStats | None = None,
+    what: str = "GET",
+    cancel: threading.Event | None = None,
+) -> T:
+    """Run ``call``; retry transient failures with exponential backoff and full jitter.
+
+    A set ``cancel`` event (the reader was closed) stops further attempts at once.
+
+    Raises:
+        ShardOpenError: After the last attempt (naming the URL and offset), or at once for a
+            permanent failure (missing object, denied access).
+    """
+    attempt = 0
+    while True:
+        try:
+            return call()
+        except RangeIgnoredError:
+            raise
+        except Exception as exc:
+            cancelled = cancel is not None and cancel.is_set()
+            if cancelled or not is_retryable(exc) or attempt >= options.retries:
+                if stats is not None:
+                    stats.add(failures=1)
+                error = map_backend_error(exc, url, action=f"{what} failed", offset=offset)
+                if attempt and isinstance(error, ShardOpenError):
+                    error = ShardOpenError(
+                        f"{error.reason} (gave up after {attempt + 1} attempts)",
+                        url=url,
+                        offset=offset,
+                    )
+                raise_redacted(error, exc)
+            delay = _jitter.uniform(0, min(options.max_backoff_s, options.backoff_s * 2**attempt))
+            attempt += 1
+            if stats is not None:
+                stats.add(retries=1)
+            logger.warning(
+                "retry %d/%d of %s %s at offset %d in %.2fs after %s: %s",
+                attempt,
+                options.retries,
+                what,
+                redact_url(url),
+                offset,
+                delay,
+                type(exc).__name__,
+                redact_text(str(exc))[:200],
+            )
+            if cancel is not None:
+                cancel.wait(delay)
+            else:
+                time.sleep(delay)

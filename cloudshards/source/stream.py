@@ -1,0 +1,134 @@
+"""The byte stream every opened shard is read through, and the mapping of backend errors.
+
+Every backend failure (missing object, denied access, network errors, a failing ``pipe:``
+command) becomes :class:`~cloudshards.errors.ShardOpenError` naming the redacted URL and offset.
+"""
+
+from __future__ import annotations
+
+from typing import IO, Any
+
+from cloudshards.errors import CloudShardsError, ShardOpenError
+from cloudshards.redact import raise_redacted, redact_text
+
+__all__ = ["ShardStream", "discard", "map_backend_error"]
+
+
+class ShardStream:
+    """A read-only byte stream over one shard that tracks its offset and maps errors.
+
+    Every exception from the backend becomes a :class:`ShardOpenError` carrying the redacted
+    URL and the byte offset reached, so callers never see a raw botocore/aiohttp error.
+    """
+
+    def __init__(self, raw: IO[bytes], url: str, *, shard_index: int | None = None) -> None:
+        self._raw = raw
+        self.url = url
+        self.shard_index = shard_index
+        self.offset = 0
+        self.closed = False
+        self._readinto = getattr(raw, "readinto", None)
+
+    def read(self, size: int = -1) -> bytes:
+        """Read up to ``size`` bytes (all remaining when negative); ``b""`` at the end."""
+        try:
+            data = self._raw.read(size)
+        except CloudShardsError:
+            raise
+        except Exception as exc:
+            raise_redacted(self._error(exc), exc)
+        self.offset += len(data)
+        return data
+
+    def readinto(self, buffer: bytearray | memoryview) -> int:
+        """Read into ``buffer``; returns the number of bytes read (0 at the end)."""
+        if self._readinto is None:
+            data = self.read(len(buffer))
+            buffer[: len(data)] = data
+            return len(data)
+        try:
+            count: int = self._readinto(buffer) or 0
+        except CloudShardsError:
+            raise
+        except Exception as exc:
+            raise_redacted(self._error(exc), exc)
+        self.offset += count
+        return count
+
+    def _error(self, exc: BaseException) -> CloudShardsError:
+        return map_backend_error(
+            exc, self.url, action="read failed", shard_index=self.shard_index, offset=self.offset
+        )
+
+    def close(self) -> None:
+        """Close the underlying stream; safe to call twice."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._raw.close()
+        except Exception as exc:
+            # A close failure (e.g. a pipe command's exit status) after a full read is an error.
+            raise_redacted(self._error(exc), exc)
+
+    def __enter__(self) -> ShardStream:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    return f"{type(exc).__name__}: {redact_text(text)}"
+
+
+#: Backend error names and codes that mean "your credentials are missing, wrong or expired".
+_AUTH_MARKERS = (
+    "NoCredentials",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "ExpiredToken",
+    "AccessDenied",
+    "InvalidToken",
+    "Unauthorized",
+    "RefreshError",
+    "DefaultCredentialsError",
+    "401",
+    "403",
+)
+
+
+def map_backend_error(
+    exc: BaseException,
+    url: str,
+    *,
+    action: str = "cannot open",
+    shard_index: int | None = None,
+    offset: int | None = None,
+) -> CloudShardsError:
+    """Translate any backend exception into a cloudshards error naming the (redacted) URL."""
+    if isinstance(exc, CloudShardsError):
+        return exc
+    if isinstance(exc, FileNotFoundError):
+        reason = "object not found"
+    elif isinstance(exc, IsADirectoryError):
+        reason = "is a directory, not a shard"
+    elif isinstance(exc, PermissionError) or any(
+        marker in f"{type(exc).__name__} {exc}" for marker in _AUTH_MARKERS
+    ):
+        reason = f"access denied (check credentials and permissions): {_describe(exc)}"
+    else:
+        reason = f"{action}: {_describe(exc)}"
+    return ShardOpenError(reason, url=url, shard_index=shard_index, offset=offset)
+
+
+def discard(stream: Any, count: int) -> int:
+    """Read and drop ``count`` bytes (fewer at the end of the stream); returns bytes dropped."""
+    dropped = 0
+    while dropped < count:
+        data = stream.read(min(count - dropped, 1 << 22))
+        if not data:
+            break
+        dropped += len(data)
+    return dropped

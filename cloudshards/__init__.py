@@ -18,7 +18,7 @@ from cloudshards import config
 # tests/test_public_api.py checks this block against _EXPORTS.
 if TYPE_CHECKING:
     from cloudshards.cache import CacheStats, ShardCache, cache_info, clear_cache
-    from cloudshards.compat import WebDataset, WebLoader, check_empty
+    from cloudshards.dataset import WebDataset, WebLoader
     from cloudshards.decoders import (
         Continue,
         Decoder,
@@ -64,6 +64,7 @@ if TYPE_CHECKING:
         write_index,
     )
     from cloudshards.mix import RandomMix, RoundRobin
+    from cloudshards.multishard import MultiShardSample
     from cloudshards.pipeline import DataPipeline, FluidInterface, FluidWrapper
     from cloudshards.shards import (
         ResampledShards,
@@ -97,8 +98,8 @@ if TYPE_CHECKING:
     )
     from cloudshards.urls import expand_urls
     from cloudshards.webdataset import install_as_webdataset
+    from cloudshards.webdataset.compat import check_empty
     from cloudshards.webdataset.extradatasets import with_epoch, with_length
-    from cloudshards.webdataset.shardlists import MultiShardSample
     from cloudshards.webdataset.tariterators import tarfile_samples, tarfile_to_samples
     from cloudshards.writers import ShardWriter, TarWriter
 
@@ -108,7 +109,7 @@ __version__ = "0.1.0"
 #: webdataset's names that only webdataset code uses come from :mod:`cloudshards.webdataset`.
 _EXPORTS: dict[str, tuple[str, ...]] = {
     "cloudshards.cache": ("CacheStats", "ShardCache", "cache_info", "clear_cache"),
-    "cloudshards.compat": ("WebDataset", "WebLoader", "check_empty"),
+    "cloudshards.dataset": ("WebDataset", "WebLoader"),
     "cloudshards.decoders": (
         "Continue",
         "Decoder",
@@ -154,6 +155,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "write_index",
     ),
     "cloudshards.mix": ("RandomMix", "RoundRobin"),
+    "cloudshards.multishard": ("MultiShardSample",),
     "cloudshards.pipeline": ("DataPipeline", "FluidInterface", "FluidWrapper"),
     "cloudshards.shards": (
         "ResampledShards",
@@ -195,6 +197,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "LRUCleanup",
         "MockDataset",
         "autodecode",
+        "compat",
         "extradatasets",
         "filters",
         "gopen_schemes",
@@ -212,8 +215,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "utils",
         "writer",
     ),
+    "cloudshards.webdataset.compat": ("check_empty",),
     "cloudshards.webdataset.extradatasets": ("with_epoch", "with_length"),
-    "cloudshards.webdataset.shardlists": ("MultiShardSample",),
     "cloudshards.webdataset.tariterators": ("tarfile_samples", "tarfile_to_samples"),
     "cloudshards.writers": ("ShardWriter", "TarWriter"),
 }

@@ -204,7 +204,7 @@ def _storage_options(items: Sequence[str]) -> dict[str, Any] | None:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from cloudshards.compat import WebDataset
+    from cloudshards.dataset import WebDataset
 
     dataset = WebDataset(
         args.urls,

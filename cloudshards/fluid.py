@@ -2,7 +2,7 @@
 
 Each returns a new pipeline with one more stage (:meth:`DataPipeline.compose`); the receiver is
 never modified. Mixed into :class:`~cloudshards.pipeline.FluidWrapper`,
-:class:`~cloudshards.compat.WebDataset` and :class:`~cloudshards.compat.WebLoader`.
+:class:`~cloudshards.dataset.WebDataset` and :class:`~cloudshards.dataset.WebLoader`.
 """
 
 from __future__ import annotations
@@ -133,15 +133,15 @@ class FluidInterface:
 
     def mcached(self) -> Any:
         """Keep the first pass's samples in memory and replay them on later passes."""
-        from cloudshards.webdataset.filters import Cached
+        from cloudshards.replay import Cached
 
         return self.compose(Cached())
 
     def lmdb_cached(self, *args: Any, **kw: Any) -> Any:
         """Not supported (it pickles samples into LMDB): raises ``UnsupportedError``."""
-        from cloudshards.webdataset.filters import LMDBCached
+        from cloudshards.replay import refuse_lmdb
 
-        return self.compose(LMDBCached(*args, **kw))
+        refuse_lmdb()
 
     def xdecode(self, *args: Any, **kw: Any) -> Any:
         """Decode fields by glob patterns (decoders receive a stream)."""

@@ -12,7 +12,7 @@ from typing import Any
 
 from cloudshards.stages.base import pipelinefilter
 
-__all__ = ["EpochLimiter", "_slice", "guess_batchsize", "repeatedly", "repeatedly0", "slice"]
+__all__ = ["EpochLimiter", "guess_batchsize", "repeatedly", "slice"]
 
 
 class EpochLimiter:
@@ -66,14 +66,6 @@ def _slice(data: Iterable[Any], *args: int | None) -> Iterator[Any]:
 
 
 slice = pipelinefilter(_slice)
-
-
-def repeatedly0(
-    loader: Iterable[Any], nepochs: int = sys.maxsize, nbatches: int = sys.maxsize
-) -> Iterator[Any]:
-    """Iterate ``loader`` ``nepochs`` times, at most ``nbatches`` items each."""
-    for _ in range(nepochs):
-        yield from itertools.islice(loader, nbatches)
 
 
 def guess_batchsize(batch: Any) -> int:

@@ -1,7 +1,7 @@
 """Shards to samples: open each shard, stream its tar members, group them into samples.
 
-``open_shards`` is the opener behind webdataset's ``url_opener`` and ``tarfile_samples``;
-the other webdataset building blocks live in :mod:`cloudshards.webdataset.tariterators`.
+``read_shards`` and ``open_shards`` are also behind webdataset's ``tarfile_samples`` and
+``url_opener``, which live in :mod:`cloudshards.webdataset.tariterators`.
 Resumption: exact (:class:`ShardReader`'s state: shards begun, samples delivered from the last).
 """
 
@@ -11,19 +11,18 @@ import itertools
 import logging
 import os
 from collections import deque
-from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
+from collections.abc import Generator, Iterable, Iterator, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
 from cloudshards import config
 from cloudshards.cache import ShardCache
 from cloudshards.errors import ConfigError
-from cloudshards.grouping import group_members, make_name_filter, split_key
+from cloudshards.grouping import group_members, split_key
 from cloudshards.handlers import reraise_exception
 from cloudshards.membertable import MemberTable, iter_table
 from cloudshards.redact import redact_url
 from cloudshards.source import FetchOptions, OpenOptions, ShardPrefetcher, ShardSource
-from cloudshards.stages.base import pipelinefilter
 from cloudshards.tar import iter_members
 from cloudshards.types import ExceptionHandler, Member, NameFilter, Sample
 from cloudshards.urls import protocol_of
@@ -33,8 +32,6 @@ __all__ = [
     "env_cache",
     "open_shards",
     "read_shards",
-    "tarfile_samples",
-    "tarfile_to_samples",
 ]
 
 logger = logging.getLogger(__name__)
@@ -361,24 +358,3 @@ def _local_path(url: str) -> str | None:
     if protocol_of(url) != "file":
         return None
     return urlsplit(url).path if url.startswith("file:") else url
-
-
-def tarfile_samples(
-    src: Iterable[dict[str, Any]],
-    handler: ExceptionHandler = reraise_exception,
-    select_files: Callable[[str], bool] | None = None,
-    rename_files: Callable[[str], str] | None = None,
-) -> Iterator[Sample]:
-    """Turn a stream of ``{"url": ...}`` dicts into samples (open, read tar, group).
-
-    Shards open as in :func:`open_shards` (prefetch, retries, the environment's node cache).
-    """
-    return read_shards(
-        src,
-        handler=handler,
-        name_filter=make_name_filter(select_files, rename_files),
-        cache=env_cache(),
-    )
-
-
-tarfile_to_samples = pipelinefilter(tarfile_samples)

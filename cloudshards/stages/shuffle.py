@@ -13,7 +13,7 @@ from typing import Any
 
 from cloudshards.stages.base import PipelineStage, make_rng
 
-__all__ = ["Shuffler", "_shuffle", "detshuffle", "pick", "shuffle"]
+__all__ = ["Shuffler", "detshuffle", "pick", "shuffle"]
 
 
 def pick(buf: list[Any], rng: random.Random) -> Any:

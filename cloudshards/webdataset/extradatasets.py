@@ -1,7 +1,8 @@
 """webdataset 1.0.2's ``webdataset.extradatasets``: small dataset wrappers.
 
-``with_epoch`` and ``with_length`` are cloudshards' working versions (1.0.2's cannot be
-iterated); ``repeatedly`` works both as a dataset and as a pipeline stage.
+``with_epoch`` and ``with_length`` (function-style wrappers: ``with_epoch(ds, n)``) are working
+versions (1.0.2's cannot be iterated); ``repeatedly`` works both as a dataset and as a pipeline
+stage.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from typing import Any
 from cloudshards.stages.base import PipelineStage
 from cloudshards.stages.epoch import repeatedly as _repeatedly
 from cloudshards.webdataset.pytorch import IterableDataset
-from cloudshards.wrappers import with_epoch, with_length
 
 __all__ = ["MockDataset", "PipelineStage", "repeatedly", "with_epoch", "with_length"]
 
@@ -63,4 +63,50 @@ class repeatedly(IterableDataset, PipelineStage):  # type: ignore[type-arg]
     def __len__(self) -> int:
         if self.length is None:
             raise TypeError("repeatedly() has no length; pass length=...")
+        return self.length
+
+
+class with_epoch(IterableDataset):  # type: ignore[type-arg]
+    """Yield exactly ``length`` items per ``iter()``, continuing where the last epoch stopped
+    and restarting the dataset when it runs out (an empty dataset ends the epoch)."""
+
+    def __init__(self, dataset: Iterable[Any], length: int) -> None:
+        super().__init__()
+        self.dataset = dataset
+        self.length = length
+        self.source: Iterator[Any] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["source"] = None  # live iterators do not cross process boundaries
+        return state
+
+    def __iter__(self) -> Iterator[Any]:
+        for _ in range(self.length):
+            if self.source is None:
+                self.source = iter(self.dataset)
+            try:
+                sample = next(self.source)
+            except StopIteration:
+                self.source = iter(self.dataset)
+                try:
+                    sample = next(self.source)
+                except StopIteration:
+                    return
+            yield sample
+        self.source = None
+
+
+class with_length(IterableDataset):  # type: ignore[type-arg]
+    """Give an iterable dataset a ``len()`` without changing what it yields."""
+
+    def __init__(self, dataset: Iterable[Any], length: int) -> None:
+        super().__init__()
+        self.dataset = dataset
+        self.length = length
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.dataset)
+
+    def __len__(self) -> int:
         return self.length

@@ -16,6 +16,7 @@ from typing import Any
 
 from cloudshards.decoders import unpickle_loads
 from cloudshards.handlers import reraise_exception
+from cloudshards.replay import LMDB_INSTEAD, Cached
 from cloudshards.stages.base import FilterFunction, PipelineStage, RestCurried, pipelinefilter
 from cloudshards.stages.batch import (
     _batched,
@@ -235,27 +236,4 @@ def _xdecode(
 xdecode = pipelinefilter(_xdecode)
 
 
-class Cached(PipelineStage):
-    """Keep the first pass's samples in memory and replay them on later passes (per process)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.cached: list[Any] | None = None
-
-    def run(self, source: Iterable[Any]) -> Iterator[Any]:
-        """Pass ``source`` through and remember it, or replay what was remembered."""
-        if self.cached is not None:
-            yield from self.cached
-            return
-        temp = []
-        for sample in source:
-            temp.append(sample)
-            yield sample
-        self.cached = temp
-
-
-LMDBCached = unsupported_class(
-    "filters.LMDBCached",
-    "it pickles samples into LMDB; cache shards per node with cache_dir=... (or "
-    "CLOUDSHARDS_CACHE_DIR), or keep decoded samples in memory with filters.Cached",
-)
+LMDBCached = unsupported_class("filters.LMDBCached", LMDB_INSTEAD)

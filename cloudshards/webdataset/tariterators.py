@@ -18,8 +18,8 @@ import braceexpand
 from cloudshards.grouping import make_name_filter, split_key
 from cloudshards.handlers import reraise_exception
 from cloudshards.source import OpenOptions
-from cloudshards.stages.base import make_rng
-from cloudshards.stages.read import env_cache, open_shards, tarfile_samples, tarfile_to_samples
+from cloudshards.stages.base import make_rng, pipelinefilter
+from cloudshards.stages.read import env_cache, open_shards, read_shards
 from cloudshards.tar import iter_members
 from cloudshards.types import ExceptionHandler, NameFilter, Sample
 
@@ -247,3 +247,24 @@ def group_by_keys(
             break
     if valid_sample(current):
         yield current  # type: ignore[misc]
+
+
+def tarfile_samples(
+    src: Iterable[dict[str, Any]],
+    handler: ExceptionHandler = reraise_exception,
+    select_files: Callable[[str], bool] | None = None,
+    rename_files: Callable[[str], str] | None = None,
+) -> Iterator[Sample]:
+    """Turn a stream of ``{"url": ...}`` dicts into samples (open, read tar, group).
+
+    Shards open as in :func:`open_shards` (prefetch, retries, the environment's node cache).
+    """
+    return read_shards(
+        src,
+        handler=handler,
+        name_filter=make_name_filter(select_files, rename_files),
+        cache=env_cache(),
+    )
+
+
+tarfile_to_samples = pipelinefilter(tarfile_samples)

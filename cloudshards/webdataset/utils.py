@@ -10,8 +10,10 @@ import fnmatch
 import functools
 import glob
 import importlib
+import itertools
 import os
 import re
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -21,7 +23,7 @@ import numpy as np
 
 from cloudshards.dist import pytorch_worker_info, pytorch_worker_seed
 from cloudshards.stages.base import PipelineStage
-from cloudshards.stages.epoch import guess_batchsize, repeatedly, repeatedly0
+from cloudshards.stages.epoch import guess_batchsize, repeatedly
 from cloudshards.stages.transform import identity
 
 __all__ = [
@@ -141,3 +143,11 @@ def compute_sample_weights(n_w_pairs: Iterable[tuple[float, float]]) -> Any:
     pairs = list(n_w_pairs)
     weighted = np.array([p[0] for p in pairs]) * np.array([p[1] for p in pairs])
     return weighted / np.amax(weighted)
+
+
+def repeatedly0(
+    loader: Iterable[Any], nepochs: int = sys.maxsize, nbatches: int = sys.maxsize
+) -> Iterator[Any]:
+    """Iterate ``loader`` ``nepochs`` times, at most ``nbatches`` items each."""
+    for _ in range(nepochs):
+        yield from itertools.islice(loader, nbatches)

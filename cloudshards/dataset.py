@@ -1,4 +1,4 @@
-"""``WebDataset`` and ``WebLoader`` with webdataset 1.0.2's arguments, over cloudshards' stages.
+"""``WebDataset`` and ``WebLoader``: cloudshards' datasets, with webdataset 1.0.2's arguments.
 
 ``import cloudshards as wds`` runs code written for webdataset. Differences on purpose: shards
 open through fsspec (``s3://``, ``gs://``, ``http(s)://`` and more work natively), ``pipe:``
@@ -10,18 +10,18 @@ multi-node runs, and fluent methods return new pipelines instead of modifying th
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, cast
 
 from torch.utils.data import DataLoader
 
 from cloudshards import config
-from cloudshards.balance import BALANCE_MODES, assign_samples, resolve_sample_counts
+from cloudshards.balance import BALANCE_MODES
 from cloudshards.cache import ShardCache
-from cloudshards.dist import WorkerInfo
+from cloudshards.datasetstages import _Counter, _EmptyCheck, _ShardReader, _Split
 from cloudshards.errors import ConfigError
-from cloudshards.grouping import make_name_filter
 from cloudshards.handlers import as_handler, reraise_exception
+from cloudshards.multishard import MultiShardSample
 from cloudshards.pipeline import DataPipeline, FluidInterface
 from cloudshards.shards import (
     ResampledShards,
@@ -31,175 +31,13 @@ from cloudshards.shards import (
     split_by_worker,
 )
 from cloudshards.source import FetchOptions, OpenOptions
-from cloudshards.stages.base import IterationContext, current_context
-from cloudshards.stages.read import read_shards
 from cloudshards.types import ExceptionHandler
 
-__all__ = ["WebDataset", "WebLoader", "check_empty"]
+__all__ = ["WebDataset", "WebLoader"]
 
 logger = logging.getLogger(__name__)
 
 _DEFAULT_SPLITTERS = (split_by_node, split_by_worker, single_node_only)
-
-
-class _EmptyCheck:
-    """Raise when this worker's whole epoch produced no sample, with a message saying why."""
-
-    def __init__(self, num_shards: int) -> None:
-        self.num_shards = num_shards
-
-    def __call__(self, source: Iterable[Any]) -> Iterator[Any]:
-        return self._run(source)
-
-    def _run(self, source: Iterable[Any]) -> Iterator[Any]:
-        count = 0
-        for sample in source:
-            count += 1
-            yield sample
-        context = current_context()
-        if count == 0 and not (context is not None and context.resumed):
-            info = WorkerInfo.detect()
-            raise ValueError(
-                f"No samples found in dataset (rank {info.rank}/{info.world_size}, worker "
-                f"{info.worker}/{info.num_workers}, {self.num_shards} shards for "
-                f"{info.num_consumers} consumers); perhaps you have fewer shards than workers. "
-                "Use more shards or fewer workers, resampled=True, or turn this check off "
-                "with empty_check=False."
-            )
-
-
-def check_empty(source: Iterable[Any]) -> Iterator[Any]:
-    """Pass samples through; raise ValueError if there were none (webdataset's check)."""
-    return _EmptyCheck(-1)(source)
-
-
-class _Counter:
-    """Samples per shard for balancing (picklable, for spawned DataLoader workers)."""
-
-    def __init__(
-        self,
-        urls: list[str],
-        options: OpenOptions,
-        fetch: FetchOptions,
-        cache: ShardCache | None,
-        allow_external_shards: bool,
-    ) -> None:
-        self.urls = urls
-        self.options = options
-        self.fetch = fetch
-        self.cache = cache
-        self.allow_external_shards = allow_external_shards
-
-    def __call__(self, counts: Any) -> list[int]:
-        is_index = isinstance(counts, str) or hasattr(counts, "shards")
-        return resolve_sample_counts(
-            self.urls,
-            counts=None if is_index else counts,
-            index=counts if is_index else None,
-            options=self.options,
-            fetch=self.fetch,
-            cache=self.cache,
-            allow_external_shards=self.allow_external_shards,
-        )
-
-
-class _Split:
-    """Stage: this consumer's shards of the epoch.
-
-    Balanced (``drop``/``pad``, or ``auto`` with several ranks and no ``with_epoch``): a
-    contiguous run of the epoch's samples, equal in length for every rank and worker (see
-    :mod:`cloudshards.balance`). Otherwise the node and worker splitters, with a warning when
-    some consumers get no shard at all.
-    """
-
-    def __init__(
-        self,
-        urls: list[str],
-        nodesplitter: Callable[..., Any] | None,
-        workersplitter: Callable[..., Any] | None,
-        balance: str | None,
-        sample_counts: Any,
-        counter: Callable[[Any], list[int]],
-    ) -> None:
-        self.urls = urls
-        self.nodesplitter = nodesplitter
-        self.workersplitter = workersplitter
-        self.balance = balance
-        self.sample_counts = sample_counts
-        self._counter = counter
-        self._counts: list[int] | None = None
-
-    def mode(self, context: IterationContext | None) -> str | None:
-        if self.balance != "auto":
-            return self.balance
-        if context is None or context.bounded or context.info.world_size < 2:
-            return None
-        return "drop"
-
-    def counts(self) -> list[int]:
-        if self._counts is None:
-            self._counts = self._counter(self.sample_counts)
-        return self._counts
-
-    def __call__(self, src: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-        context = current_context()
-        mode = self.mode(context)
-        info = context.info if context is not None else WorkerInfo.detect()
-        if mode is not None:
-            counts = self.counts()
-            return assign_samples(
-                src,
-                dict(enumerate(counts)),
-                consumer=info.global_worker,
-                num_consumers=info.num_consumers,
-                mode=mode,
-            )
-        if len(self.urls) < info.num_consumers and self.nodesplitter is not None:
-            logger.warning(
-                "%d shards for %d consumers (%d ranks x %d workers): some get no shard and "
-                "ranks get unequal numbers of samples; use fewer workers, more shards, "
-                "balance='drop', or resampled=True with with_epoch()",
-                len(self.urls),
-                info.num_consumers,
-                info.world_size,
-                info.num_workers,
-            )
-        stream: Iterable[dict[str, Any]] = src
-        for splitter in (self.nodesplitter, self.workersplitter):
-            if splitter is not None:
-                stream = splitter(stream)
-        return iter(stream)
-
-
-class _ShardReader:
-    """Stage: shard dicts in, samples out (open + tar + group), with the error handler."""
-
-    def __init__(
-        self,
-        handler: ExceptionHandler,
-        options: OpenOptions,
-        select_files: Callable[[str], bool] | None,
-        rename_files: Callable[[str], str] | None,
-        cache: ShardCache | None,
-        fetch: FetchOptions,
-    ) -> None:
-        self.fetch = fetch
-        self.handler = handler
-        self.options = options
-        self.select_files = select_files
-        self.rename_files = rename_files
-        self.cache = cache
-
-    def __call__(self, src: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-        name_filter = make_name_filter(self.select_files, self.rename_files)
-        return read_shards(
-            src,
-            handler=self.handler,
-            options=self.options,
-            name_filter=name_filter,
-            cache=self.cache,
-            fetch=self.fetch,
-        )
 
 
 class WebDataset(DataPipeline, FluidInterface):
@@ -313,8 +151,6 @@ class WebDataset(DataPipeline, FluidInterface):
         multi = _is_multi_spec(urls)
         if multi:
             # webdataset's dataset specs (YAML file or dict): several datasets mixed per epoch.
-            from cloudshards.webdataset.shardlists import MultiShardSample
-
             source: Any = MultiShardSample(cast("str | Mapping[str, Any]", urls))
             shuffled = False
         elif resampled:

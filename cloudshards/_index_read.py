@@ -14,15 +14,14 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
 
 from cloudshards._index_format import IndexedMember, IndexedSample, ShardIndex
 from cloudshards._tarheader import BLOCK, ZERO_BLOCK, checksum_ok, member_name, parse_number
 from cloudshards.errors import ShardFormatError
 from cloudshards.grouping import group_members, make_name_filter, split_key
+from cloudshards.source import local_path
 from cloudshards.tar import iter_members
 from cloudshards.types import Member, Sample
-from cloudshards.urls import protocol_of
 
 __all__ = [
     "STALE_HINT",
@@ -108,10 +107,10 @@ def parse_sample(
             )
     sample = _sliced(data, entry) or _parsed(data, shard, entry, position, max_member_bytes)
     sample["__url__"] = shard.url
-    if protocol_of(shard.url) == "file":
+    path = local_path(shard.url)
+    if path is not None:
         # As the streaming reader (and webdataset 1.0.2) tell where a local shard lives.
-        url = shard.url
-        sample["__local_path__"] = urlsplit(url).path if url.startswith("file:") else url
+        sample["__local_path__"] = path
     return sample
 
 

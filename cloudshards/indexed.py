@@ -46,14 +46,14 @@ from cloudshards.source import (
     RangeIgnoredError,
     ShardSource,
     ShardStream,
-    fetch_range,
     is_local_file,
     open_local_fd,
     open_source,
     process_stats,
+    read_range,
 )
 from cloudshards.types import ExceptionHandler, Sample
-from cloudshards.urls import expand_urls, resolve
+from cloudshards.urls import expand_urls
 
 __all__ = [
     "DatasetIndex",
@@ -233,11 +233,10 @@ class IndexedDataset(torch.utils.data.Dataset[Any]):
                     state.release(handle)
                 state.count("disk_reads")
                 return check_length(data, length, shard, position)
-        fs, path = resolve(shard.url, self.storage_options)
         try:
-            data = fetch_range(
-                fs, path, entry.start, entry.end, url=shard.url, size=None,
-                options=self.fetch, stats=process_stats(),
+            data = read_range(
+                shard.url, self.options, entry.start, entry.end, fetch=self.fetch,
+                stats=process_stats(),
             )  # fmt: skip
         except RangeIgnoredError as exc:
             if len(exc.body) != shard.size:

@@ -22,7 +22,13 @@ from cloudshards.source.parts import PartStream
 from cloudshards.source.plain import gopen, open_shard, shard_size
 from cloudshards.source.prefetch import ShardPrefetcher, current_thread_count
 from cloudshards.source.process import PerProcess
-from cloudshards.source.remote import fetch_range, object_info, open_output, read_object
+from cloudshards.source.remote import (
+    fetch_range,
+    object_info,
+    open_output,
+    read_object,
+    read_range,
+)
 from cloudshards.source.resumable import ResumableStream, open_remote
 from cloudshards.source.retries import (
     IOStats,
@@ -64,6 +70,7 @@ __all__ = [
     "open_source",
     "process_stats",
     "read_object",
+    "read_range",
     "retry",
     "shard_size",
     "store_opener",

@@ -28,6 +28,7 @@ __all__ = [
     "open_stream",
     "open_write",
     "read_object",
+    "read_range",
 ]
 
 
@@ -134,6 +135,21 @@ def open_write(url: str, storage_options: Mapping[str, Any] | None) -> Any:
     """Open ``url`` for writing (closing the file commits it); backend errors as raised."""
     fs, path = resolve(url, storage_options)
     return fs.open(path, "wb")
+
+
+def read_range(
+    url: str,
+    options: OpenOptions,
+    start: int,
+    end: int,
+    *,
+    fetch: FetchOptions,
+    stats: IOStats,
+    size: int | None = None,
+) -> bytes:
+    """Bytes ``[start, end)`` of the object at ``url``: :func:`fetch_range` by URL."""
+    fs, path = resolve(url, options.storage_options)
+    return fetch_range(fs, path, start, end, url=url, size=size, options=fetch, stats=stats)
 
 
 def open_output(url: str, path: str, storage_options: Mapping[str, Any] | None = None) -> Any:

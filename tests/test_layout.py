@@ -65,3 +65,18 @@ def test_the_scan_finds_every_form_of_import() -> None:
         (2, LAYER),
         (4, LAYER + ".shardlists"),
     ]
+
+
+def test_core_module_names_shared_with_the_layer_are_the_known_few() -> None:
+    # webdataset/ mirrors webdataset 1.0.2's module layout (``import webdataset.X`` after
+    # install_as_webdataset); where the core has a module of the same concept, the layer's
+    # module adapts it. compat.py and wrappers.py were core modules of webdataset's names only.
+    def names(directory: Path) -> set[str]:
+        return {
+            path.stem
+            for path in directory.iterdir()
+            if not path.name.startswith("_") and (path.suffix == ".py" or path.is_dir())
+        }
+
+    shared = names(PACKAGE) & names(PACKAGE / "webdataset")
+    assert shared <= {"cache", "handlers", "mix", "pipeline"}

@@ -325,3 +325,14 @@ def test_import_does_not_import_torch(make_shards: Any) -> None:
         "print(sum(1 for _ in dataset), 'torch' in sys.modules)\n"
     )
     assert out.split() == ["5", "True"]
+
+
+def test_submodules_resolve_as_attributes_and_unknown_names_raise() -> None:
+    code = (
+        "import cloudshards, sys\n"
+        "assert cloudshards.balance is sys.modules['cloudshards.balance']\n"
+        "assert not hasattr(cloudshards, 'no_such_name')\n"
+        "assert 'WebDataset' in dir(cloudshards) and 'map' in dir(cloudshards)\n"
+        "print('ok')\n"
+    )
+    assert run_python(code).split() == ["ok"]

@@ -19,7 +19,7 @@ from cloudshards._index_format import IndexedMember, IndexedSample, ShardIndex
 from cloudshards._tarheader import BLOCK, ZERO_BLOCK, checksum_ok, member_name, parse_number
 from cloudshards.errors import ShardFormatError
 from cloudshards.grouping import group_members, make_name_filter, split_key
-from cloudshards.source import local_path
+from cloudshards.source import PerProcess, local_path
 from cloudshards.tar import iter_members
 from cloudshards.types import Member, Sample
 
@@ -40,20 +40,12 @@ _REGULAR = frozenset(b"0\x007")  # type flags of regular files, as the tar reade
 _NAME_FILTER = make_name_filter(None, None)
 #: Shard files (cache entries, local shards) kept open per process.
 MAX_OPEN_FILES = 128
-_state_lock = threading.Lock()
-
-
-def _new_state_lock() -> None:
-    global _state_lock
-    _state_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_new_state_lock)
+_state_lock: PerProcess[threading.Lock] = PerProcess(threading.Lock)
 
 
 def state_lock() -> threading.Lock:
     """The lock that guards creating a dataset's per-process state (new after a fork)."""
-    return _state_lock
+    return _state_lock.get()
 
 
 STALE_HINT = "the shard changed since it was indexed? rebuild the index with `cloudshards index`"

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, TypeVar
 
 __all__ = [
-    "ByteSource",
     "ClosingStream",
     "DecodeFn",
     "ExceptionHandler",
@@ -77,17 +76,6 @@ class ClosingStream:
 
 
 _S = TypeVar("_S", bound=ClosingStream)
-
-
-class ByteSource(Protocol):
-    """An open shard: sequential reads, a byte offset, and close."""
-
-    url: str
-    offset: int
-
-    def read(self, size: int = -1) -> bytes: ...
-
-    def close(self) -> None: ...
 
 
 class Stateful(Protocol):

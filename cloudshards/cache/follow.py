@@ -13,7 +13,8 @@ from cloudshards.cache.stats import CacheStats
 from cloudshards.errors import ShardOpenError
 from cloudshards.membertable import MemberTable, write_table
 from cloudshards.redact import redact_url
-from cloudshards.types import ByteSource, ClosingStream
+from cloudshards.source import ShardSource
+from cloudshards.types import ClosingStream
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ class FollowStream(ClosingStream):
         entry: str,
         lock_path: str,
         stats: CacheStats,
-        take_over: Callable[[int], ByteSource],
+        take_over: Callable[[int], ShardSource],
         on_close: Callable[[], None],
     ) -> None:
         self.fd = fd
@@ -57,7 +58,7 @@ class FollowStream(ClosingStream):
         self.stats = stats
         self._take_over = take_over
         self._on_close = on_close
-        self._replacement: ByteSource | None = None
+        self._replacement: ShardSource | None = None
         self._inode = os.fstat(fd).st_ino
         self.offset = 0
         self.closed = False

@@ -8,14 +8,15 @@ import logging
 import os
 from collections.abc import Callable
 
-from cloudshards.cache.lock import POISONED_MODE, is_disk_full, is_locked
+from cloudshards.cache.lock import POISONED_MODE, is_disk_full
 from cloudshards.cache.stats import CacheStats, warn_disk_full
 from cloudshards.errors import CacheError, ShardOpenError
 from cloudshards.membertable import MemberTable, write_table
 from cloudshards.redact import redact_url
-from cloudshards.types import ByteSource, ClosingStream
+from cloudshards.source import ShardSource
+from cloudshards.types import ClosingStream
 
-__all__ = ["TeeStream", "is_locked"]
+__all__ = ["TeeStream"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +42,7 @@ class TeeStream(ClosingStream):
             False when it could not (the entry is then not cached).
         abandon: Called when the partial file is given up (removes it, releases the lock).
         expected_size: Size the store reported, verified at the end when known.
-        expected_md5: Hex MD5 to verify, when the store guarantees one
-            (see :func:`cloudshards.cache.facts.trusted_md5`).
+        expected_md5: Hex MD5 to verify, if the store guarantees one (see ``facts.trusted_md5``).
         skip: Bytes already delivered to this consumer (taking over a dead download).
         refetch: Opens the object again from its start, to recheck a checksum mismatch.
         distrust: Called when the store's checksum proves not to be the MD5 of its bytes.
@@ -53,7 +53,7 @@ class TeeStream(ClosingStream):
 
     def __init__(
         self,
-        remote: ByteSource,
+        remote: ShardSource,
         partial: str,
         *,
         commit: Callable[[int], bool],
@@ -63,7 +63,7 @@ class TeeStream(ClosingStream):
         expected_size: int | None,
         expected_md5: str | None,
         skip: int = 0,
-        refetch: Callable[[], ByteSource] | None = None,
+        refetch: Callable[[], ShardSource] | None = None,
         distrust: Callable[[], None] | None = None,
     ) -> None:
         self.remote = remote
@@ -91,8 +91,8 @@ class TeeStream(ClosingStream):
         self._keep = True  # False: verified as consistent but not cached after all
         self._committed = False
         self._cancelled = False  # closing abandons the partial file, however little is left
-        #: Set when the shard, not cached, is no longer this stream's to count: a download
-        #: ahead that was cancelled, or whose consumer streams the shard itself.
+        #: Not cached, and not this stream's to count: a cancelled download ahead, or one
+        #: whose consumer streams the shard itself (and counts it).
         self.handed_back = False
         self._error: ShardOpenError | None = None
         self._fd: int | None = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)

@@ -11,7 +11,7 @@ import concurrent.futures as cf
 import threading
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from cloudshards.source.local import is_local
 from cloudshards.source.options import FetchOptions, OpenOptions
@@ -19,41 +19,9 @@ from cloudshards.source.parts import open_parts, open_sized_parts
 from cloudshards.source.plain import open_shard
 from cloudshards.source.resumable import open_remote
 from cloudshards.source.retries import IOStats, process_stats
-
-if TYPE_CHECKING:
-    from cloudshards.membertable import MemberTable
+from cloudshards.source.stream import EntrySource, ShardSource
 
 __all__ = ["EntrySource", "NodeCache", "ShardSource", "StoreOpener", "open_source"]
-
-
-class ShardSource(Protocol):
-    """An open shard: sequential reads from its start, the byte offset reached, and close.
-
-    Every opener returns one (:class:`~cloudshards.source.stream.ShardStream`,
-    :class:`~cloudshards.source.parts.PartStream`,
-    :class:`~cloudshards.source.resumable.ResumableStream`, the cache's streams); closing
-    twice is safe. Backend failures surface as :class:`~cloudshards.errors.ShardOpenError`.
-    """
-
-    url: str
-    offset: int
-
-    def read(self, size: int = -1) -> bytes: ...
-
-    def close(self) -> None: ...
-
-
-class EntrySource(ShardSource, Protocol):
-    """A source over a whole local file (a complete cache entry): its descriptor, for
-    ``mmap``/``pread``, and its saved member table, for reading members by offset."""
-
-    def fileno(self) -> int: ...
-
-    def member_table(self) -> MemberTable | None: ...
-
-    def save_member_table(self, table: MemberTable) -> None: ...
-
-    def count_bytes(self, nbytes: int) -> None: ...
 
 
 #: Opens a remote shard in the store from its start (what the cache calls on a miss).

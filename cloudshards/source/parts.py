@@ -23,7 +23,8 @@ from cloudshards.source.options import FetchOptions, OpenOptions
 from cloudshards.source.remote import fetch_range
 from cloudshards.source.resumable import ResumableStream, open_remote
 from cloudshards.source.retries import IOStats, RangeIgnoredError, retry
-from cloudshards.types import ByteSource, ClosingStream
+from cloudshards.source.stream import ShardSource
+from cloudshards.types import ClosingStream
 from cloudshards.urls import resolve
 
 __all__ = ["FIRST_PART_BYTES", "PartStream", "open_parts", "open_sized_parts"]
@@ -68,7 +69,7 @@ class PartStream(ClosingStream):
         shard_index: int | None = None,
         cancel: threading.Event | None = None,
         first_part: cf.Future[bytes] | None = None,
-        open_tail: Callable[[int], ByteSource] | None = None,
+        open_tail: Callable[[int], ShardSource] | None = None,
     ) -> None:
         self.url = url
         self.shard_index = shard_index
@@ -99,7 +100,7 @@ class PartStream(ClosingStream):
             self._next_start = first_length
         self._current = memoryview(b"")
         self._position = 0
-        self._tail: ByteSource | None = None
+        self._tail: ShardSource | None = None
         self.offset = 0
         self.closed = False
         self._fell_back = False

@@ -1,4 +1,5 @@
-"""The byte stream every opened shard is read through, and the mapping of backend errors.
+"""What an open shard is (:class:`ShardSource`), the stream over a file or a store object that
+most sources are, and the mapping of backend errors.
 
 Every backend failure (missing object, denied access, network errors, a failing ``pipe:``
 command) becomes :class:`~cloudshards.errors.ShardOpenError` naming the redacted URL and offset.
@@ -6,12 +7,45 @@ command) becomes :class:`~cloudshards.errors.ShardOpenError` naming the redacted
 
 from __future__ import annotations
 
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any, Protocol
 
 from cloudshards.errors import CloudShardsError, ShardOpenError
 from cloudshards.redact import raise_redacted, redact_text
 
-__all__ = ["ShardStream", "discard", "map_backend_error"]
+if TYPE_CHECKING:
+    from cloudshards.membertable import MemberTable
+
+__all__ = ["EntrySource", "ShardSource", "ShardStream", "discard", "map_backend_error"]
+
+
+class ShardSource(Protocol):
+    """An open shard: sequential reads from its start, the byte offset reached, and close.
+
+    Every opener returns one (:class:`~cloudshards.source.stream.ShardStream`,
+    :class:`~cloudshards.source.parts.PartStream`,
+    :class:`~cloudshards.source.resumable.ResumableStream`, the cache's streams); closing
+    twice is safe. Backend failures surface as :class:`~cloudshards.errors.ShardOpenError`.
+    """
+
+    url: str
+    offset: int
+
+    def read(self, size: int = -1) -> bytes: ...
+
+    def close(self) -> None: ...
+
+
+class EntrySource(ShardSource, Protocol):
+    """A source over a whole local file (a complete cache entry): its descriptor, for
+    ``mmap``/``pread``, and its saved member table, for reading members by offset."""
+
+    def fileno(self) -> int: ...
+
+    def member_table(self) -> MemberTable | None: ...
+
+    def save_member_table(self, table: MemberTable) -> None: ...
+
+    def count_bytes(self, nbytes: int) -> None: ...
 
 
 class ShardStream:

@@ -331,6 +331,37 @@ def test_counting_opens_local_shards_directly_and_remote_ones_with_retries(
     fsspec.filesystem("memory").rm(remote)
 
 
+def test_counting_through_the_cache_uses_the_callers_fetch_options(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import fsspec
+
+    from cloudshards import balance
+    from cloudshards.cache import ShardCache
+    from cloudshards.source import FetchOptions, OpenOptions, opener
+
+    shard = tmp_path / "shard-000000.tar"
+    write_members(shard, ["a.jpg", "b.jpg"], 1)
+    remote = f"memory://cloudshards-balance-{tmp_path.name}/cached-000000.tar"
+    fsspec.filesystem("memory").pipe(remote, shard.read_bytes())
+    given: list[Any] = []
+    real_open_remote = opener.open_remote
+
+    def open_remote(url: str, options: Any, **kw: Any) -> Any:
+        given.append(kw.get("fetch"))
+        return real_open_remote(url, options, **kw)
+
+    monkeypatch.setattr(opener, "open_remote", open_remote)
+    fetch = FetchOptions(retries=1, stall_timeout_s=7.0)
+    cache = ShardCache(tmp_path / "cache")
+    try:
+        assert balance.count_shard_samples(remote, OpenOptions(), fetch, cache) == 2
+    finally:
+        fsspec.filesystem("memory").rm(remote)
+    assert given == [fetch]  # not the environment's defaults (5 retries, 120 s)
+    assert cache.stats.misses == 1
+
+
 def test_counts_file_goes_where_configured(
     make_shards: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

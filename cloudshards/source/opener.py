@@ -95,7 +95,6 @@ def open_source(
         url,
         options,
         fetch,
-        cached=cache is not None,
         shard_index=shard_index,
         executor=executor,
         stats=stats,
@@ -107,7 +106,6 @@ def open_source(
         return cache.open_entry(
             url, options, shard_index=shard_index, wait_s=fetch.stall_timeout_s, open_store=store
         )
-    assert store is not None
     return store()
 
 
@@ -116,19 +114,17 @@ def store_opener(
     options: OpenOptions,
     fetch: FetchOptions,
     *,
-    cached: bool = False,
     shard_index: int | None = None,
     executor: cf.ThreadPoolExecutor | None = None,
     stats: IOStats | None = None,
     cancel: threading.Event | None = None,
     size: int | None = None,
     check_size: Callable[[int], None] | None = None,
-) -> StoreOpener | None:
-    """How a remote shard is opened in the store (see :func:`open_source`); None for a cached
-    shard without a pool: the cache's own default (one resumable streaming GET)."""
+) -> StoreOpener:
+    """How a remote shard is opened in the store (see :func:`open_source`)."""
     if executor is None:
-        if cached:
-            return None
+        # One resumable streaming GET, with the caller's fetch options (retries, stall
+        # timeout), through the cache too: the cache's own default would read the environment's.
         return partial(open_remote, url, options, fetch=fetch, stats=stats, shard_index=shard_index)
     if size is not None:
         return partial(

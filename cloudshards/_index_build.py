@@ -16,16 +16,21 @@ from cloudshards._index_format import DatasetIndex, IndexedMember, IndexedSample
 from cloudshards.errors import ConfigError, ShardFormatError
 from cloudshards.grouping import group_members, make_name_filter
 from cloudshards.redact import redact_url
-from cloudshards.source import FetchOptions, OpenOptions, object_info, open_source, retry
-from cloudshards.tar import iter_members
+from cloudshards.source import (
+    FetchOptions,
+    OpenOptions,
+    object_etag,
+    object_info,
+    open_source,
+    retry,
+)
+from cloudshards.tar import GZIP_MAGIC, iter_members
 from cloudshards.types import Member
 from cloudshards.urls import expand_urls, protocol_of
 
 __all__ = ["build_index", "scan_shard"]
 
 logger = logging.getLogger(__name__)
-
-_GZIP_MAGIC = b"\x1f\x8b"
 
 
 class _Location(NamedTuple):
@@ -124,7 +129,7 @@ def scan_shard(
     try:
         head = _Head(stream)
         samples = list(_samples(head, url, position, options.member_limit()))
-        if head.head == _GZIP_MAGIC:
+        if head.head == GZIP_MAGIC:
             raise ShardFormatError(
                 "gzip-compressed shard: indexed mode needs uncompressed .tar shards (offsets "
                 "inside a gzip stream cannot be fetched with a ranged GET)",
@@ -180,7 +185,7 @@ def _describe(
         lambda: object_info(url, options), url=url, offset=0, options=fetch, what="HEAD"
     )
     size = details.get("size")
-    etag = details.get("ETag") or details.get("etag") or details.get("md5Hash")
+    etag = object_etag(details) or details.get("md5Hash")
     mtime = (
         details.get("LastModified")
         or details.get("Last-Modified")

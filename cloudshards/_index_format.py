@@ -30,6 +30,7 @@ from cloudshards._index_location import (
 from cloudshards._inflate import gunzip
 from cloudshards.errors import ConfigError, DecodeError, ShardFormatError
 from cloudshards.redact import redact_url
+from cloudshards.tar import GZIP_MAGIC
 from cloudshards.urls import PIPE_PREFIX
 
 __all__ = [
@@ -313,7 +314,7 @@ def read_index(data: bytes, url: str, *, allow_external_shards: bool = False) ->
             totals that do not add up), naming the shard entry and member.
     """
     try:
-        if data[:2] == b"\x1f\x8b":
+        if data[:2] == GZIP_MAGIC:
             # Bounded like a decoded field: a gzip bomb posing as an index is an error, not
             # an out-of-memory kill (CLOUDSHARDS_MAX_DECODED_BYTES raises the bound).
             data = gunzip(data, config.max_decoded_bytes())

@@ -16,9 +16,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cloudshards._index_format import IndexedMember, IndexedSample, ShardIndex
-from cloudshards._tarheader import BLOCK, ZERO_BLOCK, checksum_ok, member_name, parse_number
+from cloudshards._tarheader import (
+    BLOCK,
+    REGULAR_TYPES,
+    ZERO_BLOCK,
+    checksum_ok,
+    member_name,
+    parse_number,
+)
 from cloudshards.errors import ShardFormatError
 from cloudshards.grouping import group_members, make_name_filter, split_key
+from cloudshards.logs import warn_once
 from cloudshards.source import PerProcess, local_path
 from cloudshards.tar import iter_members
 from cloudshards.types import Member, Sample
@@ -36,7 +44,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _END_OF_ARCHIVE = ZERO_BLOCK * 2
-_REGULAR = frozenset(b"0\x007")  # type flags of regular files, as the tar reader accepts
 _NAME_FILTER = make_name_filter(None, None)
 #: Shard files (cache entries, local shards) kept open per process.
 MAX_OPEN_FILES = 128
@@ -114,7 +121,7 @@ def _sliced(data: bytes, entry: IndexedSample) -> Sample | None:
         header = data[at - BLOCK : at]
         if (
             at < BLOCK
-            or header[156] not in _REGULAR
+            or header[156] not in REGULAR_TYPES
             or parse_number(header[124:136]) != size
             or member_name(header) != name
             or not checksum_ok(header)
@@ -194,9 +201,7 @@ class ProcessState:
             self.counters[name] += 1
 
     def warn_once(self, message: str) -> None:
-        if message not in self.warned:
-            self.warned.add(message)
-            logger.warning("%s", message)
+        warn_once(logger, self.warned, "%s", message, key=message)
 
     def acquire(self, key: int, opener: Callable[[], OpenFile | None]) -> OpenFile | None:
         """The open file for shard ``key`` (one opener per shard at a time); None: no file."""

@@ -11,6 +11,7 @@ import zlib
 
 __all__ = [
     "BLOCK",
+    "REGULAR_TYPES",
     "ZERO_BLOCK",
     "checksum_ok",
     "cut_nul",
@@ -27,6 +28,10 @@ BLOCK = 512
 
 #: An end-of-archive block.
 ZERO_BLOCK = bytes(BLOCK)
+
+#: Type flags (byte values of ``header[156]``) of regular files: regular, old-style regular
+#: (NUL), contiguous. The tar reader and indexed reads accept these, and no others.
+REGULAR_TYPES = frozenset(b"0\x007")
 
 _adler32 = zlib.adler32
 _SIGNED_BYTES = struct.Struct("148b8x356b")

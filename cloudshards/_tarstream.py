@@ -14,11 +14,12 @@ from cloudshards._tarheader import BLOCK, ZERO_BLOCK
 from cloudshards.errors import ShardFormatError
 from cloudshards.redact import redact_url
 
-__all__ = ["MAX_OFFSET", "BlockReader", "GunzipReader", "describe_size"]
+__all__ = ["GZIP_MAGIC", "MAX_OFFSET", "BlockReader", "GunzipReader", "describe_size"]
 
 logger = logging.getLogger(__name__)
 
-_GZIP_MAGIC = b"\x1f\x8b"
+#: The first two bytes of every gzip stream (re-exported by :mod:`cloudshards.tar`).
+GZIP_MAGIC = b"\x1f\x8b"
 
 #: Compressed bytes fed to zlib per call: small, so carrying unconsumed input over is cheap.
 _GZIP_INPUT_BYTES = 256 << 10
@@ -120,7 +121,7 @@ class BlockReader:
         self.buf = b""
         self.fill(2)
         self.gzip: GunzipReader | None = None
-        if self.buf[:2] == _GZIP_MAGIC:
+        if self.buf[:2] == GZIP_MAGIC:
             # Uncompressed tars never touch zlib: the check above is their only cost.
             self.gzip = GunzipReader(stream, self.buf, url, block_bytes)
             self.read = self.gzip.read

@@ -11,6 +11,7 @@ from typing import Protocol
 
 from cloudshards._tarheader import (
     BLOCK,
+    REGULAR_TYPES,
     ZERO_BLOCK,
     checksum_ok,
     cut_nul,
@@ -19,18 +20,17 @@ from cloudshards._tarheader import (
     parse_number,
     parse_pax,
 )
-from cloudshards._tarstream import MAX_OFFSET, BlockReader, describe_size
+from cloudshards._tarstream import GZIP_MAGIC, MAX_OFFSET, BlockReader, describe_size
 from cloudshards.config import DEFAULT_BLOCK_BYTES, DEFAULT_MAX_MEMBER_BYTES
 from cloudshards.errors import ConfigError, ShardFormatError
 from cloudshards.membertable import MemberTable
 from cloudshards.types import Member, NameFilter
 
-__all__ = ["ReadableStream", "iter_members"]
+__all__ = ["GZIP_MAGIC", "ReadableStream", "iter_members"]
 
 logger = logging.getLogger(__name__)
 
-# Type flags (byte values of header[156]).
-_REGULAR = frozenset(b"0\x007")  # regular, old-style regular, contiguous
+# Type flags (byte values of header[156]); regular files are REGULAR_TYPES.
 _NO_DATA = frozenset(b"123456")  # links, devices, directories, fifos: POSIX stores no data
 _PAX, _PAX_SOLARIS, _PAX_GLOBAL = 0x78, 0x58, 0x67  # x, X, g
 _LONG_NAME, _LONG_LINK, _SPARSE = 0x4C, 0x4B, 0x53  # L, K, S (GNU)
@@ -171,7 +171,7 @@ def _iter_members(
                 )
         padded = size + (-size & 511)
 
-        if typeflag in _REGULAR and not (typeflag == 0 and cut_nul(header[:100])[-1:] == b"/"):
+        if typeflag in REGULAR_TYPES and not (typeflag == 0 and cut_nul(header[:100])[-1:] == b"/"):
             if pax_path is not None:
                 name = pax_path
             elif long_name is not None:
@@ -268,7 +268,7 @@ def _entry(name: str, typeflag: int) -> str:
 def _is_file(header: bytes) -> bool:
     # The test the reader's loop makes inline (a call there costs ~3% on small members).
     typeflag = header[156]
-    return typeflag in _REGULAR and not (typeflag == 0 and cut_nul(header[:100])[-1:] == b"/")
+    return typeflag in REGULAR_TYPES and not (typeflag == 0 and cut_nul(header[:100])[-1:] == b"/")
 
 
 def _bad_size(

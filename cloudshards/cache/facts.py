@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
-from cloudshards.source import OpenOptions, object_info
+from cloudshards.source import OpenOptions, object_etag, object_info
 from cloudshards.urls import protocol_of
 
 __all__ = ["distrust_checksums", "remote_facts", "trusted_md5"]
@@ -83,7 +83,7 @@ def _gcs_md5(details: Mapping[str, Any]) -> str | None:
 
 
 def _s3_md5(details: Mapping[str, Any]) -> str | None:
-    etag = str(details.get("ETag") or details.get("etag") or "").strip().strip('"').lower()
+    etag = str(object_etag(details) or "").strip().strip('"').lower()
     if not _MD5_HEX.match(etag):
         return None  # a multipart upload ("<hex>-<parts>"), or not an MD5 at all
     if details.get("ServerSideEncryption") != "AES256" or details.get("SSECustomerAlgorithm"):

@@ -20,6 +20,7 @@ from typing import Any
 from cloudshards.cache.lock import DownloadLock, is_disk_full
 from cloudshards.cache.stats import CacheStats, process_stats, save_stats, stats_file_name
 from cloudshards.errors import CacheError, ConfigError
+from cloudshards.logs import warn_once
 from cloudshards.membertable import MemberTable, load_table, write_table
 from cloudshards.source import ShardStream
 
@@ -119,9 +120,7 @@ class EntryStore:
         save_stats(self._path("stats", stats_file_name()), self.stats)
 
     def _warn_once(self, message: str) -> None:
-        if message not in self.stats._warned:
-            self.stats._warned.add(message)
-            logger.warning("%s", message)
+        warn_once(logger, self.stats._warned, "%s", message, key=message)
 
 
 class _CachedFile(ShardStream):

@@ -10,6 +10,7 @@ import os
 import socket
 from dataclasses import dataclass, field
 
+from cloudshards.logs import warn_once
 from cloudshards.source import PerProcess
 
 __all__ = ["CacheStats", "process_stats", "save_stats", "warn_disk_full"]
@@ -56,13 +57,14 @@ class CacheStats:
 def warn_disk_full(stats: CacheStats, exc: OSError) -> None:
     """Note that the disk took no more, with one warning per process and cache directory."""
     stats._disk_full = True
-    if "disk full" not in stats._warned:
-        stats._warned.add("disk full")
-        logger.warning(
-            "cache disk full or read-only (%s); streaming shards without caching until there "
-            "is room (free space there, or give cache_dir another disk)",
-            exc.strerror or exc,
-        )
+    warn_once(
+        logger,
+        stats._warned,
+        "cache disk full or read-only (%s); streaming shards without caching until there "
+        "is room (free space there, or give cache_dir another disk)",
+        exc.strerror or exc,
+        key="disk full",
+    )
 
 
 #: This process's counters per cache directory (see :attr:`ShardCache.stats`).

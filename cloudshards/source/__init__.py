@@ -24,6 +24,7 @@ from cloudshards.source.prefetch import ShardPrefetcher, current_thread_count
 from cloudshards.source.process import PerProcess
 from cloudshards.source.remote import (
     fetch_range,
+    object_etag,
     object_info,
     open_output,
     read_object,
@@ -62,6 +63,7 @@ __all__ = [
     "is_retryable",
     "local_path",
     "map_backend_error",
+    "object_etag",
     "object_info",
     "open_local_fd",
     "open_output",

@@ -22,6 +22,7 @@ from cloudshards.urls import protocol_of, resolve
 __all__ = [
     "fetch_range",
     "info",
+    "object_etag",
     "object_info",
     "object_size",
     "open_output",
@@ -70,6 +71,12 @@ def info(fs: Any, path: str) -> dict[str, Any]:
     """One metadata request (size, ETag, ...) to ``fs`` for ``path``; backend errors as raised."""
     details: dict[str, Any] = fs.info(path)
     return details
+
+
+def object_etag(details: Mapping[str, Any]) -> Any:
+    """The ETag in an object's metadata as the backend spells it (s3fs ``ETag``, HTTP
+    ``etag``), quotes included; None when there is none."""
+    return details.get("ETag") or details.get("etag")
 
 
 def object_info(url: str, options: OpenOptions) -> dict[str, Any]:

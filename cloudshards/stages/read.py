@@ -13,7 +13,6 @@ import os
 from collections import deque
 from collections.abc import Generator, Iterable, Iterator, Mapping
 from typing import Any
-from urllib.parse import urlsplit
 
 from cloudshards import config
 from cloudshards.cache import ShardCache
@@ -22,10 +21,15 @@ from cloudshards.grouping import group_members, split_key
 from cloudshards.handlers import reraise_exception
 from cloudshards.membertable import MemberTable, iter_table
 from cloudshards.redact import redact_url
-from cloudshards.source import FetchOptions, OpenOptions, ShardPrefetcher, ShardSource
+from cloudshards.source import (
+    FetchOptions,
+    OpenOptions,
+    ShardPrefetcher,
+    ShardSource,
+    local_path,
+)
 from cloudshards.tar import iter_members
 from cloudshards.types import ExceptionHandler, Member, NameFilter, Sample
-from cloudshards.urls import protocol_of
 
 __all__ = [
     "ShardReader",
@@ -309,11 +313,11 @@ def _read_opened(
             samples = group_members(members, url=url, shard_index=index, name_filter=members_filter)
             if "take" in shard:
                 samples = _limited(samples, shard)
-            local_path = _local_path(url)
+            path = local_path(url)
             for sample in samples:
-                if local_path is not None:
+                if path is not None:
                     # webdataset 1.0.2 tells consumers where a local shard lives.
-                    sample["__local_path__"] = local_path
+                    sample["__local_path__"] = path
                 position[1] += 1
                 yield sample
             if record is not None and record.complete:
@@ -352,9 +356,3 @@ def env_cache() -> ShardCache | None:
     """The node cache the environment names (``CLOUDSHARDS_CACHE_DIR`` or ``WDS_CACHE``)."""
     directory, max_bytes = config.cache_defaults()
     return None if directory is None else ShardCache(directory, max_bytes=max_bytes)
-
-
-def _local_path(url: str) -> str | None:
-    if protocol_of(url) != "file":
-        return None
-    return urlsplit(url).path if url.startswith("file:") else url

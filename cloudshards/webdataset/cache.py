@@ -17,6 +17,7 @@ from urllib.parse import urlparse
 
 from cloudshards.cache import ShardCache
 from cloudshards.handlers import reraise_exception
+from cloudshards.tar import GZIP_MAGIC
 from cloudshards.webdataset._unsupported import unsupported_class, unsupported_function
 from cloudshards.webdataset.gopen import gopen
 from cloudshards.webdataset.tariterators import url_opener
@@ -55,7 +56,7 @@ def magic_filetype(fname: str) -> str:
     """``"<fname>: gzip compressed data"``, ``"...: POSIX tar archive"`` or ``"...: data"``."""
     with open(fname, "rb") as f:
         header = f.read(512)
-    if header[:2] == b"\x1f\x8b":
+    if header[:2] == GZIP_MAGIC:
         return f"{fname}: gzip compressed data"
     if len(header) > 261 and header[257:262] == b"ustar":
         return f"{fname}: POSIX tar archive"

@@ -27,7 +27,7 @@ from cloudshards._tarheader import (
 from cloudshards.errors import ShardFormatError
 from cloudshards.grouping import group_members, make_name_filter, split_key
 from cloudshards.logs import warn_once
-from cloudshards.source import PerProcess, local_path
+from cloudshards.source import local_path
 from cloudshards.tar import iter_members
 from cloudshards.types import Member, Sample
 
@@ -38,7 +38,6 @@ __all__ = [
     "check_length",
     "checked",
     "parse_sample",
-    "state_lock",
 ]
 
 logger = logging.getLogger(__name__)
@@ -47,12 +46,6 @@ _END_OF_ARCHIVE = ZERO_BLOCK * 2
 _NAME_FILTER = make_name_filter(None, None)
 #: Shard files (cache entries, local shards) kept open per process.
 MAX_OPEN_FILES = 128
-_state_lock: PerProcess[threading.Lock] = PerProcess(threading.Lock)
-
-
-def state_lock() -> threading.Lock:
-    """The lock that guards creating a dataset's per-process state (new after a fork)."""
-    return _state_lock.get()
 
 
 STALE_HINT = "the shard changed since it was indexed? rebuild the index with `cloudshards index`"
@@ -185,9 +178,9 @@ class OpenFile:
 
 @dataclass(eq=False)
 class ProcessState:
-    """What one process owns: open shard files (LRU), downloads in flight, a thread pool."""
+    """What one process owns: open shard files (LRU), downloads in flight, a thread pool
+    (a dataset keeps one per process in a :class:`~cloudshards.process.PerProcess`)."""
 
-    pid: int
     lock: threading.Lock = field(default_factory=threading.Lock)
     files: collections.OrderedDict[int, OpenFile] = field(default_factory=collections.OrderedDict)
     opening: dict[int, threading.Event] = field(default_factory=dict)

@@ -14,7 +14,7 @@ from typing import Any, TypeGuard
 
 import torch.utils.data
 
-from cloudshards import _index_read, config
+from cloudshards import config
 from cloudshards._index_build import build_index
 from cloudshards._index_files import default_index_url, load_index, read_bytes, write_index
 from cloudshards._index_format import (
@@ -37,6 +37,7 @@ from cloudshards._index_sampler import DistributedChunkedSampler
 from cloudshards.cache import ShardCache
 from cloudshards.errors import ConfigError, ShardError, ShardFormatError, ShardOpenError
 from cloudshards.handlers import as_handler, reraise_exception
+from cloudshards.process import PerProcess
 from cloudshards.redact import redact_url
 from cloudshards.source import (
     EntrySource,
@@ -144,11 +145,12 @@ class IndexedDataset(torch.utils.data.Dataset[Any]):
         self.options = OpenOptions(storage_options=storage_options)
         self.fetch = FetchOptions.from_env()
         self._max_member_bytes = self.options.member_limit()
-        self._state: ProcessState | None = None
+        self._state: PerProcess[ProcessState] = PerProcess(ProcessState)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["_state"] = None  # threads, files and locks never cross a pickle or a fork
+        # Threads, files and locks never cross a pickle (nor a fork: see PerProcess).
+        state["_state"] = PerProcess(ProcessState)
         return state
 
     def __len__(self) -> int:
@@ -307,13 +309,7 @@ class IndexedDataset(torch.utils.data.Dataset[Any]):
         )
 
     def _process(self) -> ProcessState:
-        state = self._state
-        if state is None or state.pid != os.getpid():
-            with _index_read.state_lock():
-                state = self._state
-                if state is None or state.pid != os.getpid():
-                    state = self._state = ProcessState(os.getpid())
-        return state
+        return self._state.get()
 
     def stats(self) -> dict[str, dict[str, float]]:
         """This process's counters: ``indexed`` (ranged_gets, disk_reads, skipped), ``io``
@@ -328,8 +324,8 @@ class IndexedDataset(torch.utils.data.Dataset[Any]):
 
     def close(self) -> None:
         """Stop the reading threads and close open shard files (reopened on next use)."""
-        state, self._state = self._state, None
-        if state is not None and state.pid == os.getpid():
+        state = self._state.pop()
+        if state is not None:
             state.close()
 
     def __enter__(self) -> IndexedDataset:

@@ -19,6 +19,7 @@ import fsspec.core
 from fsspec.registry import known_implementations
 
 from cloudshards.errors import ConfigError
+from cloudshards.process import PerProcess
 from cloudshards.redact import install_log_redaction, raise_redacted, redact_text, redact_url
 
 __all__ = [
@@ -180,8 +181,10 @@ def options_for(protocol: str, storage_options: Mapping[str, Any] | None) -> dic
     return dict(storage_options)
 
 
-_fs_lock = threading.Lock()
-_fs_cache: dict[tuple[int, str, str], fsspec.AbstractFileSystem] = {}
+#: This process's filesystems by protocol and options (a forked worker makes its own: they
+#: hold sessions, event loops and threads). Tests replace ``_fs_cache`` for fresh instances.
+_fs_lock: PerProcess[threading.Lock] = PerProcess(threading.Lock)
+_fs_cache: PerProcess[dict[tuple[str, str], fsspec.AbstractFileSystem]] = PerProcess(dict)
 
 
 def _make_key(protocol: str, options: Mapping[str, Any]) -> str:
@@ -201,12 +204,13 @@ def _gcs_options(options: dict[str, Any]) -> dict[str, Any]:
 def _filesystem(protocol: str, options: dict[str, Any]) -> fsspec.AbstractFileSystem:
     if protocol in ("gs", "gcs"):
         options = _gcs_options(options)
-    key = (os.getpid(), protocol, _make_key(protocol, options))
-    with _fs_lock:
-        fs = _fs_cache.get(key)
+    key = (protocol, _make_key(protocol, options))
+    with _fs_lock.get():
+        filesystems = _fs_cache.get()
+        fs = filesystems.get(key)
         if fs is None:
             fs = _new_filesystem(protocol, options)
-            _fs_cache[key] = fs
+            filesystems[key] = fs
             # The backend's modules, and so its loggers, exist now: redact what they log.
             install_log_redaction()
         return fs

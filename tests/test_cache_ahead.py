@@ -20,6 +20,7 @@ import cloudshards as wds
 import cloudshards.urls
 from cloudshards.cache import entry_name
 from cloudshards.cache.lock import is_locked
+from cloudshards.process import PerProcess
 from cloudshards.source import OpenOptions, prefetch
 
 
@@ -111,7 +112,7 @@ class StallingStore(fakes.SlowFileSystem):
 @pytest.fixture
 def stalling_store(store: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[type[StallingStore]]:
     monkeypatch.setitem(fsspec_registry, "stallfile", StallingStore)
-    monkeypatch.setattr(cloudshards.urls, "_fs_cache", {})
+    monkeypatch.setattr(cloudshards.urls, "_fs_cache", PerProcess(dict))
     monkeypatch.setattr(StallingStore, "stalled", set())
     monkeypatch.setattr(StallingStore, "release", threading.Event())
     monkeypatch.setattr(StallingStore, "waiting", threading.Event())

@@ -26,6 +26,7 @@ from cloudshards.cache import lock as _cachelock
 from cloudshards.cache.follow import FollowStream
 from cloudshards.cache.lock import is_locked
 from cloudshards.errors import ShardOpenError
+from cloudshards.process import PerProcess
 
 
 @pytest.fixture
@@ -108,7 +109,7 @@ class ShortStore(fakes.SlowFileSystem):
 @pytest.fixture
 def short_store(store: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[type[ShortStore]]:
     monkeypatch.setitem(fsspec_registry, "shortfile", ShortStore)
-    monkeypatch.setattr(cloudshards.urls, "_fs_cache", {})
+    monkeypatch.setattr(cloudshards.urls, "_fs_cache", PerProcess(dict))
     monkeypatch.setattr(ShortStore, "missing_bytes", 0)
     yield ShortStore
     ShortStore.clear_instance_cache()

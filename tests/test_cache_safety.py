@@ -41,6 +41,7 @@ from cloudshards.cache.facts import trusted_md5
 from cloudshards.cache.keys import canonical_url, store_endpoint
 from cloudshards.cache.tee import TeeStream
 from cloudshards.errors import ShardOpenError
+from cloudshards.process import PerProcess
 from cloudshards.source import OpenOptions
 
 SampleList = list[tuple[str, dict[str, bytes]]]
@@ -197,7 +198,7 @@ def gcs(store: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[type[FakeGCS]]
     for name in ("STORAGE_EMULATOR_HOST", "GOOGLE_CLOUD_UNIVERSE_DOMAIN"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setitem(fsspec_registry, "gs", FakeGCS)
-    monkeypatch.setattr(cloudshards.urls, "_fs_cache", {})
+    monkeypatch.setattr(cloudshards.urls, "_fs_cache", PerProcess(dict))
     monkeypatch.setattr(cloudshards.cache.facts, "_DISTRUSTED", set())  # per process
     monkeypatch.setattr(FakeGCS, "md5_hash", None)
     monkeypatch.setattr(FakeGCS, "corrupt_at", None)

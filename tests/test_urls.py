@@ -9,6 +9,7 @@ import fsspec
 import pytest
 
 from cloudshards.errors import ConfigError
+from cloudshards.process import PerProcess
 from cloudshards.redact import redact_text, redact_url
 from cloudshards.urls import expand_urls, options_for, protocol_of, resolve
 
@@ -129,7 +130,7 @@ def test_missing_backend_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setitem(sys.modules, "s3fs", None)
     from cloudshards import urls
 
-    monkeypatch.setattr(urls, "_fs_cache", {})
+    monkeypatch.setattr(urls, "_fs_cache", PerProcess(dict))
     with pytest.raises(ConfigError, match=r'pip install "cloudshards\[s3\]"'):
         resolve("s3://bucket/a.tar", {"s3": {"anon": True, "skip_instance_cache": True}})
 

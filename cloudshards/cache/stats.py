@@ -11,7 +11,7 @@ import socket
 from dataclasses import dataclass, field
 
 from cloudshards.logs import warn_once
-from cloudshards.source import PerProcess
+from cloudshards.process import PerProcess
 
 __all__ = ["CacheStats", "process_stats", "save_stats", "warn_disk_full"]
 

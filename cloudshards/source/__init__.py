@@ -21,7 +21,6 @@ from cloudshards.source.options import FetchOptions, OpenOptions
 from cloudshards.source.parts import PartStream
 from cloudshards.source.plain import gopen, open_shard, shard_size
 from cloudshards.source.prefetch import ShardPrefetcher, current_thread_count
-from cloudshards.source.process import PerProcess
 from cloudshards.source.remote import (
     fetch_range,
     object_etag,
@@ -47,7 +46,6 @@ __all__ = [
     "NodeCache",
     "OpenOptions",
     "PartStream",
-    "PerProcess",
     "RangeIgnoredError",
     "ResumableStream",
     "ShardPrefetcher",

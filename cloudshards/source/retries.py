@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from cloudshards.errors import CloudShardsError, ConfigError, ShardOpenError
+from cloudshards.process import PerProcess
 from cloudshards.redact import RedactedError, raise_redacted, redact_text, redact_url
 from cloudshards.source.options import FetchOptions
-from cloudshards.source.process import PerProcess
 from cloudshards.source.stream import map_backend_error
 
 __all__ = [

@@ -1,12 +1,16 @@
-"""Defaults and the only reader of ``CLOUDSHARDS_*`` environment variables.
+"""Defaults and the only reader of ``CLOUDSHARDS_*`` environment variables, and of the ones
+webdataset reads (``WDS_*``, ``GOPEN_*``, ``ALLOW_OBSOLETE``).
 
 Explicit arguments always win over the environment; the environment wins over the defaults.
+A variable is read only when no argument gives its value, so a bad value in the environment
+cannot fail a call that does not need it.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from typing import overload
 
 from cloudshards.errors import ConfigError
 
@@ -15,10 +19,14 @@ __all__ = [
     "DEFAULT_MAX_DECODED_BYTES",
     "DEFAULT_MAX_MEMBER_BYTES",
     "cache_defaults",
+    "cache_dir_default",
+    "cache_size_default",
     "env_bool",
     "env_int",
+    "env_seed",
     "env_str",
     "max_decoded_bytes",
+    "webdataset_var",
 ]
 
 #: Read size for streaming shards; large blocks amortise Python overhead per read.
@@ -71,17 +79,28 @@ def max_decoded_bytes() -> int:
 
 
 def cache_defaults() -> tuple[str | None, int | None]:
-    """Cache directory and byte budget from the environment.
+    """Cache directory and byte budget from the environment (see :func:`cache_dir_default`
+    and :func:`cache_size_default`)."""
+    return cache_dir_default(), cache_size_default()
 
-    ``CLOUDSHARDS_CACHE_DIR`` / ``CLOUDSHARDS_CACHE_SIZE``, else webdataset's ``WDS_CACHE`` /
-    ``WDS_CACHE_SIZE``, so migrated jobs keep their settings.
+
+def cache_dir_default() -> str | None:
+    """``CLOUDSHARDS_CACHE_DIR``, else webdataset's ``WDS_CACHE`` (so migrated jobs keep
+    their settings), else None."""
+    return env_str("CACHE_DIR") or os.environ.get("WDS_CACHE") or None
+
+
+def cache_size_default() -> int | None:
+    """``CLOUDSHARDS_CACHE_SIZE``, else webdataset's ``WDS_CACHE_SIZE``, in bytes; else None.
+
+    Raises:
+        ConfigError: The value is not a whole number of bytes (``1e18`` is one).
     """
-    directory = env_str("CACHE_DIR") or os.environ.get("WDS_CACHE") or None
     size_text = env_str("CACHE_SIZE") or os.environ.get("WDS_CACHE_SIZE") or None
     if size_text is None:
-        return directory, None
+        return None
     try:
-        return directory, int(size_text)
+        return int(size_text)
     except ValueError:
         pass
     try:
@@ -91,4 +110,36 @@ def cache_defaults() -> tuple[str | None, int | None]:
         value = math.nan
     if not math.isfinite(value) or not value.is_integer():
         raise ConfigError(f"cache size {size_text!r} is not a whole number of bytes")
-    return directory, int(value)
+    return int(value)
+
+
+def env_seed() -> int | None:
+    """``CLOUDSHARDS_SEED``, else webdataset's ``WDS_SEED``, else None.
+
+    Raises:
+        ValueError: The value is not an integer.
+    """
+    value = env_str("SEED") or os.environ.get("WDS_SEED")
+    return int(value) if value else None
+
+
+#: Variables webdataset 1.0.2 reads without its ``WDS_`` prefix.
+_WEBDATASET_VARS = frozenset({"ALLOW_OBSOLETE", "GOPEN_BUFFER", "GOPEN_REWRITE"})
+
+
+@overload
+def webdataset_var(name: str) -> str | None: ...
+@overload
+def webdataset_var(name: str, default: str) -> str: ...
+
+
+def webdataset_var(name: str, default: str | None = None) -> str | None:
+    """webdataset's environment variable ``name`` as set (an empty value too), else ``default``.
+
+    ``name`` is a ``WDS_*`` variable (``${x}`` in a URL reads ``WDS_x``) or one of
+    ``ALLOW_OBSOLETE``, ``GOPEN_BUFFER``, ``GOPEN_REWRITE``; the webdataset layer parses
+    them as webdataset does.
+    """
+    if not name.startswith("WDS_") and name not in _WEBDATASET_VARS:
+        raise ValueError(f"{name} is not an environment variable of webdataset's")
+    return os.environ.get(name, default)

@@ -143,10 +143,12 @@ class WebDataset(DataPipeline, FluidInterface):
             raise ConfigError(f"mode={mode!r} is not supported; use resampled=True or None")
         resampled = resampled or mode == "resampled"
         _check_urls(urls)
-        env_dir, env_size = config.cache_defaults()
-        cache_dir = cache_dir if cache_dir is not None else env_dir
-        if cache_size == -1 and env_size is not None:
-            cache_size = env_size
+        # The environment fills in only what the arguments leave out (-1: webdataset's "unset").
+        if cache_dir is None:
+            cache_dir = config.cache_dir_default()
+        if cache_size == -1:
+            env_size = config.cache_size_default()
+            cache_size = cache_size if env_size is None else env_size
         self.cache = ShardCache(cache_dir, max_bytes=cache_size) if cache_dir is not None else None
         multi = _is_multi_spec(urls)
         if multi:

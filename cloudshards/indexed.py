@@ -135,9 +135,8 @@ class IndexedDataset(torch.utils.data.Dataset[Any]):
             raise ConfigError(f"transform must be callable, got {transform!r}")
         self.index = _as_index(index_or_urls, storage_options, allow_external_shards)
         self.storage_options = storage_options
-        env_dir, env_size = config.cache_defaults()
-        directory = cache_dir if cache_dir is not None else env_dir
-        budget = cache_size if cache_size is not None else env_size
+        directory = cache_dir if cache_dir is not None else config.cache_dir_default()
+        budget = cache_size if cache_size is not None else config.cache_size_default()
         self.cache = ShardCache(directory, max_bytes=budget) if directory is not None else None
         self.transform = transform
         self.handler = as_handler(handler)

@@ -20,9 +20,10 @@ from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset
 
+from cloudshards import config
 from cloudshards.dist import WorkerInfo
 from cloudshards.fluid import FluidInterface
-from cloudshards.seeding import _env_seed, default_seed, epoch_context
+from cloudshards.seeding import default_seed, epoch_context
 from cloudshards.stages import base
 from cloudshards.stages.base import IterationContext, PipelineStage
 from cloudshards.stages.epoch import EpochLimiter
@@ -78,7 +79,7 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
         self.nsamples = -1
         self.seed = default_seed() if seed is None else int(seed)
         # A seed the user chose (argument or environment) alone fixes the order of each epoch.
-        self._seed_given = seed is not None or _env_seed() is not None
+        self._seed_given = seed is not None or config.env_seed() is not None
         self._epoch = 0
         self._epoch_set = False
         self._epoch_from_user = False  # set_epoch was called since a WebLoader last pushed

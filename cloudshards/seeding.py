@@ -24,15 +24,8 @@ def default_seed() -> int:
     A fixed default keeps every rank on the same shard order without coordination, the way
     ``DistributedSampler(seed=0)`` does; epochs still differ through the epoch number.
     """
-    value = _env_seed()
+    value = config.env_seed()
     return 0 if value is None else value
-
-
-def _env_seed() -> int | None:
-    import os
-
-    value = config.env_str("SEED") or os.environ.get("WDS_SEED")
-    return int(value) if value else None
 
 
 def _shuffles(stage: Any) -> bool:

@@ -18,6 +18,7 @@ import fsspec
 import fsspec.core
 from fsspec.registry import known_implementations
 
+from cloudshards import config
 from cloudshards.errors import ConfigError
 from cloudshards.process import PerProcess
 from cloudshards.redact import install_log_redaction, raise_redacted, redact_text, redact_url
@@ -60,11 +61,12 @@ def _substitute_env(url: str) -> str:
     # webdataset 1.0.2 semantics: ${name} is replaced by the environment variable WDS_name.
     def lookup(match: re.Match[str]) -> str:
         name = "WDS_" + match.group(1)
-        if name not in os.environ:
+        value = config.webdataset_var(name)
+        if value is None:
             raise ConfigError(
                 f"{redact_url(url)}: ${{{match.group(1)}}} needs the environment variable {name}"
             )
-        return os.environ[name]
+        return value
 
     for _ in range(10):
         substituted = _ENV_REF.sub(lookup, url)

@@ -11,6 +11,15 @@ from cloudshards.errors import ConfigError
 
 __all__ = ["FetchOptions", "OpenOptions"]
 
+#: The FetchOptions fields read from ``CLOUDSHARDS_<variable>`` when not given.
+_ENV_FIELDS = {
+    "prefetch": "PREFETCH",
+    "part_bytes": "PART_BYTES",
+    "concurrency": "CONCURRENCY",
+    "retries": "RETRIES",
+    "stall_timeout_s": "STALL_TIMEOUT_S",
+}
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class OpenOptions:
@@ -87,18 +96,15 @@ class FetchOptions:
     @classmethod
     def from_env(cls, **overrides: Any) -> FetchOptions:
         """Defaults from ``CLOUDSHARDS_PREFETCH``, ``..._PART_BYTES``, ``..._CONCURRENCY``,
-        ``..._RETRIES``, ``..._STALL_TIMEOUT_S``; explicit (non-None) overrides win."""
+        ``..._RETRIES``, ``..._STALL_TIMEOUT_S``; explicit (non-None) overrides win, and the
+        variable of a field they give is not read."""
         defaults = cls()
-        values: dict[str, Any] = {
-            "prefetch": config.env_int("PREFETCH", defaults.prefetch),
-            "part_bytes": config.env_int("PART_BYTES", defaults.part_bytes),
-            "concurrency": config.env_int("CONCURRENCY", defaults.concurrency),
-            "retries": config.env_int("RETRIES", defaults.retries),
-            "stall_timeout_s": float(
-                config.env_int("STALL_TIMEOUT_S", int(defaults.stall_timeout_s))
-            ),
-        }
-        values.update({k: v for k, v in overrides.items() if v is not None})
+        values: dict[str, Any] = {k: v for k, v in overrides.items() if v is not None}
+        for name, variable in _ENV_FIELDS.items():
+            if name not in values:
+                default = getattr(defaults, name)
+                value = config.env_int(variable, int(default))
+                values[name] = float(value) if isinstance(default, float) else value
         return cls(**values)
 
     @property

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 from urllib.parse import urlparse
 
+from cloudshards import config
 from cloudshards.cache import ShardCache
 from cloudshards.handlers import reraise_exception
 from cloudshards.tar import GZIP_MAGIC
@@ -42,9 +43,9 @@ __all__ = [
 ]
 
 #: webdataset's defaults, from ``WDS_CACHE``, ``WDS_CACHE_SIZE`` and ``WDS_VERBOSE_CACHE``.
-default_cache_dir = os.environ.get("WDS_CACHE", "./_cache")
-default_cache_size = float(os.environ.get("WDS_CACHE_SIZE", "1e18"))
-verbose_cache = int(os.environ.get("WDS_VERBOSE_CACHE", "0"))
+default_cache_dir = config.webdataset_var("WDS_CACHE", "./_cache")
+default_cache_size = float(config.webdataset_var("WDS_CACHE_SIZE", "1e18"))
+verbose_cache = int(config.webdataset_var("WDS_VERBOSE_CACHE", "0"))
 
 
 def islocal(url: str) -> bool:

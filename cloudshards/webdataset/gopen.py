@@ -9,7 +9,6 @@ allowed (``allow_pipe=True`` or ``CLOUDSHARDS_ALLOW_PIPE=1``). Handlers register
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from subprocess import PIPE
 from typing import Any
 from urllib.parse import urlparse
 
+from cloudshards import config
 from cloudshards import source as _io
 from cloudshards.errors import ConfigError
 from cloudshards.source import OpenOptions, open_remote
@@ -272,7 +272,7 @@ gopen_schemes: dict[str, Callable[..., Any]] = {
 
 def rewrite_url(url: str) -> str:
     """Apply the first matching ``GOPEN_REWRITE`` rule (``prefix=replacement;...``)."""
-    rules = os.environ.get("GOPEN_REWRITE")
+    rules = config.webdataset_var("GOPEN_REWRITE")
     if rules is None:
         return url
     for rule in rules.split(";"):
@@ -299,7 +299,7 @@ def gopen(url: str, mode: str = "rb", bufsize: int = 8192, **kw: Any) -> Any:
         from urllib.request import url2pathname  # urllib.request is slow to import
 
         path = url if parsed.scheme == "" else url2pathname(parsed.path)
-        return open(path, mode, buffering=int(os.environ.get("GOPEN_BUFFER", -1)))
+        return open(path, mode, buffering=int(config.webdataset_var("GOPEN_BUFFER", "-1")))
     handler = gopen_schemes.get(parsed.scheme, gopen_schemes["__default__"])
     return handler(url, mode, bufsize, **kw)
 

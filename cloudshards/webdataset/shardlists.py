@@ -20,6 +20,7 @@ from typing import Any
 
 import braceexpand
 
+from cloudshards import config
 from cloudshards.errors import ConfigError
 from cloudshards.multishard import MSSource, MultiShardSample, expand
 from cloudshards.shards import (
@@ -81,9 +82,10 @@ def envlookup(m: re.Match[str]) -> str:
         ConfigError: The variable is not set.
     """
     key = "WDS_" + m.group(1)
-    if key not in os.environ:
+    value = config.webdataset_var(key)
+    if value is None:
         raise ConfigError(f"missing environment variable {key}")
-    return os.environ[key]
+    return value
 
 
 def envsubst(s: str) -> str:

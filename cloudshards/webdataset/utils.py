@@ -11,7 +11,6 @@ import functools
 import glob
 import importlib
 import itertools
-import os
 import re
 import sys
 import warnings
@@ -21,6 +20,7 @@ from typing import Any
 import braceexpand
 import numpy as np
 
+from cloudshards import config
 from cloudshards.dist import pytorch_worker_info, pytorch_worker_seed
 from cloudshards.stages.base import PipelineStage
 from cloudshards.stages.epoch import guess_batchsize, repeatedly
@@ -49,7 +49,7 @@ __all__ = [
 
 #: webdataset's ``WDS_SECURE`` switch. cloudshards is secure without it: no unpickling and no
 #: ``pipe:`` URLs unless asked for; the value is kept for code that reads it.
-enforce_security = bool(int(os.environ.get("WDS_SECURE", "0")))
+enforce_security = bool(int(config.webdataset_var("WDS_SECURE", "0")))
 
 
 def glob_with_braces(pattern: str) -> list[str]:
@@ -128,7 +128,7 @@ def obsolete(func: Callable[..., Any] | None = None, *, reason: str | None = Non
 
     @functools.wraps(func)
     def new_func(*args: Any, **kwargs: Any) -> Any:
-        if not int(os.environ.get("ALLOW_OBSOLETE", "0")):
+        if not int(config.webdataset_var("ALLOW_OBSOLETE", "0")):
             msg = f"Call to obsolete function {func.__name__}. Set env ALLOW_OBSOLETE=1 to permit."
             if reason is not None:
                 msg += " Reason: " + reason

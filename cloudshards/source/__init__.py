@@ -2,8 +2,10 @@
 
 :func:`open_source` opens a shard (a local file, a ``pipe:`` command, a store object read as
 parallel ranged GETs or one resumable GET, or through the node cache); :class:`ShardPrefetcher`
-keeps the next shards in flight; :mod:`cloudshards.source.remote` is the one module that calls
-the fsspec filesystem to read bytes or metadata: a new transport plugs in there.
+keeps the next shards in flight; :mod:`cloudshards.source.transport` picks the transport of
+each store object: obstore (:mod:`cloudshards.source.objstore`) for ``s3://`` where it can,
+else fsspec (:mod:`cloudshards.source.remote`, the one module that calls an fsspec filesystem
+to read bytes or metadata). A new transport plugs in there.
 """
 
 from __future__ import annotations
@@ -21,14 +23,7 @@ from cloudshards.source.options import FetchOptions, OpenOptions
 from cloudshards.source.parts import PartStream
 from cloudshards.source.plain import gopen, open_shard, shard_size
 from cloudshards.source.prefetch import ShardPrefetcher, current_thread_count
-from cloudshards.source.remote import (
-    fetch_range,
-    object_etag,
-    object_info,
-    open_output,
-    read_object,
-    read_range,
-)
+from cloudshards.source.remote import object_etag, open_output
 from cloudshards.source.resumable import ResumableStream, open_remote
 from cloudshards.source.retries import (
     IOStats,
@@ -38,6 +33,14 @@ from cloudshards.source.retries import (
     retry,
 )
 from cloudshards.source.stream import ShardStream, discard, map_backend_error
+from cloudshards.source.transport import (
+    StoreObject,
+    fetch_range,
+    object_at,
+    object_info,
+    read_object,
+    read_range,
+)
 
 __all__ = [
     "EntrySource",
@@ -51,6 +54,7 @@ __all__ = [
     "ShardPrefetcher",
     "ShardSource",
     "ShardStream",
+    "StoreObject",
     "StoreOpener",
     "current_thread_count",
     "discard",
@@ -61,6 +65,7 @@ __all__ = [
     "is_retryable",
     "local_path",
     "map_backend_error",
+    "object_at",
     "object_etag",
     "object_info",
     "open_local_fd",

@@ -18,14 +18,12 @@ from urllib.parse import urlsplit
 
 from cloudshards.errors import ShardOpenError
 from cloudshards.redact import redact_url
-from cloudshards.source import remote
 from cloudshards.source.options import FetchOptions, OpenOptions
-from cloudshards.source.remote import fetch_range
 from cloudshards.source.resumable import ResumableStream, open_remote
 from cloudshards.source.retries import IOStats, RangeIgnoredError, retry
 from cloudshards.source.stream import ShardSource
+from cloudshards.source.transport import StoreObject, fetch_range, object_at
 from cloudshards.types import ClosingStream
-from cloudshards.urls import resolve
 
 __all__ = ["FIRST_PART_BYTES", "PartStream", "open_parts", "open_sized_parts"]
 
@@ -58,9 +56,7 @@ class PartStream(ClosingStream):
 
     def __init__(
         self,
-        url: str,
-        fs: Any,
-        path: str,
+        source: StoreObject,
         details: dict[str, Any] | cf.Future[dict[str, Any]],
         *,
         executor: cf.ThreadPoolExecutor,
@@ -71,15 +67,14 @@ class PartStream(ClosingStream):
         first_part: cf.Future[bytes] | None = None,
         open_tail: Callable[[int], ShardSource] | None = None,
     ) -> None:
-        self.url = url
+        self.url = source.url
         self.shard_index = shard_index
         if isinstance(details, dict):
             resolved: cf.Future[dict[str, Any]] = cf.Future()
             resolved.set_result(details)
             details = resolved
         self._details = details
-        self._fs = fs
-        self._path = path
+        self._source = source
         self._executor = executor
         self._options = options
         self._open_tail = open_tail
@@ -161,11 +156,9 @@ class PartStream(ClosingStream):
                 self._next_start = end
                 future = self._executor.submit(
                     fetch_range,
-                    self._fs,
-                    self._path,
+                    self._source,
                     start,
                     end,
-                    url=self.url,
                     size=size,
                     options=options,
                     stats=self._stats,
@@ -329,26 +322,23 @@ def open_parts(
 
     if _host_key(url) in _UNRANGED_HOSTS:
         return stream()
-    fs, path = resolve(url, options.storage_options)
+    source = object_at(url, options, stall_timeout_s=fetch.stall_timeout_s)
 
     def lookup() -> dict[str, Any]:
         stats.add(requests=1)
-        return remote.info(fs, path)
+        return source.info()
 
     # The first (small) part goes out with the size lookup: one round trip to first byte,
     # and the reader starts on it without waiting for the lookup.
     first_end = min(FIRST_PART_BYTES, fetch.part_bytes)
     first = executor.submit(
-        fetch_range, fs, path, 0, first_end, url=url, size=None, options=fetch, stats=stats,
-        cancel=cancel,
-    )  # fmt: skip
+        fetch_range, source, 0, first_end, size=None, options=fetch, stats=stats, cancel=cancel
+    )
     details = executor.submit(
         retry, lookup, url=url, offset=0, options=fetch, stats=stats, what="HEAD", cancel=cancel
     )
     return PartStream(
-        url,
-        fs,
-        path,
+        source,
         details,
         executor=executor,
         options=fetch,
@@ -373,14 +363,12 @@ def open_sized_parts(
 ) -> PartStream:
     """Ranged GETs of an object whose size is known already (from an index): one metadata
     request first, whose size goes to ``check_size`` (which raises to refuse the object)."""
-    fs, path = resolve(url, options.storage_options)
-    details = remote.info(fs, path)
+    source = object_at(url, options, stall_timeout_s=fetch.stall_timeout_s)
+    details = source.info()
     if details.get("size") is not None:
         check_size(int(details["size"]))
     stream = PartStream(
-        url,
-        fs,
-        path,
+        source,
         {**details, "size": size},
         executor=executor,
         options=fetch,

@@ -10,7 +10,7 @@ from typing import Any
 
 from cloudshards.errors import ConfigError
 from cloudshards.redact import redact_url
-from cloudshards.source import local, remote
+from cloudshards.source import local, remote, transport
 from cloudshards.source.options import OpenOptions
 from cloudshards.source.stream import ShardStream
 from cloudshards.urls import PIPE_PREFIX
@@ -44,7 +44,7 @@ def open_shard(
     if local.is_local(url):
         raw = local.open_local(url, options, shard_index)
     else:
-        raw = remote.open_stream(url, options, shard_index)
+        raw = transport.open_stream(url, options, shard_index)
     logger.debug("opened %s in %.3fs", redact_url(url), time.perf_counter() - start)
     return ShardStream(raw, url, shard_index=shard_index)
 
@@ -58,7 +58,7 @@ def shard_size(url: str, options: OpenOptions | None = None) -> int | None:
     options = options or OpenOptions()
     if url.startswith(PIPE_PREFIX):
         return None
-    return remote.object_size(url, options)
+    return transport.object_size(url, options)
 
 
 def gopen(url: str, mode: str = "rb", bufsize: int = 8192, **kw: Any) -> Any:

@@ -1,0 +1,397 @@
+"""The obstore transport: S3 shard bytes moved by Rust's object_store (``obstore``), which
+releases the GIL while it waits, signs and parses, instead of s3fs's Python event loop.
+
+fsspec stays the resolver and the fallback. An ``s3://`` shard is read here when obstore is
+installed and every storage option has an equivalent (:func:`s3_object` says why not, and the
+shard then goes through :mod:`cloudshards.source.remote`). What is translated, as s3fs and
+botocore would read it: ``key``/``secret``/``token``, ``anon``, ``profile``, the endpoint in
+every form s3fs accepts (:func:`~cloudshards.source.endpoints.store_endpoint`), the region
+(``client_kwargs``, the profile, ``AWS_REGION``/``AWS_DEFAULT_REGION``), ``requester_pays``,
+``addressing_style`` and ``verify=False``. Credentials come from botocore's own chain when none
+are given (environment, profiles, SSO, container and instance roles), refreshed when they
+expire. Retries stay cloudshards' (bounded, counted, logged): obstore's own are off.
+
+obstore's runtime does not survive ``fork``: a process forked after its parent used obstore
+(a DataLoader worker whose main process read a shard first) reads through fsspec, and says so
+once. Workers started with ``spawn``/``forkserver``, or forked before the main process read
+anything, use obstore.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import re
+import threading
+from collections.abc import Callable, Mapping
+from typing import IO, Any, cast
+from urllib.parse import urlsplit
+
+from cloudshards import config
+from cloudshards.errors import ConfigError
+from cloudshards.process import PerProcess
+from cloudshards.source.endpoints import store_endpoint, with_fsspec_config
+from cloudshards.source.options import OpenOptions
+from cloudshards.urls import options_for, protocol_of
+
+__all__ = ["ObstoreObject", "ObstoreReader", "s3_object", "transport_setting"]
+
+logger = logging.getLogger("cloudshards.fetch")
+
+_S3 = ("s3", "s3a")
+#: s3fs options that change nothing about reading one object's bytes.
+_IGNORED = frozenset(
+    {
+        "skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_paths",
+        "default_block_size", "default_fill_cache", "default_cache_type", "cache_regions",
+        "asynchronous", "loop", "max_concurrency", "fixed_upload_size", "version_aware",
+        "s3_additional_kwargs", "session_kwargs", "use_ssl", "username", "password",
+    }
+)  # fmt: skip
+_HANDLED = frozenset(
+    {"key", "secret", "token", "anon", "profile", "endpoint_url", "client_kwargs",
+     "config_kwargs", "requester_pays"}
+)  # fmt: skip
+_CLIENT_KWARGS = frozenset({"endpoint_url", "region_name", "verify"})
+_CONFIG_KWARGS = frozenset(
+    {"s3", "max_pool_connections", "connect_timeout", "read_timeout", "retries",
+     "signature_version", "user_agent_extra", "tcp_keepalive"}
+)  # fmt: skip
+_STATUS = re.compile(r"status code: (\d{3})")
+_CODE = re.compile(r"<Code>([A-Za-z0-9.]{1,64})</Code>")
+#: How long credentials from a refreshing botocore provider are used before asking again.
+_CREDENTIAL_TTL = datetime.timedelta(minutes=5)
+
+# The process that first used obstore; a forked child of it must not (see the module doc).
+_used_in_pid: int | None = None
+_used_lock = threading.Lock()
+_stores: PerProcess[dict[tuple[Any, ...], Any]] = PerProcess(dict)
+_told: set[str] = set()
+
+
+def transport_setting() -> str:
+    """``CLOUDSHARDS_TRANSPORT``: ``auto`` (obstore where it can, else fsspec; the default),
+    ``fsspec`` (never obstore) or ``obstore`` (an error where it cannot be used).
+
+    Raises:
+        ConfigError: Another value.
+    """
+    value = (config.env_str("TRANSPORT") or "auto").strip().lower()
+    if value not in ("auto", "fsspec", "obstore"):
+        raise ConfigError(f"CLOUDSHARDS_TRANSPORT must be auto, fsspec or obstore, not {value!r}")
+    return value
+
+
+class _Unsupported(Exception):
+    """Why a shard cannot be read through obstore (it is then read through fsspec)."""
+
+
+def s3_object(url: str, options: OpenOptions, *, stall_timeout_s: float) -> ObstoreObject | None:
+    """The object at ``url`` read through obstore, or None when fsspec must read it.
+
+    Raises:
+        ConfigError: ``CLOUDSHARDS_TRANSPORT=obstore`` and obstore cannot read ``url``.
+    """
+    setting = transport_setting()
+    if setting == "fsspec" or protocol_of(url) not in _S3:
+        return None
+    try:
+        store, key = _store_for(url, options, stall_timeout_s)
+    except _Unsupported as why:
+        if setting == "obstore":
+            raise ConfigError(f"CLOUDSHARDS_TRANSPORT=obstore, but {why}") from None
+        if str(why) not in _told:
+            _told.add(str(why))
+            logger.info("reading s3:// through s3fs, not obstore: %s", why)
+        return None
+    return ObstoreObject(store, key, url)
+
+
+def _store_for(url: str, options: OpenOptions, stall_timeout_s: float) -> tuple[Any, str]:
+    global _used_in_pid
+    try:
+        import obstore.store
+    except ImportError:
+        raise _Unsupported("obstore is not installed (pip install obstore)") from None
+    parts = urlsplit(url)
+    if parts.query or parts.fragment or not parts.netloc:
+        raise _Unsupported("the URL has a query (a version id?) or no bucket")
+    bucket, key = parts.netloc, parts.path.lstrip("/")
+    with _used_lock:
+        if _used_in_pid is not None and _used_in_pid != os.getpid():
+            raise _Unsupported(
+                "obstore was used before this process was forked (start DataLoader workers "
+                "with multiprocessing_context='spawn' or 'forkserver' to use it in workers)"
+            )
+        _used_in_pid = os.getpid()
+    # Keyed by the user's options as given (secrets only as an in-memory key): the settings,
+    # credentials chain and endpoint are worked out once per bucket and options.
+    given = options_for(protocol_of(url), options.storage_options)
+    cache_key = (bucket, repr(sorted(given.items(), key=lambda item: item[0])), stall_timeout_s)
+    stores = _stores.get()
+    store = stores.get(cache_key)
+    if store is None:
+        settings = _s3_settings(url, options)
+        credentials = settings.pop("credentials", None)
+        client = _client_options(settings, stall_timeout_s)
+        store = obstore.store.S3Store(
+            bucket,
+            config=settings,  # type: ignore[arg-type]
+            client_options=client,  # type: ignore[arg-type]
+            retry_config={"max_retries": 0, "retry_timeout": datetime.timedelta(seconds=1)},
+            credential_provider=credentials,
+        )
+        stores[cache_key] = store
+    return store, key
+
+
+def _client_options(settings: dict[str, Any], stall_timeout_s: float) -> dict[str, Any]:
+    # A whole shard may stream for long: no request deadline, but a connection that delivers
+    # nothing for ``stall_timeout_s`` fails (and is retried by cloudshards).
+    stall = datetime.timedelta(seconds=stall_timeout_s)
+    client: dict[str, Any] = {
+        "timeout": datetime.timedelta(days=1),
+        "read_timeout": stall,
+        "connect_timeout": min(stall, datetime.timedelta(seconds=30)),
+        "allow_http": str(settings.get("endpoint", "")).startswith("http://"),
+    }
+    if settings.pop("_insecure", False):
+        client["allow_invalid_certificates"] = True
+    return client
+
+
+def _s3_settings(url: str, options: OpenOptions) -> dict[str, Any]:
+    """obstore's S3 configuration for ``url`` as s3fs would read it (see the module doc)."""
+    kwargs = with_fsspec_config(_S3, options_for(protocol_of(url), options.storage_options))
+    unknown = set(kwargs) - _HANDLED - _IGNORED
+    if unknown:
+        raise _Unsupported(f"storage option {sorted(unknown)[0]!r} has no obstore equivalent")
+    client = kwargs.get("client_kwargs") or {}
+    conf = kwargs.get("config_kwargs") or {}
+    if not isinstance(client, Mapping) or set(client) - _CLIENT_KWARGS:
+        raise _Unsupported("client_kwargs other than endpoint_url, region_name, verify")
+    if not isinstance(conf, Mapping) or set(conf) - _CONFIG_KWARGS:
+        raise _Unsupported("config_kwargs other than addressing style, pools and timeouts")
+    if conf.get("signature_version") not in (None, "s3v4"):
+        raise _Unsupported(f"signature_version {conf.get('signature_version')!r}")
+    verify = client.get("verify", True)
+    if verify not in (True, False, None):
+        raise _Unsupported("client_kwargs verify= a CA bundle path")
+    settings: dict[str, Any] = {"_insecure": verify is False}
+    endpoint = store_endpoint(url, options)
+    profile = kwargs.get("profile") if isinstance(kwargs.get("profile"), str) else None
+    region = client.get("region_name") or _profile_region(profile)
+    if endpoint is None:
+        if not region:
+            raise _Unsupported("no region configured (AWS_DEFAULT_REGION or region_name)")
+        bucket = urlsplit(url).netloc
+        settings["virtual_hosted_style_request"] = "." not in bucket
+    else:
+        settings["endpoint"] = endpoint
+        settings["virtual_hosted_style_request"] = False
+    s3_conf = conf.get("s3")
+    if isinstance(s3_conf, Mapping) and s3_conf.get("addressing_style") in ("virtual", "path"):
+        settings["virtual_hosted_style_request"] = s3_conf["addressing_style"] == "virtual"
+    settings["region"] = region or "us-east-1"
+    settings["request_payer"] = bool(kwargs.get("requester_pays", False))
+    if kwargs.get("anon"):
+        settings["skip_signature"] = True
+    else:
+        settings["skip_signature"] = False
+        settings["credentials"] = _credentials(kwargs, profile)
+    return settings
+
+
+def _profile_region(profile: str | None) -> str | None:
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    if region:
+        return region
+    import botocore.session  # type: ignore[import-untyped]
+
+    try:
+        value = botocore.session.Session(profile=profile).get_config_variable("region")
+    except Exception:  # a broken config file: s3fs would fail the same way, later
+        return None
+    return str(value) if value else None
+
+
+class _Credentials:
+    """obstore's credential callback: the given keys, or botocore's chain as s3fs uses it.
+
+    Never shown: its repr names no secret.
+    """
+
+    def __init__(self, kwargs: Mapping[str, Any], profile: str | None) -> None:
+        self._given = (kwargs.get("key"), kwargs.get("secret"), kwargs.get("token"))
+        self._profile = profile
+        self._chain: Any = None
+        if not (self._given[0] and self._given[1]):
+            import botocore.session
+
+            self._chain = botocore.session.Session(profile=profile).get_credentials()
+            if self._chain is None:
+                raise _Unsupported("no credentials found (s3fs reports the error)")
+
+    def __call__(self) -> dict[str, Any]:
+        if self._chain is None:
+            key, secret, token = self._given
+            return {"access_key_id": key, "secret_access_key": secret, "token": token,
+                    "expires_at": None}  # fmt: skip
+        frozen = self._chain.get_frozen_credentials()
+        refreshing = hasattr(self._chain, "refresh_needed")
+        expires = datetime.datetime.now(datetime.UTC) + _CREDENTIAL_TTL if refreshing else None
+        return {"access_key_id": frozen.access_key, "secret_access_key": frozen.secret_key,
+                "token": frozen.token, "expires_at": expires}  # fmt: skip
+
+    def __repr__(self) -> str:
+        return f"_Credentials(profile={self._profile!r}, given={self._given[0] is not None})"
+
+
+def _credentials(kwargs: Mapping[str, Any], profile: str | None) -> _Credentials:
+    return _Credentials(kwargs, profile)
+
+
+def _translate(exc: BaseException) -> BaseException:
+    """obstore's error as the builtin error cloudshards' retry and error mapping judge: not
+    found, access denied, another client error (with ``status``), or a transient failure."""
+    text = str(exc).split("\n\nDebug", 1)[0]
+    status_match = _STATUS.search(text)
+    status = int(status_match.group(1)) if status_match else None
+    code_match = _CODE.search(text)
+    code = code_match.group(1) if code_match else None
+    name = type(exc).__name__
+    summary = f"{code} (HTTP {status})" if status else text[:300]
+    if isinstance(exc, FileNotFoundError) or name == "NotFoundError" or status == 404:
+        return FileNotFoundError(summary)
+    if name in ("PermissionDeniedError", "UnauthenticatedError") or status in (401, 403):
+        return PermissionError(summary)
+    if status is not None and 400 <= status < 500 and status not in (408, 429):
+        error = OSError(summary)
+        error.status = status  # type: ignore[attr-defined]
+        return error
+    return ConnectionError(f"{name}: {text[:300]}")
+
+
+def _call(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    try:
+        return function(*args, **kwargs)
+    except Exception as exc:
+        raise _translate(exc) from None
+
+
+def _details(meta: Mapping[str, Any]) -> dict[str, Any]:
+    """obstore's object metadata under s3fs's ``info()`` names."""
+    return {
+        "size": meta.get("size"),
+        "ETag": meta.get("e_tag"),
+        "LastModified": meta.get("last_modified"),
+        "VersionId": meta.get("version"),
+        "type": "file",
+    }
+
+
+class ObstoreObject:
+    """One store object read through obstore (see the module doc)."""
+
+    def __init__(self, store: Any, key: str, url: str) -> None:
+        self.store = store
+        self.key = key
+        self.url = url
+
+    def info(self) -> dict[str, Any]:
+        """One HEAD: the size and ETag, under s3fs's names."""
+        import obstore
+
+        return _details(_call(obstore.head, self.store, self.key))
+
+    def cat_range(self, start: int, end: int, timeout: float | None = None) -> bytes:
+        """Bytes ``[start, end)`` (fewer when the object ends first), in one ranged GET."""
+        del timeout  # the store's read timeout is the stall timeout
+        import obstore
+
+        return bytes(_call(obstore.get_range, self.store, self.key, start=start, end=end))
+
+    def cat(self) -> bytes:
+        """The whole object in one GET."""
+        import obstore
+
+        result = _call(obstore.get, self.store, self.key)
+        return bytes(_call(result.bytes))
+
+    def open(self, block_bytes: int) -> IO[bytes]:
+        """One streaming GET, started on the first read (a seek before it moves the start)."""
+        return cast("IO[bytes]", ObstoreReader(self, block_bytes))
+
+
+class ObstoreReader:
+    """A file-like streaming GET of an :class:`ObstoreObject` (``read``, ``seek`` before the
+    first read, ``size`` and ``details`` from the response)."""
+
+    def __init__(self, source: ObstoreObject, block_bytes: int) -> None:
+        self._source = source
+        self._block_bytes = block_bytes
+        self._position = 0
+        self._chunks: Any = None
+        self._buffer = memoryview(b"")
+        self._details: dict[str, Any] | None = None
+        self.closed = False
+
+    def _start(self) -> None:
+        import obstore
+
+        options = {"range": {"offset": self._position}} if self._position else None
+        result = _call(obstore.get, self._source.store, self._source.key, options=options)
+        self._details = _details(result.meta)
+        self._chunks = iter(result.stream(min_chunk_size=self._block_bytes))
+
+    @property
+    def details(self) -> dict[str, Any]:
+        if self._details is None:
+            self._start()
+        assert self._details is not None
+        return self._details
+
+    @property
+    def size(self) -> int | None:
+        size = self.details.get("size")
+        return None if size is None else int(size)
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        if self._chunks is not None or whence != 0:
+            raise OSError("an obstore stream seeks only before its first read")
+        self._position = offset
+        return offset
+
+    def read(self, size: int = -1) -> bytes:
+        if self._chunks is None:
+            self._start()
+        if size is None or size < 0:
+            pieces = [bytes(self._buffer)]
+            self._buffer = memoryview(b"")
+            while chunk := self._next_chunk():
+                pieces.append(bytes(chunk))
+            data = b"".join(pieces)
+        else:
+            if not self._buffer:
+                chunk = self._next_chunk()
+                if chunk is None:
+                    return b""
+                self._buffer = memoryview(chunk)
+            data = bytes(self._buffer[:size])
+            self._buffer = self._buffer[size:]
+        self._position += len(data)
+        return data
+
+    def _next_chunk(self) -> Any:
+        try:
+            return next(self._chunks)
+        except StopIteration:
+            return None
+        except Exception as exc:
+            raise _translate(exc) from None
+
+    def close(self) -> None:
+        self.closed = True
+        self._chunks = None
+        self._buffer = memoryview(b"")

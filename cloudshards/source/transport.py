@@ -1,0 +1,160 @@
+"""Which transport reads a store object, and the reads everything above builds on.
+
+:func:`object_at` gives a :class:`StoreObject`: read through obstore
+(:mod:`cloudshards.source.objstore`) for ``s3://`` where it can, through fsspec
+(:mod:`cloudshards.source.remote`) otherwise. Ranged parts, resumable streams, the cache's
+metadata and index reads all go through the functions here; nothing above them knows which
+transport carried the bytes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from typing import IO, Any, Protocol
+
+from cloudshards.redact import raise_redacted
+from cloudshards.source.objstore import s3_object
+from cloudshards.source.options import FetchOptions, OpenOptions
+from cloudshards.source.remote import fsspec_object
+from cloudshards.source.retries import IOStats, RangeIgnoredError, retry
+from cloudshards.source.stream import map_backend_error
+
+__all__ = [
+    "StoreObject",
+    "fetch_range",
+    "object_at",
+    "object_info",
+    "object_size",
+    "open_stream",
+    "read_object",
+    "read_range",
+]
+
+#: The stall timeout of reads that are not given fetch options (metadata, small objects).
+_DEFAULT_STALL_S = FetchOptions().stall_timeout_s
+
+
+class StoreObject(Protocol):
+    """One object in a store, as a transport reads it; backend errors as raised."""
+
+    url: str
+
+    def info(self) -> dict[str, Any]: ...
+
+    def cat_range(self, start: int, end: int, timeout: float | None = None) -> bytes: ...
+
+    def cat(self) -> bytes: ...
+
+    def open(self, block_bytes: int) -> IO[bytes]: ...
+
+
+def object_at(
+    url: str, options: OpenOptions, *, stall_timeout_s: float = _DEFAULT_STALL_S
+) -> StoreObject:
+    """The object at ``url``, with the transport that reads it (no request is made).
+
+    Raises:
+        ConfigError: The URL's protocol is unknown, its backend is missing, or
+            ``CLOUDSHARDS_TRANSPORT=obstore`` cannot be honoured.
+    """
+    fast = s3_object(url, options, stall_timeout_s=stall_timeout_s)
+    if fast is not None:
+        return fast
+    return fsspec_object(url, options.storage_options)
+
+
+def open_stream(url: str, options: OpenOptions, shard_index: int | None) -> IO[bytes]:
+    """One streaming read of a store object (a single GET where the backend allows).
+
+    Raises:
+        ShardOpenError: The object is missing, access is denied, or the store failed.
+        ConfigError: The URL's protocol is unknown or its backend is missing.
+    """
+    source = object_at(url, options)
+    try:
+        return source.open(options.block_bytes)
+    except Exception as exc:
+        raise_redacted(map_backend_error(exc, url, shard_index=shard_index), exc)
+
+
+def object_size(url: str, options: OpenOptions) -> int | None:
+    """The object's size in bytes (None when the store does not say).
+
+    Raises:
+        ShardOpenError: The object is missing or cannot be reached.
+    """
+    source = fsspec_object(url, options.storage_options)
+    try:
+        size = source.info().get("size")
+    except Exception as exc:
+        raise_redacted(map_backend_error(exc, url, action="cannot stat"), exc)
+    return None if size is None else int(size)
+
+
+def object_info(url: str, options: OpenOptions) -> dict[str, Any]:
+    """One metadata request for ``url`` (no retry); backend errors as raised.
+
+    Through fsspec: metadata is small, and a main process that only looks up sizes and reads
+    indexes stays free of obstore's runtime, which its forked workers could not use.
+    """
+    return fsspec_object(url, options.storage_options).info()
+
+
+def read_object(url: str, storage_options: Mapping[str, Any] | None) -> bytes:
+    """The whole (small) object at ``url`` in one request (an index; through fsspec, as
+    :func:`object_info`); backend errors as raised."""
+    return fsspec_object(url, storage_options).cat()
+
+
+def fetch_range(
+    source: StoreObject,
+    start: int,
+    end: int,
+    *,
+    size: int | None,
+    options: FetchOptions,
+    stats: IOStats,
+    cancel: threading.Event | None = None,
+) -> bytes:
+    """Fetch bytes ``[start, end)`` of an object of ``size`` bytes, verified and retried.
+
+    Each attempt is bounded by ``stall_timeout_s``, so a connection that stops delivering is
+    abandoned (and retried) instead of hanging.
+
+    Raises:
+        RangeIgnoredError: The server sent the whole object instead of the range.
+        ShardOpenError: The range could not be fetched (after retries), or came back short.
+    """
+    expected = end - start
+
+    def call() -> bytes:
+        stats.add(requests=1)
+        data = source.cat_range(start, end, timeout=options.stall_timeout_s)
+        stats.add(bytes=len(data))
+        if len(data) == expected:
+            return data
+        if size is None and len(data) < expected:
+            return data  # the object ends inside the range; the caller checks its size
+        if (size is None and len(data) > expected) or (len(data) == size and size > expected):
+            raise RangeIgnoredError(data)
+        # A short or long body that is not the whole object: a cut connection or a broken
+        # server. Never hand it on; retrying asks again for exactly this range.
+        raise ConnectionError(f"ranged GET returned {len(data)} bytes, expected {expected}")
+
+    return retry(call, url=source.url, offset=start, options=options, stats=stats, cancel=cancel)
+
+
+def read_range(
+    url: str,
+    options: OpenOptions,
+    start: int,
+    end: int,
+    *,
+    fetch: FetchOptions,
+    stats: IOStats,
+    size: int | None = None,
+) -> bytes:
+    """Bytes ``[start, end)`` of the object at ``url``: :func:`fetch_range` by URL."""
+    source = object_at(url, options, stall_timeout_s=fetch.stall_timeout_s)
+    return fetch_range(source, start, end, size=size, options=fetch, stats=stats)

@@ -1,0 +1,168 @@
+"""S3 shards read through obstore (the default where it can) give what s3fs gives, with every
+way users pass credentials and endpoints to fsspec today; what obstore cannot take falls back
+to s3fs; errors stay clear and secret-free; a forked worker never hangs on obstore's runtime."""
+
+from __future__ import annotations
+
+import traceback
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+import torch.utils.data
+
+import cloudshards as wds
+from cloudshards.errors import ConfigError, ShardOpenError
+from cloudshards.source import OpenOptions, object_at
+from cloudshards.source.objstore import ObstoreObject
+from cloudshards.source.remote import FsspecObject
+
+if TYPE_CHECKING:
+    from conftest import RemoteDataset
+
+
+def keys_of(url: str, storage_options: Any = None, **kwargs: Any) -> list[str]:
+    dataset = wds.WebDataset(url, shardshuffle=False, storage_options=storage_options, **kwargs)
+    return [sample["__key__"] for sample in dataset]
+
+
+def all_keys(remote: RemoteDataset) -> list[str]:
+    return [key for keys in remote.local.shard_keys for key in keys]
+
+
+def transport_of(url: str, storage_options: Any) -> type:
+    return type(object_at(url, OpenOptions(storage_options=storage_options)))
+
+
+def test_s3_reads_through_obstore_by_default_and_matches_s3fs(
+    s3_dataset: RemoteDataset, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    options = s3_dataset.storage_options
+    assert transport_of(s3_dataset.url_for("x.tar"), options) is ObstoreObject
+    fast = [(s["__key__"], s["bin"]) for s in wds.WebDataset(
+        s3_dataset.url, shardshuffle=False, storage_options=options)]  # fmt: skip
+    cached = [(s["__key__"], s["bin"]) for s in wds.WebDataset(
+        s3_dataset.url, shardshuffle=False, storage_options=options,
+        cache_dir=str(tmp_path / "cache"))]  # fmt: skip
+    monkeypatch.setenv("CLOUDSHARDS_TRANSPORT", "fsspec")
+    assert transport_of(s3_dataset.url_for("x.tar"), options) is FsspecObject
+    slow = [(s["__key__"], s["bin"]) for s in wds.WebDataset(
+        s3_dataset.url, shardshuffle=False, storage_options=options)]  # fmt: skip
+    assert [key for key, _ in fast] == all_keys(s3_dataset)
+    assert fast == slow == cached
+    for key, data in fast:
+        assert data == s3_dataset.local.samples[key]["bin"]
+
+
+def test_credentials_and_endpoint_from_the_environment(
+    s3_dataset: RemoteDataset, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in s3_dataset.env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("CLOUDSHARDS_TRANSPORT", "obstore")
+    assert keys_of(s3_dataset.url) == all_keys(s3_dataset)
+
+
+def test_credentials_and_endpoint_from_an_aws_profile(
+    s3_dataset: RemoteDataset, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    server = s3_dataset.server
+    config = tmp_path / "aws-config"
+    config.write_text(
+        f"[profile train]\nregion = us-east-1\nendpoint_url = {server.endpoint_url}\n"
+    )
+    credentials = tmp_path / "aws-credentials"
+    credentials.write_text(
+        f"[train]\naws_access_key_id = {server.key}\naws_secret_access_key = {server.secret}\n"
+    )
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(credentials))
+    monkeypatch.setenv("CLOUDSHARDS_TRANSPORT", "obstore")
+    assert keys_of(s3_dataset.url, {"s3": {"profile": "train"}}) == all_keys(s3_dataset)
+    monkeypatch.setenv("AWS_PROFILE", "train")
+    assert keys_of(s3_dataset.url) == all_keys(s3_dataset)
+
+
+def test_endpoint_and_region_in_client_kwargs(
+    s3_dataset: RemoteDataset, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = s3_dataset.server
+    options = {
+        "s3": {
+            "key": server.key,
+            "secret": server.secret,
+            "client_kwargs": {"endpoint_url": server.endpoint_url, "region_name": "us-east-1"},
+            "config_kwargs": {"s3": {"addressing_style": "path"}},
+        }
+    }
+    monkeypatch.setenv("CLOUDSHARDS_TRANSPORT", "obstore")
+    assert keys_of(s3_dataset.url, options) == all_keys(s3_dataset)
+
+
+def test_an_option_obstore_lacks_falls_back_to_s3fs(
+    s3_dataset: RemoteDataset, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    options = {"s3": {**s3_dataset.storage_options["s3"], "config_kwargs": {"proxies": {}}}}
+    assert transport_of(s3_dataset.url_for("x.tar"), options) is FsspecObject
+    assert keys_of(s3_dataset.url, options) == all_keys(s3_dataset)
+    monkeypatch.setenv("CLOUDSHARDS_TRANSPORT", "obstore")
+    with pytest.raises(ConfigError, match="config_kwargs"):
+        keys_of(s3_dataset.url, options)
+
+
+@pytest.mark.parametrize("prefetch_pool", [True, False])
+def test_a_wrong_secret_is_access_denied_without_the_secret(
+    s3_dataset: RemoteDataset, monkeypatch: pytest.MonkeyPatch, prefetch_pool: bool
+) -> None:
+    monkeypatch.setenv("CLOUDSHARDS_TRANSPORT", "obstore")
+    monkeypatch.setenv("CLOUDSHARDS_RETRIES", "1")
+    wrong = "wrongSECRETvalue123"
+    options = {"s3": {**s3_dataset.storage_options["s3"], "secret": wrong}}
+    url = s3_dataset.url_for(s3_dataset.local.shards[0])
+    kwargs = {} if prefetch_pool else {"prefetch": 0}
+    with pytest.raises(ShardOpenError) as info:
+        keys_of(url, options, **kwargs)
+    text = "".join(traceback.format_exception(info.value))
+    assert "access denied" in str(info.value)
+    assert url in str(info.value)
+    assert "SignatureDoesNotMatch" in str(info.value)
+    assert wrong not in text
+
+
+def test_a_missing_object_is_named_and_not_retried(
+    s3_dataset: RemoteDataset, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("CLOUDSHARDS_TRANSPORT", "obstore")
+    url = s3_dataset.url_for("no-such-shard.tar")
+    with pytest.raises(ShardOpenError, match="object not found") as info:
+        keys_of(url, s3_dataset.storage_options)
+    assert url in str(info.value)
+    assert "retrying" not in caplog.text.lower()
+
+
+def _read_in_workers(url: str, options: Any, context: str) -> list[str]:
+    dataset = wds.WebDataset(url, shardshuffle=False, storage_options=options)
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_size=None, num_workers=2, multiprocessing_context=context, timeout=60
+    )
+    return sorted(sample["__key__"] for sample in loader)
+
+
+def test_forked_workers_of_a_process_that_used_obstore_read_through_s3fs(
+    s3_dataset: RemoteDataset,
+) -> None:
+    """obstore's runtime cannot cross a fork: a worker forked after its parent used obstore
+    would hang on its first read; it reads through s3fs instead (and says why)."""
+    options = s3_dataset.storage_options
+    url = s3_dataset.url
+    assert keys_of(url, options) == all_keys(s3_dataset)  # the parent uses obstore
+    assert _read_in_workers(url, options, "fork") == sorted(all_keys(s3_dataset))
+
+
+def test_spawned_workers_read_through_obstore(
+    s3_dataset: RemoteDataset, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # CLOUDSHARDS_TRANSPORT=obstore reaches the workers: they fail rather than fall back.
+    monkeypatch.setenv("CLOUDSHARDS_TRANSPORT", "obstore")
+    keys = _read_in_workers(s3_dataset.url, s3_dataset.storage_options, "spawn")
+    assert keys == sorted(all_keys(s3_dataset))

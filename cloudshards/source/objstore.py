@@ -31,8 +31,8 @@ from urllib.parse import urlsplit
 from cloudshards import config
 from cloudshards.errors import ConfigError
 from cloudshards.process import PerProcess
-from cloudshards.source.endpoints import store_endpoint, with_fsspec_config
 from cloudshards.source.options import OpenOptions
+from cloudshards.source.s3config import Unsupported, s3_settings
 from cloudshards.urls import options_for, protocol_of
 
 __all__ = ["ObstoreObject", "ObstoreReader", "s3_object", "transport_setting"]
@@ -40,29 +40,8 @@ __all__ = ["ObstoreObject", "ObstoreReader", "s3_object", "transport_setting"]
 logger = logging.getLogger("cloudshards.fetch")
 
 _S3 = ("s3", "s3a")
-#: s3fs options that change nothing about reading one object's bytes.
-_IGNORED = frozenset(
-    {
-        "skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_paths",
-        "default_block_size", "default_fill_cache", "default_cache_type", "cache_regions",
-        "asynchronous", "loop", "max_concurrency", "fixed_upload_size", "version_aware",
-        "s3_additional_kwargs", "session_kwargs", "use_ssl", "username", "password",
-    }
-)  # fmt: skip
-_HANDLED = frozenset(
-    {"key", "secret", "token", "anon", "profile", "endpoint_url", "client_kwargs",
-     "config_kwargs", "requester_pays"}
-)  # fmt: skip
-_CLIENT_KWARGS = frozenset({"endpoint_url", "region_name", "verify"})
-_CONFIG_KWARGS = frozenset(
-    {"s3", "max_pool_connections", "connect_timeout", "read_timeout", "retries",
-     "signature_version", "user_agent_extra", "tcp_keepalive"}
-)  # fmt: skip
 _STATUS = re.compile(r"status code: (\d{3})")
 _CODE = re.compile(r"<Code>([A-Za-z0-9.]{1,64})</Code>")
-#: How long credentials from a refreshing botocore provider are used before asking again.
-_CREDENTIAL_TTL = datetime.timedelta(minutes=5)
-
 # The process that first used obstore; a forked child of it must not (see the module doc).
 _used_in_pid: int | None = None
 _used_lock = threading.Lock()
@@ -83,10 +62,6 @@ def transport_setting() -> str:
     return value
 
 
-class _Unsupported(Exception):
-    """Why a shard cannot be read through obstore (it is then read through fsspec)."""
-
-
 def s3_object(url: str, options: OpenOptions, *, stall_timeout_s: float) -> ObstoreObject | None:
     """The object at ``url`` read through obstore, or None when fsspec must read it.
 
@@ -98,12 +73,15 @@ def s3_object(url: str, options: OpenOptions, *, stall_timeout_s: float) -> Obst
         return None
     try:
         store, key = _store_for(url, options, stall_timeout_s)
-    except _Unsupported as why:
+    except Unsupported as why:
         if setting == "obstore":
             raise ConfigError(f"CLOUDSHARDS_TRANSPORT=obstore, but {why}") from None
         if str(why) not in _told:
             _told.add(str(why))
-            logger.info("reading s3:// through s3fs, not obstore: %s", why)
+            # After a fork the reads are slower than they need be, for a reason the user can
+            # remove: say it. An option without equivalent is the user's choice: only inform.
+            level = logging.WARNING if why.after_fork else logging.INFO
+            logger.log(level, "reading s3:// through s3fs, not obstore: %s", why)
         return None
     return ObstoreObject(store, key, url)
 
@@ -113,16 +91,17 @@ def _store_for(url: str, options: OpenOptions, stall_timeout_s: float) -> tuple[
     try:
         import obstore.store
     except ImportError:
-        raise _Unsupported("obstore is not installed (pip install obstore)") from None
+        raise Unsupported("obstore is not installed (pip install obstore)") from None
     parts = urlsplit(url)
     if parts.query or parts.fragment or not parts.netloc:
-        raise _Unsupported("the URL has a query (a version id?) or no bucket")
+        raise Unsupported("the URL has a query (a version id?) or no bucket")
     bucket, key = parts.netloc, parts.path.lstrip("/")
     with _used_lock:
         if _used_in_pid is not None and _used_in_pid != os.getpid():
-            raise _Unsupported(
+            raise Unsupported(
                 "obstore was used before this process was forked (start DataLoader workers "
-                "with multiprocessing_context='spawn' or 'forkserver' to use it in workers)"
+                "with multiprocessing_context='spawn' or 'forkserver' to use it in workers)",
+                after_fork=True,
             )
         _used_in_pid = os.getpid()
     # Keyed by the user's options as given (secrets only as an in-memory key): the settings,
@@ -132,7 +111,7 @@ def _store_for(url: str, options: OpenOptions, stall_timeout_s: float) -> tuple[
     stores = _stores.get()
     store = stores.get(cache_key)
     if store is None:
-        settings = _s3_settings(url, options)
+        settings = s3_settings(url, options)
         credentials = settings.pop("credentials", None)
         client = _client_options(settings, stall_timeout_s)
         store = obstore.store.S3Store(
@@ -159,97 +138,6 @@ def _client_options(settings: dict[str, Any], stall_timeout_s: float) -> dict[st
     if settings.pop("_insecure", False):
         client["allow_invalid_certificates"] = True
     return client
-
-
-def _s3_settings(url: str, options: OpenOptions) -> dict[str, Any]:
-    """obstore's S3 configuration for ``url`` as s3fs would read it (see the module doc)."""
-    kwargs = with_fsspec_config(_S3, options_for(protocol_of(url), options.storage_options))
-    unknown = set(kwargs) - _HANDLED - _IGNORED
-    if unknown:
-        raise _Unsupported(f"storage option {sorted(unknown)[0]!r} has no obstore equivalent")
-    client = kwargs.get("client_kwargs") or {}
-    conf = kwargs.get("config_kwargs") or {}
-    if not isinstance(client, Mapping) or set(client) - _CLIENT_KWARGS:
-        raise _Unsupported("client_kwargs other than endpoint_url, region_name, verify")
-    if not isinstance(conf, Mapping) or set(conf) - _CONFIG_KWARGS:
-        raise _Unsupported("config_kwargs other than addressing style, pools and timeouts")
-    if conf.get("signature_version") not in (None, "s3v4"):
-        raise _Unsupported(f"signature_version {conf.get('signature_version')!r}")
-    verify = client.get("verify", True)
-    if verify not in (True, False, None):
-        raise _Unsupported("client_kwargs verify= a CA bundle path")
-    settings: dict[str, Any] = {"_insecure": verify is False}
-    endpoint = store_endpoint(url, options)
-    profile = kwargs.get("profile") if isinstance(kwargs.get("profile"), str) else None
-    region = client.get("region_name") or _profile_region(profile)
-    if endpoint is None:
-        if not region:
-            raise _Unsupported("no region configured (AWS_DEFAULT_REGION or region_name)")
-        bucket = urlsplit(url).netloc
-        settings["virtual_hosted_style_request"] = "." not in bucket
-    else:
-        settings["endpoint"] = endpoint
-        settings["virtual_hosted_style_request"] = False
-    s3_conf = conf.get("s3")
-    if isinstance(s3_conf, Mapping) and s3_conf.get("addressing_style") in ("virtual", "path"):
-        settings["virtual_hosted_style_request"] = s3_conf["addressing_style"] == "virtual"
-    settings["region"] = region or "us-east-1"
-    settings["request_payer"] = bool(kwargs.get("requester_pays", False))
-    if kwargs.get("anon"):
-        settings["skip_signature"] = True
-    else:
-        settings["skip_signature"] = False
-        settings["credentials"] = _credentials(kwargs, profile)
-    return settings
-
-
-def _profile_region(profile: str | None) -> str | None:
-    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
-    if region:
-        return region
-    import botocore.session  # type: ignore[import-untyped]
-
-    try:
-        value = botocore.session.Session(profile=profile).get_config_variable("region")
-    except Exception:  # a broken config file: s3fs would fail the same way, later
-        return None
-    return str(value) if value else None
-
-
-class _Credentials:
-    """obstore's credential callback: the given keys, or botocore's chain as s3fs uses it.
-
-    Never shown: its repr names no secret.
-    """
-
-    def __init__(self, kwargs: Mapping[str, Any], profile: str | None) -> None:
-        self._given = (kwargs.get("key"), kwargs.get("secret"), kwargs.get("token"))
-        self._profile = profile
-        self._chain: Any = None
-        if not (self._given[0] and self._given[1]):
-            import botocore.session
-
-            self._chain = botocore.session.Session(profile=profile).get_credentials()
-            if self._chain is None:
-                raise _Unsupported("no credentials found (s3fs reports the error)")
-
-    def __call__(self) -> dict[str, Any]:
-        if self._chain is None:
-            key, secret, token = self._given
-            return {"access_key_id": key, "secret_access_key": secret, "token": token,
-                    "expires_at": None}  # fmt: skip
-        frozen = self._chain.get_frozen_credentials()
-        refreshing = hasattr(self._chain, "refresh_needed")
-        expires = datetime.datetime.now(datetime.UTC) + _CREDENTIAL_TTL if refreshing else None
-        return {"access_key_id": frozen.access_key, "secret_access_key": frozen.secret_key,
-                "token": frozen.token, "expires_at": expires}  # fmt: skip
-
-    def __repr__(self) -> str:
-        return f"_Credentials(profile={self._profile!r}, given={self._given[0] is not None})"
-
-
-def _credentials(kwargs: Mapping[str, Any], profile: str | None) -> _Credentials:
-    return _Credentials(kwargs, profile)
 
 
 def _translate(exc: BaseException) -> BaseException:

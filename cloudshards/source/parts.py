@@ -94,6 +94,7 @@ class PartStream(ClosingStream):
             self._window.append((first_part, 0, first_length))
             self._next_start = first_length
         self._current = memoryview(b"")
+        self._part = b""  # the part ``_current`` views: handed on whole, without a copy
         self._position = 0
         self._tail: ShardSource | None = None
         self.offset = 0
@@ -170,16 +171,21 @@ class PartStream(ClosingStream):
         """Return up to ``size`` bytes (a whole part when ``size`` is -1); ``b""`` at the end."""
         if self._position >= len(self._current):
             self._current = memoryview(b"")  # release the finished part before refilling
+            self._part = b""
             if self._tail is not None:
                 return self._read_tail(size)
             data = self._next_part()
             if data is None:
                 return b""
+            self._part = data
             self._current = memoryview(data)
             self._position = 0
             self._fill()
         end = len(self._current) if size < 0 else min(len(self._current), self._position + size)
-        data = bytes(self._current[self._position : end])
+        if self._position == 0 and end == len(self._current):
+            data = self._part  # the whole part: no copy (readers ask for a block or more)
+        else:
+            data = bytes(self._current[self._position : end])
         self._position = end
         self.offset += len(data)
         return data
@@ -287,6 +293,7 @@ class PartStream(ClosingStream):
             self._cancel()
             self._details.cancel()
             self._current = memoryview(b"")
+            self._part = b""
             if self._tail is not None:
                 self._tail.close()
             record: dict[str, Any] = dict(self._stats.as_dict())

@@ -15,7 +15,7 @@ from typing import Protocol
 
 from cloudshards.source.local import is_local
 from cloudshards.source.options import FetchOptions, OpenOptions
-from cloudshards.source.parts import open_parts, open_sized_parts
+from cloudshards.source.parts import PartStream, open_parts, open_sized_parts
 from cloudshards.source.plain import open_shard
 from cloudshards.source.resumable import open_remote
 from cloudshards.source.retries import IOStats, process_stats
@@ -139,7 +139,7 @@ def store_opener(
             shard_index=shard_index,
         )
     return partial(
-        open_parts,
+        _open_started_parts,
         url,
         options,
         fetch,
@@ -148,6 +148,26 @@ def store_opener(
         shard_index=shard_index,
         cancel=cancel,
     )
+
+
+def _open_started_parts(
+    url: str,
+    options: OpenOptions,
+    fetch: FetchOptions,
+    *,
+    executor: cf.ThreadPoolExecutor,
+    stats: IOStats,
+    shard_index: int | None,
+    cancel: threading.Event | None,
+) -> ShardSource:
+    """:func:`open_parts` with its window of ranged GETs put in flight at once (not on the
+    first read): a shard opened ahead of its reader, or by a download ahead, fills it."""
+    stream = open_parts(
+        url, options, fetch, executor=executor, stats=stats, shard_index=shard_index, cancel=cancel
+    )
+    if isinstance(stream, PartStream):
+        stream.start()
+    return stream
 
 
 def _any_size(size: int) -> None:

@@ -129,7 +129,14 @@ class ShardPrefetcher:
         threads: list[threading.Thread],
     ) -> ShardSource | None:
         """Start downloading a later shard into the node cache (see ShardCache.download_ahead);
-        the consumer opens it through the cache, so there is no stream to hand on."""
+        the consumer opens it through the cache, so there is no stream to hand on.
+
+        Where nothing is downloaded ahead (before this process's first commit, on a full disk,
+        for an entry complete or being downloaded by another process), the shard is opened
+        through the cache now instead (never under a byte budget): its bytes are in flight (or
+        its hit open) before the consumer gets to it, as without a cache, and still cross the
+        network once.
+        """
         assert self._cache is not None
         thread = self._cache.download_ahead(
             shard["url"],
@@ -148,7 +155,19 @@ class ShardPrefetcher:
         )
         if thread is not None:
             threads.append(thread)
-        return None
+            return None
+        if getattr(self._cache, "max_bytes", None) is not None:
+            return None  # under a byte budget, a shard opened ahead would take room in use
+        return open_source(
+            shard["url"],
+            self._options,
+            fetch=self._fetch,
+            cache=self._cache,
+            shard_index=shard.get("shard_index"),
+            executor=executor,
+            stats=self._stats,
+            cancel=self._cancel,
+        )
 
     def _fetch_later(self, url: str) -> bool:
         """Local files, pipes and cached shards open at consumption time."""

@@ -244,3 +244,27 @@ def test_an_early_stop_cancels_the_downloads_ahead(
     assert sorted(os.listdir(data)) == sorted(names)
     assert (stats.hits, stats.misses, stats.waits, stats.uncached) == (4, 2, 0, 0)
     assert prefetch.current_thread_count() == 0
+
+
+def test_before_the_first_commit_the_next_shards_open_while_the_first_is_read(
+    make_shards: Any, store: Path, tmp_path: Path
+) -> None:
+    """No download ahead starts before this process has committed an entry; the shards after
+    the first are opened through the cache when they are prefetched, so their bytes are in
+    flight while the first is read (as without a cache), each still fetched once."""
+    shards = make_shards([3] * 4, payload_bytes=4000)
+    urls = [fakes.url_of(p) for p in shards.paths]
+    ds = wds.WebDataset(urls, shardshuffle=False, cache_dir=str(tmp_path / "cache"), prefetch=2)
+    seen_while_first: dict[str, int] = {}
+    got = []
+    for sample in ds:
+        if not got:  # the first sample: shard 1 is being read, nothing committed yet
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and len(opens(store)) < 3:
+                time.sleep(0.01)
+            seen_while_first = opens(store)
+        got.append((sample["__key__"], sample["bin"]))
+    assert got == [(key, fields["bin"]) for key, fields in shards.samples]
+    assert set(seen_while_first) == {str(p) for p in shards.paths[:3]}
+    assert opens(store) == {str(p): 1 for p in shards.paths}
+    assert ds.cache.stats.misses == 4  # type: ignore[union-attr]

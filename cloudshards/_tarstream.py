@@ -1,4 +1,5 @@
-"""Byte-level plumbing of the tar reader: a block buffer over the stream, and streaming gunzip.
+"""Byte-level plumbing of the tar reader: a block buffer over the stream (gunzipped by
+:class:`~cloudshards._gunzip.GunzipReader` when it is gzip).
 
 Private to :mod:`cloudshards.tar`.
 """
@@ -6,10 +7,10 @@ Private to :mod:`cloudshards.tar`.
 from __future__ import annotations
 
 import logging
-import zlib
 from collections.abc import Callable
 from typing import Any
 
+from cloudshards._gunzip import GZIP_MAGIC, GunzipReader
 from cloudshards._tarheader import BLOCK, ZERO_BLOCK
 from cloudshards.errors import ShardFormatError
 from cloudshards.redact import redact_url
@@ -17,12 +18,6 @@ from cloudshards.redact import redact_url
 __all__ = ["GZIP_MAGIC", "MAX_OFFSET", "BlockReader", "GunzipReader", "describe_size"]
 
 logger = logging.getLogger(__name__)
-
-#: The first two bytes of every gzip stream (re-exported by :mod:`cloudshards.tar`).
-GZIP_MAGIC = b"\x1f\x8b"
-
-#: Compressed bytes fed to zlib per call: small, so carrying unconsumed input over is cheap.
-_GZIP_INPUT_BYTES = 256 << 10
 
 #: Largest offset a member may reach: seek(), the member table and the index keep offsets as
 #: signed 64-bit integers, and no real stream is longer.
@@ -35,73 +30,6 @@ def describe_size(size: int) -> str:
     return str(size) if size < 1 << 64 else f"at least 2**{size.bit_length() - 1}"
 
 
-class GunzipReader:
-    """A ``read(n)`` over the decompressed bytes of a (multi-member) gzip stream.
-
-    Output per call is bounded by ``block_bytes``, so a gzip bomb cannot exhaust memory.
-    """
-
-    def __init__(self, stream: Any, first: bytes, url: str | None, block_bytes: int) -> None:
-        self._stream = stream
-        self._url = url
-        self._block_bytes = max(block_bytes, BLOCK)
-        self._decompressor = zlib.decompressobj(wbits=31)
-        self._input = first  # compressed bytes not yet given to zlib
-        self._compressed_read = len(first)  # compressed bytes read from the stream so far
-        self._offset = 0  # decompressed bytes returned so far
-        self._out = b""
-        self._out_pos = 0
-
-    def read(self, size: int) -> bytes:
-        """Return up to ``size`` decompressed bytes; ``b""`` only at a clean end of stream."""
-        out, out_pos = self._out, self._out_pos
-        if out_pos >= len(out):
-            out = self._out = self._decompress()
-            out_pos = 0
-        data = out[out_pos : out_pos + size]
-        self._out_pos = out_pos + len(data)
-        self._offset += len(data)
-        return data
-
-    def _decompress(self) -> bytes:
-        while True:
-            decompressor = self._decompressor
-            if decompressor.eof:
-                # Another gzip member may follow (cat a.gz b.gz); zero padding between or after
-                # members is ignored, as gzip(1) and Python's gzip module do.
-                rest = self._input.lstrip(b"\0")
-                while not rest:
-                    chunk = self._read_compressed()
-                    if not chunk:
-                        return b""
-                    rest = chunk.lstrip(b"\0")
-                self._input = rest
-                decompressor = self._decompressor = zlib.decompressobj(wbits=31)
-            if not self._input:
-                self._input = self._read_compressed()
-                if not self._input:
-                    raise self._error("truncated gzip stream (ends before the gzip trailer)")
-            try:
-                out = decompressor.decompress(self._input[:_GZIP_INPUT_BYTES], self._block_bytes)
-            except zlib.error as exc:
-                raise self._error(f"corrupt gzip stream ({exc})") from None
-            tail = decompressor.unused_data if decompressor.eof else decompressor.unconsumed_tail
-            self._input = tail + self._input[_GZIP_INPUT_BYTES:]
-            if out:
-                return out
-
-    def _read_compressed(self) -> bytes:
-        chunk: bytes = self._stream.read(self._block_bytes)
-        self._compressed_read += len(chunk)
-        return chunk
-
-    def _error(self, message: str) -> ShardFormatError:
-        compressed = self._compressed_read - len(self._input)
-        return ShardFormatError(
-            f"{message} near compressed byte {compressed}", url=self._url, offset=self._offset
-        )
-
-
 class BlockReader:
     """A buffer of large reads over a tar stream.
 
@@ -110,7 +38,10 @@ class BlockReader:
     it runs past the end of ``buf``.
     """
 
-    __slots__ = ("base", "block_bytes", "buf", "gzip", "pos", "read", "seekable", "url")
+    __slots__ = (
+        "_stream_read", "base", "block_bytes", "buf", "gzip", "pos", "read", "seekable",
+        "spare", "spare_pos", "url",
+    )  # fmt: skip
 
     def __init__(self, stream: Any, url: str | None, block_bytes: int) -> None:
         self.url = url
@@ -119,6 +50,12 @@ class BlockReader:
         self.pos = 0
         self.read: Callable[[int], bytes] = stream.read
         self.buf = b""
+        # A block read whole to complete a straddling header or member, and where its unread
+        # rest starts: the next fill takes it as its buffer, without a copy (see fill).
+        self.spare = b""
+        self.spare_pos = 0
+        self._stream_read = self.read
+        self.seekable: Any = stream  # set below; not None here, so fill(2) keeps no spare
         self.fill(2)
         self.gzip: GunzipReader | None = None
         if self.buf[:2] == GZIP_MAGIC:
@@ -128,6 +65,7 @@ class BlockReader:
             self.buf = b""
         # The stream to seek on, when seeking can replace reading (never through gzip).
         self.seekable = stream if self.gzip is None and _seekable(stream) else None
+        self._stream_read = self.read
 
     def error(
         self, message: str, offset: int, member: str | None = None, entry: str | None = None
@@ -155,11 +93,28 @@ class BlockReader:
             parts = [buf[pos:]]
             want = need - avail
         else:
+            if self.spare and len(self.spare) - self.spare_pos >= need:
+                # The rest of the block the last straddle read whole becomes the buffer as it
+                # is: the stream's blocks (a remote shard's parts) are never copied.
+                self.buf, self.pos = self.spare, self.spare_pos
+                self.base -= self.spare_pos
+                self._drop_spare()
+                return True
             parts = []
             want = max(need, self.block_bytes)
-        read = self.read
         while avail < need:
-            chunk = read(want)
+            read = self.read  # the spare's reader until the spare is used up
+            if parts and self.seekable is None and read is self._stream_read:
+                # Read a whole block, not just the missing bytes: a stream that hands out its
+                # blocks without copying (PartStream) would copy the rest of a block that is
+                # read from its middle. What is not needed now is kept as the spare.
+                chunk = read(max(want, self.block_bytes))
+                if len(chunk) > want:
+                    self.spare, self.spare_pos = chunk, want
+                    self.read = self._read_spare
+                    chunk = chunk[:want]
+            else:
+                chunk = read(want)
             if not chunk:
                 break
             parts.append(chunk)
@@ -168,6 +123,22 @@ class BlockReader:
         self.buf = parts[0] if len(parts) == 1 else b"".join(parts)
         self.pos = 0
         return avail >= need
+
+    def _read_spare(self, size: int) -> bytes:
+        """``read`` while a spare block is held: its bytes first, then the stream's."""
+        spare, start = self.spare, self.spare_pos
+        end = len(spare) if size < 0 else min(len(spare), start + size)
+        data = spare[start:end]
+        if end >= len(spare):
+            self._drop_spare()
+        else:
+            self.spare_pos = end
+        return data
+
+    def _drop_spare(self) -> None:
+        self.spare = b""
+        self.spare_pos = 0
+        self.read = self._stream_read
 
     def take_or_raise(
         self, size: int, padded: int, member: str | None, entry: str | None = None
@@ -239,6 +210,13 @@ class BlockReader:
         avail = len(buf) - pos
         if size <= avail:
             self.pos = pos + size
+            return True
+        if size <= self.block_bytes and self.seekable is None:
+            # Padding or a small member across a block boundary: through fill, which keeps
+            # the rest of the next block whole (a short read would copy it in pieces).
+            if not self.fill(size):
+                return False
+            self.pos += size
             return True
         size -= avail
         self.base += len(buf)

@@ -156,13 +156,15 @@ class FakeGCS(fakes.SlowFileSystem):
 
     Class knobs (reset by the ``gcs`` fixture): ``md5_hash`` replaces the reported checksum;
     ``corrupt_at`` is a byte offset that is served flipped, ``corrupt_times`` times in all
-    (each download that covers it uses one), as a bad link would.
+    (each download that covers it uses one), as a bad link would; only in ``corrupt_path``
+    when that is set (the shards after the first are fetched while it is read).
     """
 
     protocol = ("gs", "gcs")
     md5_hash: ClassVar[str | None] = None
     corrupt_at: ClassVar[int | None] = None
     corrupt_times: ClassVar[int] = 0
+    corrupt_path: ClassVar[str | None] = None
 
     def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
         details = super().info(path, **kwargs)
@@ -186,6 +188,8 @@ class FakeGCS(fakes.SlowFileSystem):
         at = cls.corrupt_at
         if at is None or cls.corrupt_times <= 0 or not start <= at < start + len(data):
             return data
+        if cls.corrupt_path is not None and path != cls.corrupt_path:
+            return data
         cls.corrupt_times -= 1
         flipped = bytearray(data)
         flipped[at - start] ^= 0xFF
@@ -203,6 +207,7 @@ def gcs(store: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[type[FakeGCS]]
     monkeypatch.setattr(FakeGCS, "md5_hash", None)
     monkeypatch.setattr(FakeGCS, "corrupt_at", None)
     monkeypatch.setattr(FakeGCS, "corrupt_times", 0)
+    monkeypatch.setattr(FakeGCS, "corrupt_path", None)
     yield FakeGCS
     FakeGCS.clear_instance_cache()
 
@@ -417,6 +422,7 @@ def test_bytes_corrupted_before_the_tail_reach_the_handler_as_a_shard_error(
     path = shards.paths[0]
     assert path.stat().st_size > 4 * small_hold
     gcs.corrupt_at, gcs.corrupt_times = member_offset(path, 0) + 10, 1
+    gcs.corrupt_path = str(path)
     cache_dir = tmp_path / "cache"
     urls = [gs_url(p) for p in shards.paths]
     handler = Handled()

@@ -1133,3 +1133,46 @@ def test_gzip_followed_by_a_zlib_stream_raises() -> None:
     compressed = gzip.compress(write_tar(SAMPLE_MEMBERS)) + zlib.compress(b"not gzip")
     with pytest.raises(ShardFormatError, match="gzip"):
         read(compressed)
+
+
+class PartsStream:
+    """A non-seekable stream that hands out fixed parts, as the remote part stream does: a
+    read of a part or more returns the part itself; a smaller read copies a slice of it."""
+
+    def __init__(self, data: bytes, part: int) -> None:
+        self.parts = [data[i : i + part] for i in range(0, len(data), part)]
+        self.partial_reads = 0
+
+    def read(self, size: int = -1) -> bytes:
+        if not self.parts:
+            return b""
+        head = self.parts[0]
+        if size < 0 or size >= len(head):
+            return self.parts.pop(0)
+        self.partial_reads += 1
+        self.parts[0] = head[size:]
+        return head[:size]
+
+
+@pytest.mark.parametrize("compress", [False, True])
+@pytest.mark.parametrize("part", [700, 3000, 4096 + 7, 65536])
+@pytest.mark.parametrize("block_bytes", [512, 4096, 1 << 20])
+def test_parts_that_split_headers_and_members(compress: bool, part: int, block_bytes: int) -> None:
+    rng = random.Random(part * 7 + block_bytes)
+    files = [(f"s{i:04d}.{ext}", rng.randbytes(rng.randrange(0, 5000)))
+             for i in range(60) for ext in ("bin", "json")]  # fmt: skip
+    data = write_tar(files, fmt=tarfile.PAX_FORMAT)
+    if compress:
+        data = gzip.compress(data)
+    got = [(m.name, m.data) for m in iter_members(PartsStream(data, part), block_bytes=block_bytes)]
+    assert got == files
+
+
+def test_parts_are_never_split_when_blocks_are_at_least_a_part() -> None:
+    """A member or header split across two parts is completed from the next part read whole
+    (the rest of it kept for the next block), so no part is ever copied in pieces."""
+    files = [(f"s{i:04d}.bin", bytes([i % 251]) * (1000 + 37 * i)) for i in range(80)]
+    stream = PartsStream(write_tar(files, fmt=tarfile.PAX_FORMAT), 3000)
+    got = [(m.name, m.data) for m in iter_members(stream, block_bytes=4096)]
+    assert got == files
+    assert stream.partial_reads == 0

@@ -108,8 +108,7 @@ def _from_index(
     quiet: bool,
     allow_external: bool,
 ) -> list[int] | None:
-    from cloudshards._index_files import default_index_url, load_index
-    from cloudshards._index_format import DatasetIndex
+    from cloudshards.indexed import DatasetIndex, default_index_url, load_index
 
     try:
         loaded = index if isinstance(index, DatasetIndex) else None

@@ -15,8 +15,7 @@ import pickle
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from cloudshards import _inflate, config
-from cloudshards._inflate import npy_loads, npz_loads
+from cloudshards import config, inflate
 from cloudshards.errors import ConfigError, DecodeError, ShardError
 from cloudshards.imagedecode import (
     AUDIO_EXTENSIONS,
@@ -29,6 +28,7 @@ from cloudshards.imagedecode import (
     torch_audio,
     torch_video,
 )
+from cloudshards.inflate import npy_loads, npz_loads
 from cloudshards.types import DecodeFn, Sample
 
 __all__ = [
@@ -121,7 +121,7 @@ def torch_loads(data: bytes) -> Any:
 
     unsafe = _unsafe_allowed()
     if data[:4] == b"PK\x03\x04":  # the zip format of torch.save: bound what it inflates
-        _inflate.check_zip(data, _inflate.decode_limit(), ".pth archive")
+        inflate.check_zip(data, inflate.decode_limit(), ".pth archive")
     try:
         return torch.load(io.BytesIO(data), weights_only=not unsafe, map_location="cpu")
     except pickle.UnpicklingError as exc:
@@ -260,7 +260,7 @@ def gzfilter(key: str, data: bytes) -> Continue | None:
     key without ``.gz``."""
     if not key.endswith(".gz"):
         return None
-    return Continue(key[:-3], _inflate.gunzip(data, _inflate.decode_limit()))
+    return Continue(key[:-3], inflate.gunzip(data, inflate.decode_limit()))
 
 
 default_pre_handlers: list[Handler] = [gzfilter]
@@ -315,7 +315,7 @@ class Decoder:
         """Decode one field's ``data``; ``key`` is the field name without the leading dot."""
         key = "." + key
         # The handlers' signature is webdataset's (key, data): the limit travels beside it.
-        token = _inflate.active_limit.set(self.max_bytes)
+        token = inflate.active_limit.set(self.max_bytes)
         try:
             for handler in self.handlers:
                 result = handler(key, data)
@@ -326,7 +326,7 @@ class Decoder:
                     return result
             return data
         finally:
-            _inflate.active_limit.reset(token)
+            inflate.active_limit.reset(token)
 
     def decode(self, sample: Sample) -> Sample:
         """Return a new sample with its fields decoded.

@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from cloudshards._inflate import decode_limit, gunzip
 from cloudshards.decoders import UNSAFE
 from cloudshards.imagedecode import AUDIO_EXTENSIONS, IMAGE_EXTENSIONS, VIDEO_EXTENSIONS
+from cloudshards.inflate import decode_limit, gunzip
 
 __all__ = ["describe"]
 

@@ -3,7 +3,8 @@
 
 Four areas, each with the test files that guard it:
 
-- ``tar``: the tar reader (``tar.py``, ``_tarheader.py``, ``_tarstream.py``, ``membertable.py``);
+- ``tar``: the tar reader (``tar/members.py``, ``tar/headers.py``, ``tar/blocks.py``) and the
+  cache's member tables (``cache/membertable.py``);
 - ``cache``: the node cache's commit path (reserve, write, verify, rename/commit, unlock, and the
   follower's reads) in the ``cache/`` package (``shardcache.py``, ``budget.py``, ``tee.py``,
   ``follow.py``, ``lock.py``, ``facts.py``);
@@ -47,7 +48,7 @@ Usage::
     tox -e mutation                                     # all areas (about 40 min on 2 cores)
     python integration/mutation.py --area tar --jobs 2
     python integration/mutation.py --list --area cache  # the mutants, not run
-    python integration/mutation.py --only "_tarheader"  # mutants whose key contains this
+    python integration/mutation.py --only "tar/headers"  # mutants whose key contains this
     python integration/mutation.py --survivors-of run.json  # what survived an earlier --json
     python integration/mutation.py --sample 100 --seed 1
     python integration/mutation.py --strict             # exit 1 if a mutant survives
@@ -96,10 +97,10 @@ class Area:
 AREAS: dict[str, Area] = {
     "tar": Area(
         targets={
-            "cloudshards/tar.py": ("*",),
-            "cloudshards/_tarheader.py": ("*",),
-            "cloudshards/_tarstream.py": ("*",),
-            "cloudshards/membertable.py": ("*",),
+            "cloudshards/tar/members.py": ("*",),
+            "cloudshards/tar/headers.py": ("*",),
+            "cloudshards/tar/blocks.py": ("*",),
+            "cloudshards/cache/membertable.py": ("*",),
         },
         tests=(
             "tests/test_tar.py",
@@ -169,128 +170,128 @@ AREAS: dict[str, Area] = {
 #: :attr:`Mutant.key`), with the reason. They are listed in the report but not counted.
 REVIEWED_EQUIVALENTS: dict[str, str] = {
     # --- tar ----------------------------------------------------------------------------------
-    "cloudshards/tar.py:_iter_members: -1 → -2": "ext_offset -1 means none; only ever compared with >= 0",
-    "cloudshards/tar.py:_iter_members: -1 → -2 #3": "ext_offset -1 means none; only ever compared with >= 0",
-    "cloudshards/tar.py:_iter_members: -1 → -2 #4": "ext_offset -1 means none; only ever compared with >= 0",
-    "cloudshards/tar.py:_iter_members: len(buf) - pos < BLOCK → len(buf) - pos <= BLOCK": (
+    "cloudshards/tar/members.py:_iter_members: -1 → -2": "ext_offset -1 means none; only ever compared with >= 0",
+    "cloudshards/tar/members.py:_iter_members: -1 → -2 #3": "ext_offset -1 means none; only ever compared with >= 0",
+    "cloudshards/tar/members.py:_iter_members: -1 → -2 #4": "ext_offset -1 means none; only ever compared with >= 0",
+    "cloudshards/tar/members.py:_iter_members: len(buf) - pos < BLOCK → len(buf) - pos <= BLOCK": (
         "with exactly one block left, rd.fill(BLOCK) returns at once and changes nothing"
     ),
-    "cloudshards/tar.py:_iter_members: return → pass": "rd.finish_at_eof() always raises",
-    "cloudshards/tar.py:_iter_members: data_offset + padded > MAX_OFFSET → data_offset + padded >= MAX_OFFSET": (
+    "cloudshards/tar/members.py:_iter_members: return → pass": "rd.finish_at_eof() always raises",
+    "cloudshards/tar/members.py:_iter_members: data_offset + padded > MAX_OFFSET → data_offset + padded >= MAX_OFFSET": (
         "offsets and padded sizes are multiples of 512, MAX_OFFSET (2**63 - 1) is odd"
     ),
-    "cloudshards/tar.py:_iter_members: pos + padded <= len(buf) → pos + padded < len(buf)": (
+    "cloudshards/tar/members.py:_iter_members: pos + padded <= len(buf) → pos + padded < len(buf)": (
         "a member ending exactly at the buffer's end takes rd.skip_or_raise: same position"
     ),
-    "cloudshards/tar.py:_iter_members: end <= len(buf) → end < len(buf)": (
+    "cloudshards/tar/members.py:_iter_members: end <= len(buf) → end < len(buf)": (
         "a member ending exactly at the buffer's end takes rd.take_or_raise: same bytes"
     ),
-    "cloudshards/tar.py:_iter_members: pos + padded <= len(buf) → pos + padded < len(buf) #2": (
+    "cloudshards/tar/members.py:_iter_members: pos + padded <= len(buf) → pos + padded < len(buf) #2": (
         "an extended header ending exactly at the buffer's end takes rd.take_or_raise: same bytes"
     ),
-    "cloudshards/tar.py:_iter_members: pos + padded <= len(buf) → pos + padded < len(buf) #3": (
+    "cloudshards/tar/members.py:_iter_members: pos + padded <= len(buf) → pos + padded < len(buf) #3": (
         "an entry ending exactly at the buffer's end takes rd.skip_or_raise: same position"
     ),
-    "cloudshards/_tarheader.py:checksum_ok: return False → pass": (
+    "cloudshards/tar/headers.py:checksum_ok: return False → pass": (
         "stored is None: the signed comparison after it is False as well"
     ),
-    "cloudshards/_tarheader.py:parse_pax: pos < end → pos <= end": (
+    "cloudshards/tar/headers.py:parse_pax: pos < end → pos <= end": (
         "at pos == end no length is found and the empty remainder ends the loop"
     ),
-    "cloudshards/_tarheader.py:parse_pax: space > pos → space >= pos": (
+    "cloudshards/tar/headers.py:parse_pax: space > pos → space >= pos": (
         "space == pos slices the same empty length text"
     ),
-    "cloudshards/_tarheader.py:parse_pax: stop <= space + 1 → stop < space + 1": (
+    "cloudshards/tar/headers.py:parse_pax: stop <= space + 1 → stop < space + 1": (
         "a record ending at its length's space fails the newline check: same error"
     ),
-    "cloudshards/_tarheader.py:parse_pax: space + 1 → space + 0": (
+    "cloudshards/tar/headers.py:parse_pax: space + 1 → space + 0": (
         "a record ending at its length's space fails the newline check: same error"
     ),
-    "cloudshards/_tarheader.py:parse_pax: space + 1 → space - 1": (
+    "cloudshards/tar/headers.py:parse_pax: space + 1 → space - 1": (
         "records that short end in a digit or the space: the newline check, same error"
     ),
-    "cloudshards/_tarstream.py:GunzipReader.__init__: max(block_bytes, BLOCK) → min(block_bytes, BLOCK)": (
+    "cloudshards/tar/gunzip.py:GunzipReader.__init__: max(block_bytes, BLOCK) → min(block_bytes, BLOCK)": (
         "performance only: smaller decompressed chunks, same bytes and errors"
     ),
-    "cloudshards/_tarstream.py:GunzipReader.__init__: zlib.decompressobj(wbits=31) → zlib.decompressobj(wbits=32)": (
+    "cloudshards/tar/gunzip.py:GunzipReader.__init__: zlib.decompressobj(wbits=31) → zlib.decompressobj(wbits=32)": (
         "the stream starts with the gzip magic: header detection reads it as gzip too"
     ),
-    "cloudshards/_tarstream.py:GunzipReader.__init__: 0 → 1 #2": (
+    "cloudshards/tar/gunzip.py:GunzipReader.__init__: 0 → 1 #2": (
         "_out is empty at first: any start position triggers the first decompression"
     ),
-    "cloudshards/_tarstream.py:BlockReader.__init__: self.fill(2) → self.fill(3)": (
+    "cloudshards/tar/blocks.py:BlockReader.__init__: self.fill(2) → self.fill(3)": (
         "the result is ignored; the magic check sees at least the 2 bytes it needs"
     ),
-    "cloudshards/_tarstream.py:BlockReader.fill: avail >= need → avail > need": (
+    "cloudshards/tar/blocks.py:BlockReader.fill: avail >= need → avail > need": (
         "with exactly `need` bytes the other path rebases the buffer and returns True"
     ),
-    "cloudshards/_tarstream.py:BlockReader.fill: return True → pass": (
+    "cloudshards/tar/blocks.py:BlockReader.fill: return True → pass": (
         "the other path rebases the buffer and returns True as well"
     ),
-    "cloudshards/_tarstream.py:BlockReader.fill: True → False": (
+    "cloudshards/tar/blocks.py:BlockReader.fill: True → False": (
         "reached only where the result is ignored: the tar loop and _take call fill when short"
     ),
-    "cloudshards/_tarstream.py:BlockReader.fill: need - avail → need + avail": (
+    "cloudshards/tar/blocks.py:BlockReader.fill: need - avail → need + avail": (
         "performance only: a larger read, same bytes"
     ),
-    "cloudshards/_tarstream.py:BlockReader.fill: max(need, self.block_bytes) → min(need, self.block_bytes)": (
+    "cloudshards/tar/blocks.py:BlockReader.fill: max(need, self.block_bytes) → min(need, self.block_bytes)": (
         "performance only: smaller reads, same bytes"
     ),
-    "cloudshards/_tarstream.py:BlockReader.fill: avail < need → avail <= need": (
+    "cloudshards/tar/blocks.py:BlockReader.fill: avail < need → avail <= need": (
         "performance only: one read more, same bytes"
     ),
-    "cloudshards/_tarstream.py:BlockReader.fill: want -= len(chunk) → pass": (
+    "cloudshards/tar/blocks.py:BlockReader.fill: want -= len(chunk) → pass": (
         "performance only: larger reads, same bytes"
     ),
-    "cloudshards/_tarstream.py:BlockReader.fill: want -= len(chunk) → want += len(chunk)": (
+    "cloudshards/tar/blocks.py:BlockReader.fill: want -= len(chunk) → want += len(chunk)": (
         "performance only: larger reads, same bytes"
     ),
-    "cloudshards/_tarstream.py:BlockReader._check_fits: start + padded > MAX_OFFSET → start + padded >= MAX_OFFSET": (
+    "cloudshards/tar/blocks.py:BlockReader._check_fits: start + padded > MAX_OFFSET → start + padded >= MAX_OFFSET": (
         "offsets and padded sizes are multiples of 512, MAX_OFFSET (2**63 - 1) is odd"
     ),
-    "cloudshards/_tarstream.py:BlockReader._in_member: exc.member is not None or (member is None and entry is None) → exc.member is not None and (member is None and entry is None)": (
+    "cloudshards/tar/blocks.py:BlockReader._in_member: exc.member is not None or (member is None and entry is None) → exc.member is not None and (member is None and entry is None)": (
         "gzip errors never name a member, and every caller passes a member or an entry"
     ),
-    "cloudshards/_tarstream.py:BlockReader._in_member: return exc → pass": (
+    "cloudshards/tar/blocks.py:BlockReader._in_member: return exc → pass": (
         "unreachable: gzip errors never name a member, every caller names a member or entry"
     ),
-    "cloudshards/_tarstream.py:BlockReader._in_member: self.base + self.pos → self.base - self.pos": (
+    "cloudshards/tar/blocks.py:BlockReader._in_member: self.base + self.pos → self.base - self.pos": (
         "unreachable: gzip errors always carry an offset"
     ),
-    "cloudshards/_tarstream.py:BlockReader.skip: size <= avail → size < avail": (
+    "cloudshards/tar/blocks.py:BlockReader.skip: size <= avail → size < avail": (
         "skipping exactly the rest of the buffer through the other path: same position"
     ),
-    "cloudshards/_tarstream.py:BlockReader.skip: size > self.block_bytes → size >= self.block_bytes": (
+    "cloudshards/tar/blocks.py:BlockReader.skip: size > self.block_bytes → size >= self.block_bytes": (
         "performance only: one block skipped by seeking instead of reading"
     ),
-    "cloudshards/_tarstream.py:BlockReader._take: size <= avail → size < avail": (
+    "cloudshards/tar/blocks.py:BlockReader._take: size <= avail → size < avail": (
         "exactly the rest of the buffer through fill() or the large path: same bytes"
     ),
-    "cloudshards/_tarstream.py:BlockReader._take: size <= self.block_bytes → size < self.block_bytes": (
+    "cloudshards/tar/blocks.py:BlockReader._take: size <= self.block_bytes → size < self.block_bytes": (
         "a member of exactly block_bytes through the large path: same bytes"
     ),
-    "cloudshards/_tarstream.py:BlockReader._take: return None → pass": (
+    "cloudshards/tar/blocks.py:BlockReader._take: return None → pass": (
         "then pos + size is past the buffer: the padding skip after it fails at EOF, same error"
     ),
-    "cloudshards/_tarstream.py:BlockReader._read_exact: return chunk → pass": (
+    "cloudshards/tar/blocks.py:BlockReader._read_exact: return chunk → pass": (
         "the loop after it joins the same single chunk"
     ),
-    "cloudshards/_tarstream.py:BlockReader._ends_within: self.read(1) → self.read(2)": (
+    "cloudshards/tar/blocks.py:BlockReader._ends_within: self.read(1) → self.read(2)": (
         "it seeks back over what it read, however much"
     ),
-    "cloudshards/_tarstream.py:BlockReader._read_chunks: self.read(min(size, self.block_bytes)) → self.read(max(size, self.block_bytes))": (
+    "cloudshards/tar/blocks.py:BlockReader._read_chunks: self.read(min(size, self.block_bytes)) → self.read(max(size, self.block_bytes))": (
         "performance only: the member in one read, same bytes"
     ),
-    "cloudshards/_tarstream.py:BlockReader._seek: self.seekable = None → pass": (
+    "cloudshards/tar/blocks.py:BlockReader._seek: self.seekable = None → pass": (
         "performance only: a seek that failed is tried again, then the bytes are read"
     ),
-    "cloudshards/_tarstream.py:BlockReader.finish_at_eof: self.base + self.pos → self.base - self.pos": (
+    "cloudshards/tar/blocks.py:BlockReader.finish_at_eof: self.base + self.pos → self.base - self.pos": (
         "pos is 0 here: it runs after a failed fill(), which rebases the buffer"
     ),
-    "cloudshards/membertable.py:MemberTable.rows: zip(self.names, self.offsets, self.sizes, strict=True) → zip(self.names, self.offsets, self.sizes, strict=False)": (
+    "cloudshards/cache/membertable.py:MemberTable.rows: zip(self.names, self.offsets, self.sizes, strict=True) → zip(self.names, self.offsets, self.sizes, strict=False)": (
         "the columns have one length: appended together, or checked by load_table"
     ),
-    "cloudshards/membertable.py:load_table: zip(offsets, sizes, strict=True) → zip(offsets, sizes, strict=False)": (
+    "cloudshards/cache/membertable.py:load_table: zip(offsets, sizes, strict=True) → zip(offsets, sizes, strict=False)": (
         "the lengths were compared just before"
     ),
     # --- balance ------------------------------------------------------------------------------

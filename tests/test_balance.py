@@ -275,7 +275,7 @@ def test_the_index_next_to_the_shards_is_found_once_then_remembered(
 ) -> None:
     shards = make_shards([2, 5, 3])
     urls = [str(p) for p in shards.paths]
-    from cloudshards._index_files import default_index_url
+    from cloudshards.indexed import default_index_url
 
     location = default_index_url(urls)
     wds.write_index(wds.build_index(urls), location)
@@ -404,7 +404,7 @@ def test_an_explicit_index_wins_or_fails_loudly(
 def test_an_index_at_the_default_place_that_lacks_a_shard_is_ignored(
     make_shards: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from cloudshards._index_files import default_index_url
+    from cloudshards.indexed import default_index_url
 
     shards = make_shards([2, 5, 3])
     urls = [str(p) for p in shards.paths]

@@ -80,3 +80,117 @@ def test_core_module_names_shared_with_the_layer_are_the_known_few() -> None:
 
     shared = names(PACKAGE) & names(PACKAGE / "webdataset")
     assert shared <= {"cache", "handlers", "mix", "pipeline"}
+
+
+#: Most lines a module of the package may have (STYLE.md section 1: split before you cross it).
+MAX_MODULE_LINES = 400
+
+
+def module_name(path: Path, root: Path) -> str:
+    """The dotted name of the module at ``path``, a file of the package directory ``root``."""
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def is_private(module: str) -> bool:
+    """A module whose own name starts with ``_`` (``__init__`` and dunder names aside)."""
+    name = module.rpartition(".")[2]
+    return name.startswith("_") and not name.startswith("__")
+
+
+def imported_modules(source: str, package: str, modules: set[str]) -> list[tuple[int, str]]:
+    """(line, module) of each module of ``modules`` that ``source``, a module of ``package``,
+    imports at any depth: ``import a.b``, ``from a import b`` (b a module or a name in a),
+    relative imports, and the packages on the way (``import a.b`` imports ``a`` too)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                parent = ".".join(parts[: len(parts) - node.level + 1])
+                base = f"{parent}.{base}" if base else parent
+            names = [base, *(f"{base}.{alias.name}" for alias in node.names)]
+        else:
+            continue
+        seen: set[str] = set()
+        for name in names:
+            parts = name.split(".")
+            for end in range(1, len(parts) + 1):
+                prefix = ".".join(parts[:end])
+                if prefix in modules and prefix not in seen:
+                    seen.add(prefix)
+                    found.append((node.lineno, prefix))
+    return found
+
+
+def private_imports(root: Path) -> list[str]:
+    """Each import of a private module from outside the package (directory) that holds it."""
+    paths = sorted(root.rglob("*.py"))
+    modules = {module_name(path, root) for path in paths}
+    found = []
+    for path in paths:
+        importer = module_name(path, root)
+        package = importer if path.name == "__init__.py" else importer.rpartition(".")[0]
+        for line, module in imported_modules(path.read_text(encoding="utf-8"), package, modules):
+            home = module.rpartition(".")[0]
+            if is_private(module) and package != home and not package.startswith(home + "."):
+                found.append(f"{path.relative_to(root.parent)}:{line}: imports {module}")
+    return found
+
+
+def test_private_modules_are_imported_only_from_their_own_package() -> None:
+    assert private_imports(PACKAGE) == []
+
+
+def test_the_package_root_holds_no_private_modules() -> None:
+    # Every module of the package is in the root's package, so a private module at the root
+    # would be private to nothing: what one concern keeps to itself lives in that concern's
+    # package (tar/, indexed/, cache/...).
+    private = [path.name for path in PACKAGE.glob("*.py") if is_private(path.stem)]
+    assert private == []
+
+
+def test_the_private_import_scan(tmp_path: Path) -> None:
+    root = tmp_path / "pkg"
+    files = {
+        "__init__.py": "from pkg import _root\n",
+        "_root.py": "",
+        "top.py": (
+            "import pkg.tar._blocks\n"
+            "from pkg.tar import _blocks, members\n"
+            "from pkg.tar._blocks import BlockReader\n"
+            "def f():\n"
+            "    from pkg.indexed import _read\n"
+            "from pkg.tar.members import _private_name\n"
+        ),
+        "tar/__init__.py": "from ._blocks import BlockReader\nfrom . import members\n",
+        "tar/_blocks.py": "from ..indexed._read import x\n",
+        "tar/members.py": "from pkg.tar._blocks import BlockReader\nfrom pkg import _root\n",
+        "tar/sub/__init__.py": "from pkg.tar import _blocks\n",
+        "indexed/__init__.py": "",
+        "indexed/_read.py": "",
+    }
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text, encoding="utf-8")
+    assert private_imports(root) == [
+        "pkg/tar/_blocks.py:1: imports pkg.indexed._read",
+        "pkg/top.py:1: imports pkg.tar._blocks",
+        "pkg/top.py:2: imports pkg.tar._blocks",
+        "pkg/top.py:3: imports pkg.tar._blocks",
+        "pkg/top.py:5: imports pkg.indexed._read",
+    ]
+
+
+def test_every_module_is_at_most_400_lines() -> None:
+    lines = {
+        str(path.relative_to(PACKAGE.parent)): len(path.read_text(encoding="utf-8").splitlines())
+        for path in sorted(PACKAGE.rglob("*.py"))
+    }
+    assert len(lines) > 20
+    assert {path: n for path, n in lines.items() if n > MAX_MODULE_LINES} == {}

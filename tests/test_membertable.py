@@ -13,8 +13,8 @@ import fakes
 import pytest
 
 import cloudshards as wds
+from cloudshards.cache.membertable import iter_table, load_table
 from cloudshards.grouping import make_name_filter
-from cloudshards.membertable import iter_table, load_table
 
 
 @pytest.fixture(autouse=True)
@@ -112,7 +112,7 @@ def test_an_early_stop_or_a_gzip_shard_leaves_no_table(make_shards: Any, tmp_pat
 
 def test_iter_table_applies_the_name_filter_and_member_limit(make_shards: Any) -> None:
     shards = make_shards([2])
-    from cloudshards.membertable import MemberTable
+    from cloudshards.cache.membertable import MemberTable
     from cloudshards.tar import iter_members
 
     record = MemberTable()
@@ -217,7 +217,7 @@ def test_load_table_takes_members_anywhere_inside_the_file(
 
 
 def test_write_table_leaves_no_temporary_file_behind(tmp_path: Path) -> None:
-    from cloudshards.membertable import MemberTable, write_table
+    from cloudshards.cache.membertable import MemberTable, write_table
 
     target = tmp_path / "table.json"
     target.mkdir()  # os.replace onto a directory fails
@@ -226,7 +226,7 @@ def test_write_table_leaves_no_temporary_file_behind(tmp_path: Path) -> None:
 
 
 def test_iter_table_of_an_empty_file(tmp_path: Path) -> None:
-    from cloudshards.membertable import MemberTable
+    from cloudshards.cache.membertable import MemberTable
 
     empty = tmp_path / "empty.tar"
     empty.write_bytes(b"")

@@ -20,9 +20,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from cloudshards import _tarstream
 from cloudshards.errors import ConfigError, ShardFormatError
-from cloudshards.tar import iter_members
+from cloudshards.tar import blocks, gunzip, iter_members
 from cloudshards.types import Member
 
 FORMATS = {"ustar": tarfile.USTAR_FORMAT, "gnu": tarfile.GNU_FORMAT, "pax": tarfile.PAX_FORMAT}
@@ -786,7 +785,7 @@ def test_gzip_bomb_output_is_bounded() -> None:
     # 16 MiB of zeros compresses to ~16 KiB; the reader must not inflate it in one call.
     stream = gzip.compress(bytes(16 << 20), 9)
     assert len(stream) < 100_000
-    reader = _tarstream.GunzipReader(io.BytesIO(stream[2:]), stream[:2], None, 1 << 16)
+    reader = gunzip.GunzipReader(io.BytesIO(stream[2:]), stream[:2], None, 1 << 16)
     assert len(reader.read(1 << 30)) <= 1 << 16
 
 
@@ -888,7 +887,7 @@ def test_pax_sizes_with_thousands_of_digits_are_refused_with_their_magnitude(
 
 
 def test_parse_number_decodes_every_encoding() -> None:
-    from cloudshards._tarheader import parse_number
+    from cloudshards.tar.headers import parse_number
 
     assert parse_number(b"00000001750\0") == 1000
     assert parse_number(b"0000012\0junk") == 10  # octal up to the first NUL, as tarfile reads
@@ -956,8 +955,8 @@ def test_pax_record_length_may_have_twenty_digits() -> None:
 
 
 def test_describe_size_is_exact_below_two_to_the_64() -> None:
-    assert _tarstream.describe_size((1 << 64) - 1) == str((1 << 64) - 1)
-    assert _tarstream.describe_size(1 << 64) == "at least 2**64"
+    assert blocks.describe_size((1 << 64) - 1) == str((1 << 64) - 1)
+    assert blocks.describe_size(1 << 64) == "at least 2**64"
 
 
 def test_gzip_error_offsets_count_decompressed_bytes() -> None:
@@ -1122,7 +1121,7 @@ def test_data_after_a_zero_block_is_found_beyond_the_buffer() -> None:
 
 def test_a_short_second_zero_block_is_logged(caplog: pytest.LogCaptureFixture) -> None:
     body = member(b"a.txt", b"a")
-    caplog.set_level(logging.DEBUG, logger="cloudshards._tarstream")
+    caplog.set_level(logging.DEBUG, logger="cloudshards.tar.blocks")
     for tail, logged in ((END, False), (bytes(512), False), (bytes(600), True)):
         caplog.clear()
         assert read(body + tail) == [("a.txt", b"a")]

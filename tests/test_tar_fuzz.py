@@ -26,8 +26,8 @@ import pytest
 from hypothesis import HealthCheck, currently_in_test_context, event, given, settings
 from hypothesis import strategies as st
 
+from cloudshards.cache.membertable import MemberTable
 from cloudshards.errors import ShardFormatError
-from cloudshards.membertable import MemberTable
 from cloudshards.tar import iter_members
 
 FUZZ = settings(

@@ -22,10 +22,10 @@ import fakes
 import pytest
 
 import cloudshards as wds
+from cloudshards.cache.membertable import MemberTable
 from cloudshards.errors import ShardFormatError
 from cloudshards.grouping import group_members
 from cloudshards.indexed import IndexedDataset, build_index
-from cloudshards.membertable import MemberTable
 from cloudshards.tar import iter_members
 from cloudshards.types import Member
 

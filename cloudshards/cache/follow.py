@@ -9,9 +9,9 @@ from collections.abc import Callable
 
 from cloudshards.cache import lock as _cachelock
 from cloudshards.cache.lock import is_locked, is_poisoned
+from cloudshards.cache.membertable import MemberTable, write_table
 from cloudshards.cache.stats import CacheStats
 from cloudshards.errors import ShardOpenError
-from cloudshards.membertable import MemberTable, write_table
 from cloudshards.redact import redact_url
 from cloudshards.source import ShardSource
 from cloudshards.types import ClosingStream

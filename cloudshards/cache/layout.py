@@ -18,10 +18,10 @@ import os
 from typing import Any
 
 from cloudshards.cache.lock import DownloadLock, is_disk_full
+from cloudshards.cache.membertable import MemberTable, load_table, write_table
 from cloudshards.cache.stats import CacheStats, process_stats, save_stats, stats_file_name
 from cloudshards.errors import CacheError, ConfigError
 from cloudshards.logs import warn_once
-from cloudshards.membertable import MemberTable, load_table, write_table
 from cloudshards.source import ShardStream
 
 __all__ = ["EntryStore"]
@@ -125,7 +125,7 @@ class EntryStore:
 
 class _CachedFile(ShardStream):
     """A complete entry; counts its bytes and releases its shared lock on close. Its member
-    table (see :mod:`cloudshards.membertable`) lets the reader slice members by offset."""
+    table (see :mod:`cloudshards.cache.membertable`) lets the reader slice members by offset."""
 
     def __init__(
         self,

@@ -30,10 +30,10 @@ from cloudshards.cache.follow import FollowStream
 from cloudshards.cache.keys import entry_name, store_endpoint
 from cloudshards.cache.layout import _CachedFile
 from cloudshards.cache.lock import DownloadLock, is_disk_full
+from cloudshards.cache.membertable import write_table
 from cloudshards.cache.stats import CacheStats, warn_disk_full
 from cloudshards.cache.tee import TeeStream
 from cloudshards.errors import CacheError
-from cloudshards.membertable import write_table
 from cloudshards.redact import redact_url
 from cloudshards.source import (
     OpenOptions,

@@ -9,9 +9,9 @@ import os
 from collections.abc import Callable
 
 from cloudshards.cache.lock import POISONED_MODE, is_disk_full
+from cloudshards.cache.membertable import MemberTable, write_table
 from cloudshards.cache.stats import CacheStats, warn_disk_full
 from cloudshards.errors import CacheError, ShardOpenError
-from cloudshards.membertable import MemberTable, write_table
 from cloudshards.redact import redact_url
 from cloudshards.source import ShardSource
 from cloudshards.types import ClosingStream

@@ -13,7 +13,7 @@ from cloudshards.errors import CloudShardsError, ShardOpenError
 from cloudshards.redact import raise_redacted, redact_text
 
 if TYPE_CHECKING:
-    from cloudshards.membertable import MemberTable
+    from cloudshards.cache.membertable import MemberTable
 
 __all__ = ["EntrySource", "ShardSource", "ShardStream", "discard", "map_backend_error"]
 

@@ -16,10 +16,10 @@ from typing import Any
 
 from cloudshards import config
 from cloudshards.cache import ShardCache
+from cloudshards.cache.membertable import MemberTable, iter_table
 from cloudshards.errors import ConfigError
 from cloudshards.grouping import group_members, split_key
 from cloudshards.handlers import reraise_exception
-from cloudshards.membertable import MemberTable, iter_table
 from cloudshards.redact import redact_url
 from cloudshards.source import (
     FetchOptions,

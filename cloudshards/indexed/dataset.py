@@ -1,7 +1,5 @@
-"""Indexed (map-style) mode: a tar index, ``IndexedDataset`` and ``DistributedChunkedSampler``.
-
-An index (``cloudshards index URL...``) records every sample's byte range, so one sample is
-one ranged GET, or a ``pread`` from the whole shard in the node cache.
+"""``IndexedDataset``: random access to indexed samples, one ranged GET or one ``pread`` from
+the node cache per sample.
 """
 
 from __future__ import annotations
@@ -15,17 +13,18 @@ from typing import Any, TypeGuard
 import torch.utils.data
 
 from cloudshards import config
-from cloudshards._index_build import build_index
-from cloudshards._index_files import default_index_url, load_index, read_bytes, write_index
-from cloudshards._index_format import (
+from cloudshards.cache import ShardCache
+from cloudshards.errors import ConfigError, ShardError, ShardFormatError, ShardOpenError
+from cloudshards.handlers import as_handler, reraise_exception
+from cloudshards.indexed.build import build_index
+from cloudshards.indexed.files import default_index_url, load_index, read_bytes
+from cloudshards.indexed.format import (
     DatasetIndex,
-    IndexedMember,
     IndexedSample,
     ShardIndex,
     read_index,
-    shard_sample_counts,
 )
-from cloudshards._index_read import (
+from cloudshards.indexed.read import (
     STALE_HINT,
     OpenFile,
     ProcessState,
@@ -33,10 +32,6 @@ from cloudshards._index_read import (
     checked,
     parse_sample,
 )
-from cloudshards._index_sampler import DistributedChunkedSampler
-from cloudshards.cache import ShardCache
-from cloudshards.errors import ConfigError, ShardError, ShardFormatError, ShardOpenError
-from cloudshards.handlers import as_handler, reraise_exception
 from cloudshards.process import PerProcess
 from cloudshards.redact import redact_url
 from cloudshards.source import (
@@ -56,20 +51,7 @@ from cloudshards.source import (
 from cloudshards.types import ExceptionHandler, Sample
 from cloudshards.urls import expand_urls
 
-__all__ = [
-    "DatasetIndex",
-    "DistributedChunkedSampler",
-    "IndexedDataset",
-    "IndexedMember",
-    "IndexedSample",
-    "ShardIndex",
-    "build_index",
-    "default_index_url",
-    "load_index",
-    "read_index",
-    "shard_sample_counts",
-    "write_index",
-]
+__all__ = ["IndexedDataset"]
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Reading indexed samples: parse and check a sample's bytes, and per-process open files.
 
-Private to :mod:`cloudshards.indexed`.
+Part of :mod:`cloudshards.indexed`; used by its other modules only.
 """
 
 from __future__ import annotations
@@ -15,8 +15,13 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from cloudshards._index_format import IndexedMember, IndexedSample, ShardIndex
-from cloudshards._tarheader import (
+from cloudshards.errors import ShardFormatError
+from cloudshards.grouping import group_members, make_name_filter, split_key
+from cloudshards.indexed.format import IndexedMember, IndexedSample, ShardIndex
+from cloudshards.logs import warn_once
+from cloudshards.source import local_path
+from cloudshards.tar import iter_members
+from cloudshards.tar.headers import (
     BLOCK,
     REGULAR_TYPES,
     ZERO_BLOCK,
@@ -24,11 +29,6 @@ from cloudshards._tarheader import (
     member_name,
     parse_number,
 )
-from cloudshards.errors import ShardFormatError
-from cloudshards.grouping import group_members, make_name_filter, split_key
-from cloudshards.logs import warn_once
-from cloudshards.source import local_path
-from cloudshards.tar import iter_members
 from cloudshards.types import Member, Sample
 
 __all__ = [

@@ -1,6 +1,6 @@
 """Where an index lives and how it is read and written: any fsspec URL, JSON or gzip JSON.
 
-Private to :mod:`cloudshards.indexed`, which re-exports the public names.
+Part of :mod:`cloudshards.indexed`, which re-exports the public names.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from cloudshards._index_format import DatasetIndex, read_index
-from cloudshards._index_location import entry_outside, parent_url, relative_entry, strip_query
 from cloudshards.errors import ConfigError, ShardOpenError
+from cloudshards.indexed.format import DatasetIndex, read_index
+from cloudshards.indexed.location import entry_outside, parent_url, relative_entry, strip_query
 from cloudshards.redact import caused_by, redact_url
 from cloudshards.source import FetchOptions, map_backend_error, read_object, retry
 from cloudshards.urls import protocol_of, resolve

@@ -1,7 +1,7 @@
 """The tar index of indexed mode: its in-memory form and its JSON layout.
 
-Private to :mod:`cloudshards.indexed`, which re-exports the public names. Shard URLs next to
-the index are stored relative to it (:mod:`cloudshards._index_location`). The layout is
+Part of :mod:`cloudshards.indexed`, which re-exports the public names. Shard URLs next to
+the index are stored relative to it (:mod:`cloudshards.indexed.location`). The layout is
 documented in ``docs/indexed.md``.
 """
 
@@ -19,16 +19,16 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from cloudshards import config
-from cloudshards._index_check import IndexLayoutError, check_layout
-from cloudshards._index_location import (
+from cloudshards.errors import ConfigError, DecodeError, ShardFormatError
+from cloudshards.indexed.check import IndexLayoutError, check_layout
+from cloudshards.indexed.location import (
     check_entry,
     parent_url,
     relative_entry,
     resolve_entry,
     strip_query,
 )
-from cloudshards._inflate import gunzip
-from cloudshards.errors import ConfigError, DecodeError, ShardFormatError
+from cloudshards.inflate import gunzip
 from cloudshards.redact import redact_url
 from cloudshards.tar import GZIP_MAGIC
 from cloudshards.urls import PIPE_PREFIX

@@ -1,7 +1,7 @@
 """Byte-level plumbing of the tar reader: a block buffer over the stream (gunzipped by
-:class:`~cloudshards._gunzip.GunzipReader` when it is gzip).
+:class:`~cloudshards.tar.gunzip.GunzipReader` when it is gzip).
 
-Private to :mod:`cloudshards.tar`.
+Used by :mod:`cloudshards.tar.members` only.
 """
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from cloudshards._gunzip import GZIP_MAGIC, GunzipReader
-from cloudshards._tarheader import BLOCK, ZERO_BLOCK
 from cloudshards.errors import ShardFormatError
 from cloudshards.redact import redact_url
+from cloudshards.tar.gunzip import GZIP_MAGIC, GunzipReader
+from cloudshards.tar.headers import BLOCK, ZERO_BLOCK
 
-__all__ = ["GZIP_MAGIC", "MAX_OFFSET", "BlockReader", "GunzipReader", "describe_size"]
+__all__ = ["MAX_OFFSET", "BlockReader", "describe_size"]
 
 logger = logging.getLogger(__name__)
 

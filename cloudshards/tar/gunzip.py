@@ -1,6 +1,6 @@
 """Streaming gunzip for the tar reader: decompressed bytes in bounded reads.
 
-Private to :mod:`cloudshards.tar` (through :mod:`cloudshards._tarstream`).
+Used by :mod:`cloudshards.tar.blocks` only.
 """
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ from __future__ import annotations
 import zlib
 from typing import Any
 
-from cloudshards._tarheader import BLOCK
 from cloudshards.errors import ShardFormatError
+from cloudshards.tar.headers import BLOCK
 
 __all__ = ["GZIP_MAGIC", "GunzipReader"]
 
-#: The first two bytes of every gzip stream (re-exported by :mod:`cloudshards.tar`).
+#: The first two bytes of every gzip stream (exported by :mod:`cloudshards.tar`).
 GZIP_MAGIC = b"\x1f\x8b"
 
 #: Compressed bytes fed to zlib per call: small, so carrying unconsumed input over is cheap.

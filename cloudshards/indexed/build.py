@@ -1,6 +1,6 @@
 """Building a tar index: scan each shard once with the streaming tar reader.
 
-Private to :mod:`cloudshards.indexed`, which re-exports :func:`build_index`.
+Part of :mod:`cloudshards.indexed`, which re-exports :func:`build_index`.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import time
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
 
-from cloudshards._index_format import DatasetIndex, IndexedMember, IndexedSample, ShardIndex
 from cloudshards.errors import ConfigError, ShardFormatError
 from cloudshards.grouping import group_members, make_name_filter
+from cloudshards.indexed.format import DatasetIndex, IndexedMember, IndexedSample, ShardIndex
 from cloudshards.redact import redact_url
 from cloudshards.source import (
     FetchOptions,

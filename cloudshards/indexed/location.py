@@ -1,7 +1,7 @@
 """Where an index's shard entries point: resolving them against the index's URL, and the rule
 that they stay inside the index's own location unless the user allows otherwise.
 
-Private to :mod:`cloudshards.indexed`; the rule is documented in ``docs/indexed.md``.
+Part of :mod:`cloudshards.indexed`; the rule is documented in ``docs/indexed.md``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""Helpers of the tar reader that decode single fields: numbers, checksums, names, PAX records.
+"""Single tar header fields: numbers, checksums, names, PAX records, decoded from ``bytes``.
 
-Private to :mod:`cloudshards.tar`; everything here works on ``bytes`` and raises nothing of ours.
+Used by the tar reader and by indexed reads (which check each member's header); raises nothing
+of ours.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``DistributedChunkedSampler``: disjoint, equal-size, locality-preserving sample order per rank.
 
-Private to :mod:`cloudshards.indexed`, which re-exports it.
+Part of :mod:`cloudshards.indexed`, which re-exports it.
 """
 
 from __future__ import annotations

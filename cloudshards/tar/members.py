@@ -6,10 +6,14 @@ Parses 512-byte headers by hand out of large buffered reads; no grouping, no dec
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, MutableSequence
 from typing import Protocol
 
-from cloudshards._tarheader import (
+from cloudshards.config import DEFAULT_BLOCK_BYTES, DEFAULT_MAX_MEMBER_BYTES
+from cloudshards.errors import ConfigError, ShardFormatError
+from cloudshards.tar.blocks import MAX_OFFSET, BlockReader, describe_size
+from cloudshards.tar.gunzip import GZIP_MAGIC
+from cloudshards.tar.headers import (
     BLOCK,
     REGULAR_TYPES,
     ZERO_BLOCK,
@@ -20,13 +24,9 @@ from cloudshards._tarheader import (
     parse_number,
     parse_pax,
 )
-from cloudshards._tarstream import GZIP_MAGIC, MAX_OFFSET, BlockReader, describe_size
-from cloudshards.config import DEFAULT_BLOCK_BYTES, DEFAULT_MAX_MEMBER_BYTES
-from cloudshards.errors import ConfigError, ShardFormatError
-from cloudshards.membertable import MemberTable
 from cloudshards.types import Member, NameFilter
 
-__all__ = ["GZIP_MAGIC", "ReadableStream", "iter_members"]
+__all__ = ["GZIP_MAGIC", "MemberRecord", "ReadableStream", "iter_members"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +58,23 @@ class ReadableStream(Protocol):
     def read(self, size: int, /) -> bytes: ...
 
 
+class MemberRecord(Protocol):
+    """Where :func:`iter_members` records each regular member it reads, as columns (the node
+    cache's :class:`~cloudshards.cache.membertable.MemberTable` is one)."""
+
+    @property
+    def names(self) -> MutableSequence[str]: ...
+
+    @property
+    def offsets(self) -> MutableSequence[int]: ...
+
+    @property
+    def sizes(self) -> MutableSequence[int]: ...
+
+    #: Set once the archive has ended properly.
+    complete: bool
+
+
 def iter_members(
     stream: ReadableStream,
     *,
@@ -65,7 +82,7 @@ def iter_members(
     name_filter: NameFilter | None = None,
     max_member_bytes: int = DEFAULT_MAX_MEMBER_BYTES,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
-    record: MemberTable | None = None,
+    record: MemberRecord | None = None,
 ) -> Iterator[Member]:
     """Yield the regular files of a tar stream, in order, without reading it all into memory.
 
@@ -116,7 +133,7 @@ def _iter_members(
     name_filter: NameFilter | None,
     max_member_bytes: int,
     block_bytes: int,
-    record: MemberTable | None = None,
+    record: MemberRecord | None = None,
 ) -> Iterator[Member]:
     rd = BlockReader(stream, url, block_bytes)
     if rd.gzip is not None:

@@ -1,7 +1,7 @@
 """The byte layout an index may describe: what a tar could have (samples in order inside their
 shard, each member's data after its header and inside its sample).
 
-Private to :mod:`cloudshards.indexed`.
+Part of :mod:`cloudshards.indexed`; used by its other modules only.
 """
 
 from __future__ import annotations

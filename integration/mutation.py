@@ -100,6 +100,7 @@ AREAS: dict[str, Area] = {
             "cloudshards/tar/members.py": ("*",),
             "cloudshards/tar/headers.py": ("*",),
             "cloudshards/tar/blocks.py": ("*",),
+            "cloudshards/tar/gunzip.py": ("*",),
             "cloudshards/cache/membertable.py": ("*",),
         },
         tests=(

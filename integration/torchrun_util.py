@@ -230,16 +230,31 @@ def is_running(pid: int) -> bool:
 
 def _kill(process: subprocess.Popen[bytes]) -> None:
     # torchrun runs each rank in a session of its own (so killing torchrun's group would leave
-    # the ranks running): find every process below it first, then kill them all, with their
-    # groups (a rank's DataLoader workers are in the rank's group).
-    pids = [process.pid, *descendants(process.pid)]
-    for pid in pids:
+    # the ranks running): find every process below it, then kill them all, with their groups
+    # (a rank's DataLoader workers are in the rank's group). The tree is frozen first
+    # (SIGSTOP, listed again until no new process appears): on a loaded machine torchrun may
+    # still be starting a rank when the timeout fires, and a rank started after the listing
+    # would outlive the kill (orphaned, no longer below torchrun).
+    frozen = [process.pid]
+    _signal(process.pid, signal.SIGSTOP)
+    while True:
+        new = [pid for pid in descendants(process.pid) if pid not in frozen]
+        if not new:
+            break
+        for pid in new:
+            _signal(pid, signal.SIGSTOP)
+        frozen.extend(new)
+    for pid in frozen:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pid, signal.SIGKILL)  # pid leads its group (start_new_session)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
+        _signal(pid, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
         process.wait(timeout=10)
+
+
+def _signal(pid: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, signum)
 
 
 def _read(file: IO[bytes]) -> str:

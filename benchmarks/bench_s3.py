@@ -227,7 +227,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--shards", type=int, help="default 16")
     p.add_argument("--samples", type=int, help="samples per shard (default 1000)")
     p.add_argument("--bin-kib", type=int, default=20, help="size of each bin field (KiB)")
-    p.add_argument("--loaders", default=",".join(LIBRARIES), help="comma-separated libraries")
+    p.add_argument(
+        "--loaders",
+        default=",".join(LIBRARIES),
+        help="comma-separated libraries, or variants (cloudshards+cache)",
+    )
     p.add_argument("--setups", default=",".join(SETUPS), help="proxy, direct or both")
     p.add_argument("--workers", default="0,2", help="DataLoader worker counts (default 0,2)")
     p.add_argument("--batch", type=int, default=32)
@@ -248,10 +252,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.repeats = args.repeats or (1 if args.quick else 2)
     args.shards = args.shards or (4 if args.quick else 16)
     args.samples = args.samples or (250 if args.quick else 1000)
-    libraries = [x.strip() for x in args.loaders.split(",") if x.strip()]
-    if not libraries or set(libraries) - set(LIBRARIES):
-        p.error(f"--loaders takes names among {', '.join(LIBRARIES)}")
-    args.variants = [v for v in VARIANTS if v[1] in libraries]
+    names = [x.strip() for x in args.loaders.split(",") if x.strip()]
+    labels = {v[0] for v in VARIANTS}
+    if not names or set(names) - set(LIBRARIES) - labels:
+        p.error(f"--loaders takes names among {', '.join(sorted(set(LIBRARIES) | labels))}")
+    args.variants = [v for v in VARIANTS if v[1] in names or v[0] in names]
     args.setups = [x.strip() for x in args.setups.split(",") if x.strip()]
     if not args.setups or set(args.setups) - set(SETUPS):
         p.error("--setups takes proxy, direct or both")

@@ -8,6 +8,7 @@ Last, the errors old code catches and the ``install_as_webdataset()`` switch.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import gc
 import gzip
@@ -632,6 +633,18 @@ FILTER_CASES: dict[str, tuple[str, tuple[Any, ...], dict[str, Any], Callable[[],
         ("nope", "cls"),
         {"missing_is_error": False, "none_is_error": False},
         memory_samples,
+    ),
+    "to_tuple-missing-handler": (
+        "_to_tuple",
+        ("txt", "nope"),
+        {"handler": webdataset.handlers.ignore_and_continue},
+        lambda: [{**s, "nope": b"x"} if i % 2 else s for i, s in enumerate(memory_samples())],
+    ),
+    "to_tuple-defaultdict": (
+        "_to_tuple",
+        ("txt", "nope"),
+        {"missing_is_error": False, "none_is_error": False},
+        lambda: [collections.defaultdict(lambda: b"default", s) for s in memory_samples()],
     ),
     "rename": ("_rename", (), {"text": "txt", "label": "cls;json"}, memory_samples),
     "rename-keep-false": ("_rename", (), {"keep": False, "text": "txt"}, memory_samples),

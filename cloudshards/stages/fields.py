@@ -83,9 +83,19 @@ def _to_tuple(
         none_is_error = missing_is_error
     if len(args) == 1 and isinstance(args[0], str) and " " in args[0]:
         args = tuple(args[0].split())
+    # Plain field names (the usual case) are looked up directly; anything else, and a sample
+    # lacking one of them, goes through getfirst, which gives the same values and errors.
+    plain = all(isinstance(f, str) and ";" not in f and " " not in f for f in args)
     for sample in data:
         try:
-            result = tuple(getfirst(sample, f, missing_is_error=missing_is_error) for f in args)
+            result: tuple[Any, ...] | None = None
+            if plain and type(sample) is dict:  # a subclass (defaultdict) may answer [] itself
+                try:
+                    result = tuple([sample[f] for f in args])
+                except KeyError:  # getfirst below raises or fills in as the options say
+                    result = None
+            if result is None:
+                result = tuple(getfirst(sample, f, missing_is_error=missing_is_error) for f in args)
             if none_is_error and any(x is None for x in result):
                 raise ValueError(f"to_tuple {args} got {list(sample.keys())}")
             yield result

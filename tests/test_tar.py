@@ -1175,3 +1175,30 @@ def test_parts_are_never_split_when_blocks_are_at_least_a_part() -> None:
     got = [(m.name, m.data) for m in iter_members(stream, block_bytes=4096)]
     assert got == files
     assert stream.partial_reads == 0
+
+
+class RecordingReads(NonSeekable):
+    """Non-seekable; records the size of every read asked for."""
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(data)
+        self.asked: list[int] = []
+
+    def read(self, size: int) -> bytes:
+        self.asked.append(size)
+        return super().read(size)
+
+
+@pytest.mark.parametrize("big", [4096 * 3, 4096 * 3 + 100])
+def test_a_skipped_member_is_never_read_whole(big: int) -> None:
+    """A member the name filter drops is skipped a block at a time on a stream that cannot
+    seek: however large it claims to be, it never needs more memory than a block."""
+    files = [("a.keep", b"x" * 700), ("a.drop", bytes(big)), ("b.keep", b"y" * 10)]
+    stream = RecordingReads(write_tar(files, fmt=tarfile.PAX_FORMAT))
+
+    def keep(name: str) -> str | None:
+        return name if name.endswith(".keep") else None
+
+    got = [(m.name, m.data) for m in iter_members(stream, block_bytes=4096, name_filter=keep)]
+    assert got == [files[0], files[2]]
+    assert max(stream.asked) <= 4096

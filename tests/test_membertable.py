@@ -235,3 +235,65 @@ def test_iter_table_of_an_empty_file(tmp_path: Path) -> None:
             f.fileno(), MemberTable(), url="x", name_filter=None, max_member_bytes=1
         )
         assert list(members) == []
+
+
+def outcome(make: Any) -> tuple[list[dict[str, Any]], Any]:
+    """The samples an iterator gives, and the error that ends it (type, text and fields)."""
+    got: list[dict[str, Any]] = []
+    try:
+        for sample in make():
+            got.append(dict(sample))
+    except Exception as exc:  # compared, not swallowed
+        fields = {k: getattr(exc, k, None) for k in ("url", "offset", "member", "shard_index")}
+        return got, (type(exc), str(exc), fields)
+    return got, None
+
+
+NAMES = [
+    "a.jpg", "a.JSON", "a.cls", "b/c.seg.png", "b/c.txt", "nodot", "__meta__", ".hidden",
+    "d/.x", "e.jpg", "e.jpg", "f..g", "g.a\nb", "__x__/y.jpg", "h.Bin", "h.bin",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_table_samples_are_group_members_of_iter_table(tmp_path: Path, seed: int) -> None:
+    """The warm path's one loop (table_samples) against the two it replaces, on random member
+    names (duplicates, keyless names, meta names, upper-case fields), filters and limits."""
+    import random
+
+    from cloudshards.cache.membertable import MemberTable, table_samples
+    from cloudshards.grouping import group_members
+
+    rng = random.Random(seed)
+    names = [rng.choice(NAMES) for _ in range(rng.randrange(0, 14))]
+    data = bytes(rng.randrange(256) for _ in range(4096))
+    path = tmp_path / "entry"
+    path.write_bytes(data if seed % 7 else b"")
+    table = MemberTable()
+    for name in names:
+        offset = rng.randrange(0, 4000)
+        table.names.append(name)
+        table.offsets.append(offset)
+        table.sizes.append(rng.randrange(0, 96))
+    hooks = [
+        None,
+        make_name_filter(None, None),
+        make_name_filter(lambda n: not n.endswith(".cls"), str.lower),
+    ]
+    name_filter = hooks[seed % 3]
+    limit = rng.choice([1 << 20, 64])
+    with open(path, "rb") as f:
+        fd = f.fileno()
+
+        def fused() -> Any:
+            return table_samples(
+                fd, table, url="u", name_filter=name_filter, max_member_bytes=limit, shard_index=3
+            )
+
+        def reference() -> Any:
+            members = iter_table(
+                fd, table, url="u", name_filter=name_filter, max_member_bytes=limit
+            )
+            return group_members(members, url="u", shard_index=3, name_filter=name_filter)
+
+        assert outcome(fused) == outcome(reference)

@@ -16,7 +16,7 @@ from typing import Any
 
 from cloudshards import config
 from cloudshards.cache import ShardCache
-from cloudshards.cache.membertable import MemberTable, iter_table
+from cloudshards.cache.membertable import MemberTable, table_samples
 from cloudshards.errors import ConfigError
 from cloudshards.grouping import group_members, split_key
 from cloudshards.handlers import reraise_exception
@@ -29,7 +29,7 @@ from cloudshards.source import (
     local_path,
 )
 from cloudshards.tar import iter_members
-from cloudshards.types import ExceptionHandler, Member, NameFilter, Sample
+from cloudshards.types import ExceptionHandler, NameFilter, Sample
 
 __all__ = [
     "ShardReader",
@@ -298,8 +298,8 @@ def _read_opened(
         record: MemberTable | None = None
         try:
             members_filter = _skipping(name_filter, skip) if skip else name_filter
-            members = _members_by_table(stream, url, members_filter, options)
-            if members is None:
+            samples = _samples_by_table(stream, url, members_filter, options, index)
+            if samples is None:
                 if hasattr(stream, "save_member_table"):
                     record = MemberTable()  # a complete parse lets later epochs slice by offset
                 members = iter_members(
@@ -310,7 +310,9 @@ def _read_opened(
                     max_member_bytes=options.member_limit(),
                     record=record,
                 )
-            samples = group_members(members, url=url, shard_index=index, name_filter=members_filter)
+                samples = group_members(
+                    members, url=url, shard_index=index, name_filter=members_filter
+                )
             if "take" in shard:
                 samples = _limited(samples, shard)
             path = local_path(url)
@@ -332,10 +334,14 @@ def _read_opened(
             stream.close()
 
 
-def _members_by_table(
-    stream: Any, url: str, name_filter: NameFilter | None, options: OpenOptions
-) -> Iterator[Member] | None:
-    """A cached shard's members sliced by its saved member table, or None to parse it."""
+def _samples_by_table(
+    stream: Any,
+    url: str,
+    name_filter: NameFilter | None,
+    options: OpenOptions,
+    shard_index: int | None,
+) -> Iterator[Sample] | None:
+    """A cached shard's samples sliced by its saved member table, or None to parse it."""
     member_table = getattr(stream, "member_table", None)
     if not callable(member_table):
         return None
@@ -343,12 +349,13 @@ def _members_by_table(
     if table is None:
         return None
     stream.count_bytes(os.fstat(stream.fileno()).st_size)
-    return iter_table(
+    return table_samples(
         stream.fileno(),
         table,
         url=url,
         name_filter=name_filter,
         max_member_bytes=options.member_limit(),
+        shard_index=shard_index,
     )
 
 

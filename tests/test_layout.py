@@ -194,3 +194,53 @@ def test_every_module_is_at_most_400_lines() -> None:
     }
     assert len(lines) > 20
     assert {path: n for path, n in lines.items() if n > MAX_MODULE_LINES} == {}
+
+
+#: The fsspec filesystem methods that read (or stream) an object's bytes.
+_BYTE_READS = frozenset(
+    {
+        "open",
+        "cat",
+        "cat_file",
+        "_cat_file",
+        "cat_ranges",
+        "_cat_ranges",
+        "read_block",
+        "open_async",
+    }
+)
+
+
+def filesystem_reads(source: str) -> list[int]:
+    """Lines that call a byte-reading method on something named ``fs`` (``fs.x(...)``,
+    ``self.fs.x(...)``), or hand such a bound method on (``sync(loop, fs._cat_file, ...)``)."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Attribute) and node.attr in _BYTE_READS):
+            continue
+        owner = node.value
+        name = owner.id if isinstance(owner, ast.Name) else getattr(owner, "attr", None)
+        if name in ("fs", "filesystem"):
+            lines.append(node.lineno)
+    return sorted(lines)
+
+
+def test_exactly_one_module_reads_bytes_through_fsspec() -> None:
+    readers = {
+        str(path.relative_to(PACKAGE.parent))
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if filesystem_reads(path.read_text(encoding="utf-8"))
+    }
+    assert readers == {"cloudshards/source/remote.py"}
+
+
+def test_the_fsspec_read_scan_finds_every_form() -> None:
+    source = (
+        "def a(fs, self):\n"
+        "    fs.open(p)\n"
+        "    self.fs.cat_file(p)\n"
+        "    sync(fs.loop, fs._cat_file, p)\n"
+        "    fs.info(p)\n"
+        "    other.open(p)\n"
+    )
+    assert filesystem_reads(source) == [2, 3, 4]

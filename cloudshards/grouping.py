@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Iterator
 from cloudshards.errors import ShardFormatError
 from cloudshards.types import Member, NameFilter, Sample
 
-__all__ = ["group_members", "is_meta_name", "make_name_filter", "split_key"]
+__all__ = ["group_members", "is_meta_name", "make_name_filter", "skip_meta", "split_key"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +58,11 @@ def is_meta_name(name: str) -> bool:
     return _META_RE.match(name) is not None
 
 
+def skip_meta(name: str) -> str | None:
+    """The name filter without hooks: None for metadata names (:func:`is_meta_name`)."""
+    return None if name.startswith("__") and is_meta_name(name) else name
+
+
 def make_name_filter(
     select_files: Callable[[str], bool] | None,
     rename_files: Callable[[str], str] | None,
@@ -76,6 +81,9 @@ def make_name_filter(
         A filter for :func:`cloudshards.tar.iter_members`; never None, because metadata names
         must be skipped even without hooks.
     """
+
+    if select_files is None and rename_files is None:
+        return skip_meta
 
     def name_filter(name: str) -> str | None:
         if name.startswith("__") and is_meta_name(name):

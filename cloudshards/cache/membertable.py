@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from cloudshards.errors import ShardFormatError
-from cloudshards.grouping import group_members, split_key
+from cloudshards.grouping import group_members, is_meta_name, skip_meta, split_key
 from cloudshards.types import Member, NameFilter, Sample
 
 __all__ = ["MemberTable", "iter_table", "load_table", "table_samples", "write_table"]
@@ -166,8 +166,12 @@ def table_samples(
     sample: Sample | None = None
     key = ""
     with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as view:
+        meta_only = name_filter is skip_meta  # the usual filter: inline, not called
         for name, offset, length in table.rows():
-            if name_filter is not None:
+            if meta_only:
+                if name.startswith("__") and is_meta_name(name):
+                    continue
+            elif name_filter is not None:
                 renamed = name_filter(name)
                 if renamed is None:
                     continue

@@ -96,8 +96,10 @@ def _to_tuple(
                     result = None
             if result is None:
                 result = tuple(getfirst(sample, f, missing_is_error=missing_is_error) for f in args)
-            if none_is_error and any(x is None for x in result):
-                raise ValueError(f"to_tuple {args} got {list(sample.keys())}")
+            if none_is_error:
+                for value in result:  # a loop, not any(genexpr): ~1 us a sample less
+                    if value is None:
+                        raise ValueError(f"to_tuple {args} got {list(sample.keys())}")
             yield result
         except Exception as exn:
             if handler(exn):

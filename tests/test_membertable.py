@@ -185,6 +185,9 @@ def write_raw_table(path: Path, **fields: Any) -> None:
         {"offsets": [-1]},
         {"sizes": [-1], "offsets": [5]},
         {"offsets": [1]},  # ends past the file
+        {"names": ["a", "b"], "offsets": [0, 5], "sizes": [5, 6]},  # the last ends past it
+        {"names": ["a", "b"], "offsets": [0, -1], "sizes": [5, 1]},
+        {"names": ["a", None], "offsets": [0, 5], "sizes": [5, 5]},
         {"offsets": ["0"]},
     ],
     ids=repr,

@@ -12,7 +12,14 @@ from collections.abc import Callable, Iterable, Iterator
 from cloudshards.errors import ShardFormatError
 from cloudshards.types import Member, NameFilter, Sample
 
-__all__ = ["group_members", "is_meta_name", "make_name_filter", "skip_meta", "split_key"]
+__all__ = [
+    "duplicate_field",
+    "group_members",
+    "is_meta_name",
+    "make_name_filter",
+    "skip_meta",
+    "split_key",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -148,13 +155,7 @@ def group_members(
                 sample = {"__key__": key, "__url__": url}
             if field in sample:
                 # Raised below, outside the handler for errors of ``members``.
-                duplicate = ShardFormatError(
-                    f"duplicate field {field!r} in sample {key!r}",
-                    url=url,
-                    shard_index=shard_index,
-                    offset=offset,
-                    member=name,
-                )
+                duplicate = duplicate_field(field, key, url, shard_index, offset, name)
                 break
             sample[field] = data
         else:
@@ -166,6 +167,19 @@ def group_members(
             yield sample
         raise
     raise duplicate
+
+
+def duplicate_field(
+    field: str, key: str, url: str, shard_index: int | None, offset: int, member: str
+) -> ShardFormatError:
+    """The error for a field that appears twice in one sample."""
+    return ShardFormatError(
+        f"duplicate field {field!r} in sample {key!r}",
+        url=url,
+        shard_index=shard_index,
+        offset=offset,
+        member=member,
+    )
 
 
 def _starts_another_sample(damaged: str | None, key: str, name_filter: NameFilter | None) -> bool:

@@ -21,7 +21,13 @@ from collections.abc import Iterator
 from typing import Any
 
 from cloudshards.errors import ShardFormatError
-from cloudshards.grouping import group_members, is_meta_name, skip_meta, split_key
+from cloudshards.grouping import (
+    duplicate_field,
+    group_members,
+    is_meta_name,
+    skip_meta,
+    split_key,
+)
 from cloudshards.types import Member, NameFilter, Sample
 
 __all__ = ["MemberTable", "iter_table", "load_table", "table_samples", "write_table"]
@@ -198,13 +204,7 @@ def table_samples(
                 key = member_key
                 sample = {"__key__": key, "__url__": url}
             if field in sample:
-                raise ShardFormatError(
-                    f"duplicate field {field!r} in sample {key!r}",
-                    url=url,
-                    shard_index=shard_index,
-                    offset=offset,
-                    member=name,
-                )
+                raise duplicate_field(field, key, url, shard_index, offset, name)
             sample[field] = view[offset : offset + length]
     if sample is not None:
         yield sample

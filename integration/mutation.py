@@ -211,6 +211,21 @@ REVIEWED_EQUIVALENTS: dict[str, str] = {
     "cloudshards/tar/headers.py:parse_pax: space + 1 → space - 1": (
         "records that short end in a digit or the space: the newline check, same error"
     ),
+    # The spare block (609377c): spare_pos is read only while spare is non-empty, and is set
+    # with it; reads of the spare ask for at least what is left of it (fill takes longer
+    # chunks as they come): these change how bytes are cut, never which bytes, in which order.
+    "cloudshards/tar/blocks.py:BlockReader.__init__: self.spare_pos = 0 → pass": "spare_pos is read only while spare is non-empty; set with it",
+    "cloudshards/tar/blocks.py:BlockReader.__init__: 0 → 1 #3": "spare_pos is read only while spare is non-empty; set with it",
+    "cloudshards/tar/blocks.py:BlockReader._drop_spare: self.spare_pos = 0 → pass": "spare_pos is read only while spare is non-empty; set with it",
+    "cloudshards/tar/blocks.py:BlockReader._drop_spare: 0 → 1": "spare_pos is read only while spare is non-empty; set with it",
+    "cloudshards/tar/blocks.py:BlockReader.__init__: self._stream_read = self.read → pass": "the fill in __init__ runs with seekable set, which short-circuits the check; set again below",
+    "cloudshards/tar/blocks.py:BlockReader.__init__: self._stream_read = self.read → pass #2": "performance only: gzip streams then never keep a spare (more copies, same bytes)",
+    "cloudshards/tar/blocks.py:BlockReader.fill: len(self.spare) - self.spare_pos >= need → len(self.spare) - self.spare_pos > need": "performance only: an exact fit is read through _read_spare instead (same bytes)",
+    "cloudshards/tar/blocks.py:BlockReader._read_spare: size < 0 → not (size < 0)": "every read of the spare asks for at least its rest, or is a fill that takes longer chunks",
+    "cloudshards/tar/blocks.py:BlockReader._read_spare: size < 0 → size <= 0": "never called with 0 (every caller asks for a positive size)",
+    "cloudshards/tar/blocks.py:BlockReader._read_spare: size < 0 → size < 1": "never called with 0 (every caller asks for a positive size)",
+    "cloudshards/tar/blocks.py:BlockReader._read_spare: len(spare) if size < 0 else min(len(spare), start + size) → len(spare) if size < 0 else max(len(spare), start + size)": "every read of the spare asks for at least its rest, or is a fill that takes longer chunks",
+    "cloudshards/tar/blocks.py:BlockReader.skip: size <= self.block_bytes → size < self.block_bytes": "performance only: a skip of exactly one block reads it in the loop instead of through fill",
     "cloudshards/tar/gunzip.py:GunzipReader.__init__: max(block_bytes, BLOCK) → min(block_bytes, BLOCK)": (
         "performance only: smaller decompressed chunks, same bytes and errors"
     ),

@@ -1202,3 +1202,11 @@ def test_a_skipped_member_is_never_read_whole(big: int) -> None:
     got = [(m.name, m.data) for m in iter_members(stream, block_bytes=4096, name_filter=keep)]
     assert got == [files[0], files[2]]
     assert max(stream.asked) <= 4096
+
+
+def test_gzip_back_references_across_the_whole_window() -> None:
+    """gzip(1) and Python's gzip use a 32 KiB window: a member repeating one 20 KiB apart is
+    compressed as back-references that far, and must inflate (a smaller window cannot)."""
+    payload = random.Random(5).randbytes(20 << 10)
+    files = [("a.bin", payload), ("b.bin", payload), ("c.bin", payload)]
+    assert read(gzip.compress(write_tar(files))) == files

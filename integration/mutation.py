@@ -80,7 +80,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-GAPS = "tests/test_mutation_gaps.py"
+GAPS = "tests/cache/test_mutation_gaps.py"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,10 +104,10 @@ AREAS: dict[str, Area] = {
             "cloudshards/cache/membertable.py": ("*",),
         },
         tests=(
-            "tests/test_tar.py",
-            "tests/test_tar_safety.py",
-            "tests/test_tar_fuzz.py",
-            "tests/test_membertable.py",
+            "tests/tar/test_tar.py",
+            "tests/tar/test_tar_safety.py",
+            "tests/tar/test_tar_fuzz.py",
+            "tests/cache/test_membertable.py",
             GAPS,
         ),
     ),
@@ -139,10 +139,10 @@ AREAS: dict[str, Area] = {
             ),
         },
         tests=(
-            "tests/test_cache.py",
-            "tests/test_cache_ahead.py",
-            "tests/test_cache_order.py",
-            "tests/test_cache_safety.py",
+            "tests/cache/test_cache.py",
+            "tests/cache/test_cache_ahead.py",
+            "tests/cache/test_cache_order.py",
+            "tests/cache/test_cache_safety.py",
             GAPS,
             # Checksums are trusted only from real stores (S3 single-part ETags, GCS md5Hash):
             # the hold-back and recheck paths run against moto and the GCS emulator only.

@@ -244,3 +244,16 @@ def test_the_fsspec_read_scan_finds_every_form() -> None:
         "    other.open(p)\n"
     )
     assert filesystem_reads(source) == [2, 3, 4]
+
+
+def test_test_folders_mirror_the_packages() -> None:
+    """tests/ mirrors the package: each folder of tests is named after the package it tests, so
+    a reader finds the cache's tests in tests/cache/ (module-level code's tests stay at the top)."""
+    tests = Path(__file__).resolve().parent
+    folders = {
+        path.name for path in tests.iterdir() if path.is_dir() and any(path.glob("test_*.py"))
+    }
+    packages = {path.parent.name for path in PACKAGE.glob("*/__init__.py")}
+    assert folders, "no test folders found"
+    assert folders <= packages, f"test folders without a package: {sorted(folders - packages)}"
+    assert {"cache", "tar", "source", "indexed"} <= folders

@@ -550,7 +550,7 @@ def test_an_opaque_stores_etag_is_never_taken_for_an_md5(
 ) -> None:
     """slowfile:// stands for an opaque store (as HTTP servers and CDNs are): its ETag is not
     verified nor recorded, whether it is the body's MD5 or 32 other hex digits. Checksums that
-    are verified (GCS ``md5Hash``, S3 ETags of SSE-S3 objects): tests/test_cache_safety.py."""
+    are verified (GCS ``md5Hash``, S3 ETags of SSE-S3 objects): tests/cache/test_cache_safety.py."""
     shards = make_shards([3, 3])
     urls = urls_of(shards.paths)
     cache_dir = tmp_path / "cache"

@@ -389,7 +389,7 @@ _size_values = st.one_of(
 )
 # Types that are not extended headers: an extended header made out of a member's header
 # creates two consecutive extended headers, where tar implementations disagree (tarfile uses
-# the first, GNU tar and cloudshards the last); tests/test_tar.py pins cloudshards' choice.
+# the first, GNU tar and cloudshards the last); tests/tar/test_tar.py pins cloudshards' choice.
 _typeflags = st.sampled_from([b"0", b"\0", b"7", b"1", b"2", b"3", b"4", b"5", b"6", b"S", b"V"])
 
 

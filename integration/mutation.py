@@ -143,6 +143,9 @@ AREAS: dict[str, Area] = {
             "tests/cache/test_cache_ahead.py",
             "tests/cache/test_cache_order.py",
             "tests/cache/test_cache_safety.py",
+            "tests/cache/test_tee.py",
+            "tests/cache/test_follow.py",
+            "tests/cache/test_membertable.py",
             GAPS,
             # Checksums are trusted only from real stores (S3 single-part ETags, GCS md5Hash):
             # the hold-back and recheck paths run against moto and the GCS emulator only.
@@ -309,6 +312,166 @@ REVIEWED_EQUIVALENTS: dict[str, str] = {
     ),
     "cloudshards/cache/membertable.py:load_table: zip(offsets, sizes, strict=True) → zip(offsets, sizes, strict=False)": (
         "the lengths were compared just before"
+    ),
+    # --- cache ------------------------------------------------------------------------------
+    "cloudshards/cache/budget.py:CacheBudget._reserve: os.ftruncate(lock.fd, 0) → os.ftruncate(lock.fd, 1)": (
+        "the record written next is at least one character, and starts at byte 0"
+    ),
+    "cloudshards/cache/budget.py:CacheBudget._reserve: size or 0 → size or 1": (
+        "a record is summed only while its download holds the lock under a budget, where an unknown size is refused before any download"
+    ),
+    'cloudshards/cache/facts.py:_store_key: urlsplit(url).netloc.rsplit("@", 1) → urlsplit(url).netloc.rsplit("@", 2)': (
+        "any maxsplit of at least 1 gives the same last part"
+    ),
+    "cloudshards/cache/follow.py:FollowStream.read: time.sleep(delay) → pass": (
+        "polling only: busy-waits instead (CPU, not behaviour)"
+    ),
+    "cloudshards/cache/follow.py:FollowStream.read: min(delay * 2, self.POLL_MAX_S) → max(delay * 2, self.POLL_MAX_S)": (
+        "polling interval only"
+    ),
+    "cloudshards/cache/follow.py:FollowStream.read: delay * 2 → delay // 2": (
+        "polling interval only"
+    ),
+    "cloudshards/cache/follow.py:FollowStream.read: delay * 2 → delay * 3": (
+        "polling interval only"
+    ),
+    "cloudshards/cache/follow.py:FollowStream.read: delay * 2 → delay * 1": (
+        "polling interval only"
+    ),
+    "cloudshards/cache/follow.py:FollowStream.read: -1 → -2": (
+        "any negative descriptor means closed"
+    ),
+    "cloudshards/cache/follow.py:FollowStream.save_member_table: self.fd < 0 → self.fd <= 0": (
+        "descriptor 0 is standard input, never a partial file's"
+    ),
+    "cloudshards/cache/follow.py:FollowStream.save_member_table: self.fd < 0 → self.fd < 1": (
+        "descriptor 0 is standard input, never a partial file's"
+    ),
+    "cloudshards/cache/follow.py:FollowStream.save_member_table: time.monotonic() > deadline → time.monotonic() >= deadline": (
+        "equal monotonic readings: a boundary of no width"
+    ),
+    "cloudshards/cache/follow.py:FollowStream.save_member_table: break → pass": (
+        "the loop condition is false right after (the entry is committed)"
+    ),
+    "cloudshards/cache/follow.py:FollowStream.save_member_table: time.sleep(delay) → pass": (
+        "polling only: busy-waits instead (CPU, not behaviour)"
+    ),
+    "cloudshards/cache/follow.py:FollowStream.save_member_table: min(delay * 2, self.POLL_MAX_S) → max(delay * 2, self.POLL_MAX_S)": (
+        "polling interval only"
+    ),
+    "cloudshards/cache/follow.py:FollowStream.save_member_table: delay * 2 → delay // 2": (
+        "polling interval only"
+    ),
+    "cloudshards/cache/follow.py:FollowStream.save_member_table: delay * 2 → delay * 3": (
+        "polling interval only"
+    ),
+    "cloudshards/cache/follow.py:FollowStream.save_member_table: delay * 2 → delay * 1": (
+        "polling interval only"
+    ),
+    "cloudshards/cache/follow.py:FollowStream.close: self.fd >= 0 → self.fd > 0": (
+        "descriptor 0 is standard input, never a partial file's"
+    ),
+    "cloudshards/cache/follow.py:FollowStream.close: self.fd >= 0 → self.fd >= 1": (
+        "descriptor 0 is standard input, never a partial file's"
+    ),
+    "cloudshards/cache/follow.py:FollowStream.close: -1 → -2": (
+        "any negative descriptor means closed"
+    ),
+    "cloudshards/cache/follow.py:FollowStream.close: -1 → -0": (
+        "after close nothing reads the descriptor: read and save_member_table are not called on a closed stream, and a second close returns first"
+    ),
+    "cloudshards/cache/lock.py:DownloadLock.__init__: -1 → -2": (
+        "any negative descriptor means not held"
+    ),
+    "cloudshards/cache/lock.py:DownloadLock.release: self.fd >= 0 → self.fd > 0": (
+        "descriptor 0 is standard input, never a lock file's"
+    ),
+    "cloudshards/cache/lock.py:DownloadLock.release: self.fd >= 0 → self.fd >= 1": (
+        "descriptor 0 is standard input, never a lock file's"
+    ),
+    "cloudshards/cache/lock.py:DownloadLock.release: fcntl.flock(self.fd, fcntl.LOCK_UN) → pass": (
+        "closing the only descriptor of the lock's open file releases its flock"
+    ),
+    "cloudshards/cache/lock.py:DownloadLock.release: -1 → -2": (
+        "any negative descriptor means not held"
+    ),
+    "cloudshards/cache/shardcache.py:ShardCache._open_hit: fcntl.flock(fd, fcntl.LOCK_SH); info = os.fstat(fd) → info = os.fstat(fd); fcntl.flock(fd, fcntl.LOCK_SH)": (
+        "a committed entry is never rewritten in place: its size and inode are the same before and after the shared lock"
+    ),
+    "cloudshards/cache/shardcache.py:ShardCache._download: self._save_stats(); discard(remote, skip) → discard(remote, skip); self._save_stats()": (
+        "independent: counters saved, bytes skipped"
+    ),
+    "cloudshards/cache/tee.py:TeeStream.__init__: hashlib.md5(usedforsecurity=False) → hashlib.md5(usedforsecurity=True)": (
+        "the flag only matters to FIPS builds of OpenSSL; the digest is the same"
+    ),
+    "cloudshards/cache/tee.py:TeeStream._recheck: hashlib.md5(usedforsecurity=False) → hashlib.md5(usedforsecurity=True)": (
+        "the flag only matters to FIPS builds of OpenSSL; the digest is the same"
+    ),
+    "cloudshards/cache/tee.py:TeeStream._recheck: hashlib.md5(usedforsecurity=False) → hashlib.md5(usedforsecurity=True) #2": (
+        "the flag only matters to FIPS builds of OpenSSL; the digest is the same"
+    ),
+    "cloudshards/cache/tee.py:TeeStream._recheck: hashlib.md5(usedforsecurity=False) → hashlib.md5(usedforsecurity=True) #3": (
+        "the flag only matters to FIPS builds of OpenSSL; the digest is the same"
+    ),
+    "cloudshards/cache/tee.py:TeeStream.read: continue → pass": (
+        "data is empty there, so the loop goes round all the same"
+    ),
+    "cloudshards/cache/tee.py:TeeStream._take: cut >= len(data) → cut > len(data)": (
+        "at equality the held part is empty and the prefix digest is taken at the same byte"
+    ),
+    "cloudshards/cache/tee.py:TeeStream._take: self._md5.update(data); self._write(data) → self._write(data); self._md5.update(data)": (
+        "independent: the digest and the file get the same bytes"
+    ),
+    "cloudshards/cache/tee.py:TeeStream._take: self._md5.update(back); self._write(front) → self._write(front); self._md5.update(back)": (
+        "independent: the digest and the file get the same bytes"
+    ),
+    "cloudshards/cache/tee.py:TeeStream._take: self._write(front); self._held += back → self._held += back; self._write(front)": (
+        "independent: a failed write merges the held bytes just after either way"
+    ),
+    "cloudshards/cache/tee.py:TeeStream._take: self._held.clear() → pass": (
+        "memory only: nothing reads the held buffer once verification is off (disk full)"
+    ),
+    "cloudshards/cache/tee.py:TeeStream._write: warn_disk_full(self.stats, exc); self._drop_partial() → self._drop_partial(); warn_disk_full(self.stats, exc)": (
+        "independent: a warning and giving the file up"
+    ),
+    "cloudshards/cache/tee.py:TeeStream._fail: self._drop_partial(poison=True); self._error = ShardOpenError(f'cache: {reason}', url=self.url, offset=self._received) → self._error = ShardOpenError(f'cache: {reason}', url=self.url, offset=self._received); self._drop_partial(poison=True)": (
+        "independent: the error is raised after both"
+    ),
+    "cloudshards/cache/tee.py:TeeStream._recheck: self.stats.bytes_network += len(chunk); whole.update(chunk) → whole.update(chunk); self.stats.bytes_network += len(chunk)": (
+        "independent"
+    ),
+    "cloudshards/cache/tee.py:TeeStream._recheck: whole.update(chunk); cut = max(0, min(len(chunk), served - position)) → cut = max(0, min(len(chunk), served - position)); whole.update(chunk)": (
+        "independent"
+    ),
+    "cloudshards/cache/tee.py:TeeStream._recheck: prefix.update(chunk[:cut]); tail += chunk[cut:] → tail += chunk[cut:]; prefix.update(chunk[:cut])": (
+        "independent"
+    ),
+    "cloudshards/cache/tee.py:TeeStream._recheck: self.expected_size or 0 → self.expected_size or 1": (
+        "a recheck needs a size (the held-back end is computed from it): for an empty object a longer second download is 'changed' either way"
+    ),
+    'cloudshards/cache/tee.py:TeeStream._recheck: return "changed", b"" → pass #2': (
+        "a second download of another length matches neither digest (the first download had the expected length), so it is 'changed' below"
+    ),
+    "cloudshards/cache/tee.py:TeeStream._complete: self._held.clear() → pass": (
+        "memory only: the held bytes were copied into the tail being served"
+    ),
+    "cloudshards/cache/tee.py:TeeStream._complete: self._held.clear(); self._tail = memoryview(tail) → self._tail = memoryview(tail); self._held.clear()": (
+        "independent: tail is a copy"
+    ),
+    "cloudshards/cache/tee.py:TeeStream._complete: self._abandon(); self._not_kept(exc) → self._not_kept(exc); self._abandon()": (
+        "independent: a warning and giving the file up"
+    ),
+    "cloudshards/cache/tee.py:TeeStream._drain: return → pass #2": (
+        "after the end the entry is complete (no descriptor: the loop ends) or the check raised"
+    ),
+    "cloudshards/cache/shardcache.py:ShardCache._download.commit: self._write_meta(name, {'url': redact_url(url), 'size': nbytes, 'md5': md5}); table = tee.member_table if tee is not None else None → table = tee.member_table if tee is not None else None; self._write_meta(name, {'url': redact_url(url), 'size': nbytes, 'md5': md5})": (
+        "_write_meta and write_table write a temporary file and rename it: failing, they leave nothing behind, so when its path joins the clean-up list does not matter"
+    ),
+    "cloudshards/cache/shardcache.py:ShardCache._download.commit: written.append(self._path('meta', name + '.json')); self._write_meta(name, {'url': redact_url(url), 'size': nbytes, 'md5': md5}) → self._write_meta(name, {'url': redact_url(url), 'size': nbytes, 'md5': md5}); written.append(self._path('meta', name + '.json'))": (
+        "_write_meta and write_table write a temporary file and rename it: failing, they leave nothing behind, so when its path joins the clean-up list does not matter"
+    ),
+    "cloudshards/cache/shardcache.py:ShardCache._download.commit: written.append(self._table_path(name)); write_table(self._table_path(name), table, nbytes) → write_table(self._table_path(name), table, nbytes); written.append(self._table_path(name))": (
+        "_write_meta and write_table write a temporary file and rename it: failing, they leave nothing behind, so when its path joins the clean-up list does not matter"
     ),
     # --- balance ------------------------------------------------------------------------------
     "cloudshards/balance.py:_url_key: hashlib.blake2b(key.encode(), digest_size=16) → hashlib.blake2b(key.encode(), digest_size=17)": (

@@ -67,6 +67,8 @@ class FollowStream(ClosingStream):
         """Return the next bytes, waiting for the downloader when we have caught up."""
         if self._replacement is not None:
             return self._replacement.read(size)
+        if size == 0:
+            return b""
         delay = self.POLL_MIN_S
         while True:
             data = os.read(self.fd, size if size > 0 else 1 << 22)

@@ -379,13 +379,15 @@ class TeeStream(ClosingStream):
         if remaining is not None and remaining > self.DRAIN_MAX_BYTES:
             return
         budget = self.DRAIN_MAX_BYTES
-        while self._fd is not None and budget > 0:
-            data = self.remote.read(min(budget, 1 << 22))
-            if not data:
+        while self._fd is not None:
+            data = self.remote.read(1 << 22)
+            if not data:  # the end: a remainder of exactly the budget completes too
                 self._at_end(recheck=False)
                 return
-            budget -= len(data)
             self.stats.bytes_network += len(data)
+            budget -= len(data)
+            if budget < 0:  # the size was unknown, and more is left than is worth it
+                return
             self._take(data)
 
 

@@ -1,0 +1,461 @@
+"""The downloader's stream (:class:`TeeStream`) on its own: what its consumer is served, what is
+written and committed, and when. A real partial file on disk; the store is an in-memory stream
+whose reads are counted, so "how much was fetched" is observable.
+
+The pipeline-level behaviour (hits, followers, a full disk, checksums of real stores) is in
+test_cache.py, test_cache_safety.py and the integration tests; these pin the stream's own
+promises, which the mutation check (``integration/mutation.py``, area ``cache``) showed no
+other test held down: skipping on a take-over, the byte counts, checksums without a size, the
+held-back end of a large object, bounded reads from a store that sends too much, and close().
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import stat
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cloudshards.cache.membertable import MemberTable
+from cloudshards.cache.stats import CacheStats
+from cloudshards.cache.tee import TeeStream
+from cloudshards.errors import CacheError, ShardOpenError
+
+DATA = bytes(range(256)) * 40  # 10,240 bytes
+URL = "gs://bucket/shard-000.tar"
+
+
+class Store:
+    """An object in a store, read as one stream: at most ``chunk`` bytes per read; ``flip``
+    is an offset served with its bits inverted; ``extra`` bytes follow the object (a store
+    that sends more than it said)."""
+
+    def __init__(
+        self, data: bytes = DATA, *, chunk: int = 1000, flip: int | None = None, extra: int = 0
+    ) -> None:
+        body = bytearray(data + bytes(extra))
+        if flip is not None:
+            body[flip] ^= 0xFF
+        self.data = bytes(body)
+        self.chunk = chunk
+        self.url = URL
+        self.pos = 0
+        self.closed = False
+
+    def read(self, size: int = -1) -> bytes:
+        count = self.chunk if size < 0 else min(size, self.chunk)
+        out = self.data[self.pos : self.pos + count]
+        self.pos += len(out)
+        return out
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@dataclass
+class Entry:
+    """The callbacks a TeeStream gets from the cache, recording what it was told."""
+
+    directory: Path
+    commits: list[int] = field(default_factory=list)
+    abandoned: int = 0
+    closes: int = 0
+    distrusted: int = 0
+    refetches: list[Store] = field(default_factory=list)
+
+    @property
+    def partial(self) -> Path:
+        return self.directory / "entry.partial"
+
+    @property
+    def final(self) -> Path:
+        return self.directory / "entry"
+
+    def commit(self, nbytes: int) -> bool:
+        self.commits.append(nbytes)
+        os.replace(self.partial, self.final)
+        return True
+
+    def abandon(self) -> None:
+        self.abandoned += 1
+        self.partial.unlink(missing_ok=True)
+
+    def on_close(self) -> None:
+        self.closes += 1
+
+    def distrust(self) -> None:
+        self.distrusted += 1
+
+
+def tee(
+    entry: Entry,
+    store: Store,
+    *,
+    size: int | None = len(DATA),
+    md5: str | None = None,
+    skip: int = 0,
+    refetch: Callable[[], Store] | None = None,
+) -> TeeStream:
+    def counted_refetch() -> Any:
+        assert refetch is not None
+        again = refetch()
+        entry.refetches.append(again)
+        return again
+
+    return TeeStream(
+        store,  # type: ignore[arg-type]
+        str(entry.partial),
+        commit=entry.commit,
+        abandon=entry.abandon,
+        on_close=entry.on_close,
+        stats=CacheStats(),
+        expected_size=size,
+        expected_md5=md5,
+        skip=skip,
+        refetch=counted_refetch if refetch is not None else None,
+        distrust=entry.distrust,
+    )
+
+
+def read_all(stream: Any, size: int = 700) -> bytes:
+    chunks = []
+    while chunk := stream.read(size):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def md5_of(data: bytes) -> str:
+    return hashlib.md5(data).hexdigest()
+
+
+@pytest.fixture
+def entry(tmp_path: Path) -> Entry:
+    return Entry(tmp_path)
+
+
+@pytest.fixture
+def small_hold(monkeypatch: pytest.MonkeyPatch) -> int:
+    """Hold back only the last 2,000 bytes of a verified download (the object is 10,240)."""
+    monkeypatch.setattr(TeeStream, "HOLD_BYTES", 2000)
+    return 2000
+
+
+# --- serving and committing --------------------------------------------------------------
+
+
+def test_a_take_over_skips_what_its_consumer_had_and_caches_the_whole_object(
+    entry: Entry,
+) -> None:
+    stream = tee(entry, Store(), skip=1234)
+    assert read_all(stream) == DATA[1234:]
+    assert stream.offset == len(DATA) - 1234  # bytes delivered to this consumer
+    assert stream.stats.bytes_network == len(DATA)
+    stream.close()
+    assert entry.commits == [len(DATA)]
+    assert entry.final.read_bytes() == DATA
+    assert stream.stats.misses == 1
+    assert stream.stats.uncached == 0
+    assert entry.closes == 1
+
+
+def test_a_checksum_without_a_size_is_still_verified(entry: Entry) -> None:
+    stream = tee(entry, Store(), size=None, md5=md5_of(DATA))
+    assert read_all(stream) == DATA
+    stream.close()
+    assert entry.commits == [len(DATA)]
+
+
+def test_a_wrong_checksum_without_a_size_fails_the_shard(entry: Entry) -> None:
+    stream = tee(entry, Store(flip=5), size=None, md5=md5_of(DATA), refetch=Store)
+    with pytest.raises(ShardOpenError, match="checksum"):
+        read_all(stream)
+    stream.close()
+    assert entry.commits == []
+    assert entry.abandoned == 1
+    assert not entry.partial.exists()
+
+
+def test_the_error_is_raised_again_on_every_later_read(entry: Entry) -> None:
+    stream = tee(entry, Store(extra=10), md5=md5_of(DATA))
+    with pytest.raises(ShardOpenError) as first:
+        read_all(stream)
+    with pytest.raises(ShardOpenError) as again:
+        stream.read(100)
+    assert again.value is first.value
+    stream.close()
+    assert entry.commits == []
+
+
+def test_a_store_that_sends_more_than_it_said_is_stopped_at_once(
+    entry: Entry, small_hold: int
+) -> None:
+    """Held-back bytes are kept in memory: a store that goes on sending must fail the read
+    that passes the size it reported, not fill memory until it stops."""
+    store = Store(extra=50 * len(DATA))
+    stream = tee(entry, store, md5=md5_of(DATA))
+    with pytest.raises(ShardOpenError, match="more than"):
+        read_all(stream)
+    assert store.pos <= len(DATA) + store.chunk
+    stream.close()
+    assert entry.commits == []
+
+
+def test_a_small_verified_object_is_served_only_once_all_of_it_is_in(entry: Entry) -> None:
+    """Smaller than the held-back end: not one byte is served before the checksum matched."""
+    store = Store()
+    stream = tee(entry, store, md5=md5_of(DATA))
+    first = stream.read(100)
+    assert first == DATA[:100]
+    assert store.pos == len(DATA)
+    assert entry.commits == [len(DATA)]  # verified and committed before serving
+    assert read_all(stream) == DATA[100:]
+
+
+def test_a_corrupted_end_of_a_large_object_is_fetched_again(
+    entry: Entry, small_hold: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Only held-back bytes were wrong: a second download that matches the checksum and
+    agrees with every byte already served provides the end."""
+    stream = tee(entry, Store(flip=len(DATA) - 10), md5=md5_of(DATA), refetch=Store)
+    with caplog.at_level(logging.WARNING, logger="cloudshards"):
+        assert read_all(stream) == DATA
+    stream.close()
+    assert entry.commits == [len(DATA)]
+    assert entry.final.read_bytes() == DATA
+    (again,) = entry.refetches
+    assert again.closed
+    assert stream.stats.bytes_network == 2 * len(DATA)
+    assert any("second download matched" in r.getMessage() for r in caplog.records)
+
+
+def test_a_corrupted_byte_already_served_fails_the_shard(entry: Entry, small_hold: int) -> None:
+    stream = tee(entry, Store(flip=100), md5=md5_of(DATA), refetch=Store)
+    with pytest.raises(ShardOpenError, match="differs in bytes already read"):
+        read_all(stream)
+    stream.close()
+    assert entry.commits == []
+    assert not entry.partial.exists()
+
+
+def test_a_second_download_longer_than_the_object_is_cut_short(
+    entry: Entry, small_hold: int
+) -> None:
+    endless: list[Store] = []
+
+    def refetch() -> Store:
+        endless.append(Store(extra=100 * len(DATA)))
+        return endless[-1]
+
+    stream = tee(entry, Store(flip=len(DATA) - 10), md5=md5_of(DATA), refetch=refetch)
+    with pytest.raises(ShardOpenError, match="changed"):
+        read_all(stream)
+    assert endless[0].pos <= len(DATA) + endless[0].chunk
+    assert endless[0].closed
+
+
+def test_a_checksum_that_is_no_md5_of_the_bytes_is_distrusted(
+    entry: Entry, small_hold: int
+) -> None:
+    stream = tee(entry, Store(), md5=md5_of(b"something else"), refetch=Store)
+    assert read_all(stream) == DATA
+    stream.close()
+    assert entry.distrusted == 1
+    assert entry.commits == []
+    assert not entry.partial.exists()
+    assert stream.stats.uncached == 1
+
+
+# --- the disk -----------------------------------------------------------------------------
+
+
+def swap_descriptor(stream: TeeStream, path: str, flags: int) -> None:
+    """Make the partial file's descriptor point at ``path`` from now on."""
+    fd = os.open(path, flags)
+    try:
+        assert stream._fd is not None
+        os.dup2(fd, stream._fd)
+    finally:
+        os.close(fd)
+
+
+def test_a_disk_that_fills_up_mid_download_still_serves_every_byte(
+    entry: Entry, small_hold: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """ENOSPC in the middle of a verified download, with part of the end held back: the
+    consumer gets every byte, held ones included, and no error; nothing is cached."""
+    stream = tee(entry, Store(), md5=md5_of(DATA), refetch=Store)
+    got = stream.read(700)
+    swap_descriptor(stream, "/dev/full", os.O_WRONLY)
+    with caplog.at_level(logging.WARNING, logger="cloudshards"):
+        got += read_all(stream)
+        assert stream.partial_dropped
+    assert got == DATA
+    stream.close()
+    assert not stream.partial_dropped
+    assert entry.commits == []
+    assert entry.abandoned == 1
+    assert entry.refetches == []
+    assert stream.stats.uncached == 1
+
+
+def test_a_write_error_other_than_a_full_disk_names_the_partial_file(entry: Entry) -> None:
+    stream = tee(entry, Store())
+    stream.read(700)
+    swap_descriptor(stream, os.devnull, os.O_RDONLY)  # writes fail with EBADF
+    with pytest.raises(CacheError, match=str(entry.partial)):
+        read_all(stream)
+    assert entry.abandoned == 1
+    assert not entry.partial.exists()
+    stream.close()
+    assert entry.abandoned == 1
+
+
+def test_the_partial_file_is_readable_and_never_executable(entry: Entry) -> None:
+    """The executable bit marks a download that failed verification (followers then fail):
+    a fresh partial file must not have it, nor be writable by anyone but its owner."""
+    umask = os.umask(0o022)
+    try:
+        stream = tee(entry, Store())
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE(entry.partial.stat().st_mode) == 0o644
+    stream.close()
+
+
+def test_descriptors_are_closed_whatever_happens(entry: Entry) -> None:
+    before = len(os.listdir("/proc/self/fd"))
+    for make in (
+        lambda: tee(entry, Store()),  # read to the end
+        lambda: tee(entry, Store(extra=10), md5=md5_of(DATA)),  # fails verification
+    ):
+        stream = make()
+        with pytest.raises(ShardOpenError) if stream._expected_md5 else _nothing():
+            read_all(stream)
+        stream.close()
+    stream = tee(entry, Store())
+    stream.read(10)
+    stream.cancel()
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+# --- member tables --------------------------------------------------------------------------
+
+
+def test_a_member_table_is_saved_only_once_the_entry_is_committed(entry: Entry) -> None:
+    table = MemberTable()
+    table.names.append("a.cls")
+    table.offsets.append(512)
+    table.sizes.append(3)
+    table.complete = True
+    stream = tee(entry, Store())
+    stream.table_path = str(entry.directory / "entry.members.json")
+    stream.read(100)
+    stream.save_member_table(table)
+    assert not Path(stream.table_path).exists()  # the cache's commit writes it
+    assert stream.member_table is table
+    read_all(stream)
+    assert entry.commits == [len(DATA)]
+    stream.save_member_table(table)  # committed first: saved now
+    assert Path(stream.table_path).exists()
+
+
+# --- close and cancel -----------------------------------------------------------------------
+
+
+def test_close_completes_a_remainder_of_up_to_the_drain_size(
+    entry: Entry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tar reader stops at the end-of-archive marker: closing with a small remainder left
+    still downloads it and commits the entry, up to and including DRAIN_MAX_BYTES."""
+    monkeypatch.setattr(TeeStream, "DRAIN_MAX_BYTES", 4000)
+    stream = tee(entry, Store())
+    assert read_all_up_to(stream, len(DATA) - 4000) == DATA[:-4000]
+    stream.close()
+    assert entry.commits == [len(DATA)]
+    assert entry.final.read_bytes() == DATA
+
+
+def test_close_gives_up_a_remainder_larger_than_the_drain_size(
+    entry: Entry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(TeeStream, "DRAIN_MAX_BYTES", 4000)
+    store = Store()
+    stream = tee(entry, store)
+    read_all_up_to(stream, len(DATA) - 4001)
+    fetched = store.pos
+    stream.close()
+    stream.close()  # twice: counted and reported once
+    assert store.pos == fetched  # nothing more was downloaded
+    assert entry.commits == []
+    assert not entry.partial.exists()
+    assert store.closed
+    assert stream.stats.uncached == 1
+    assert entry.closes == 1
+
+
+def test_close_of_an_object_of_unknown_size_downloads_at_most_the_drain_size(
+    entry: Entry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(TeeStream, "DRAIN_MAX_BYTES", 4000)
+    store = Store(DATA * 10)
+    stream = tee(entry, store, size=None)
+    stream.read(1000)
+    stream.close()
+    assert store.pos <= 1000 + 4000 + store.chunk
+    assert entry.commits == []
+    assert not entry.partial.exists()
+
+
+def test_close_never_downloads_the_object_again(
+    entry: Entry, small_hold: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A mismatch found while completing the entry at close is not rechecked (that would be a
+    second full download after the consumer stopped): the shard is simply not cached."""
+    stream = tee(entry, Store(flip=len(DATA) - 10), md5=md5_of(DATA), refetch=Store)
+    stream.read(100)
+    with caplog.at_level(logging.WARNING, logger="cloudshards"):
+        stream.close()
+    assert entry.refetches == []
+    assert entry.commits == []
+    assert not entry.partial.exists()
+    assert any("not cached" in r.getMessage() for r in caplog.records)
+
+
+def test_cancel_says_whether_it_gave_up_a_download_in_progress(entry: Entry) -> None:
+    running = tee(entry, Store())
+    running.read(100)
+    assert running.cancel() is True
+    assert running.handed_back  # not counted: nobody read it
+    assert entry.commits == []
+    assert not entry.partial.exists()
+    assert running.stats.uncached == 0
+
+    finished = tee(Entry(entry.directory), Store())
+    read_all(finished)
+    assert finished.cancel() is False
+    assert not finished.handed_back
+
+
+def read_all_up_to(stream: TeeStream, limit: int) -> bytes:
+    chunks = []
+    got = 0
+    while got < limit:
+        chunk = stream.read(min(700, limit - got))
+        assert chunk
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)

@@ -310,9 +310,6 @@ REVIEWED_EQUIVALENTS: dict[str, str] = {
     "cloudshards/cache/membertable.py:MemberTable.rows: zip(self.names, self.offsets, self.sizes, strict=True) → zip(self.names, self.offsets, self.sizes, strict=False)": (
         "the columns have one length: appended together, or checked by load_table"
     ),
-    "cloudshards/cache/membertable.py:load_table: zip(offsets, sizes, strict=True) → zip(offsets, sizes, strict=False)": (
-        "the lengths were compared just before"
-    ),
     # --- cache ------------------------------------------------------------------------------
     "cloudshards/cache/budget.py:CacheBudget._reserve: os.ftruncate(lock.fd, 0) → os.ftruncate(lock.fd, 1)": (
         "the record written next is at least one character, and starts at byte 0"
@@ -472,6 +469,15 @@ REVIEWED_EQUIVALENTS: dict[str, str] = {
     ),
     "cloudshards/cache/shardcache.py:ShardCache._download.commit: written.append(self._table_path(name)); write_table(self._table_path(name), table, nbytes) → write_table(self._table_path(name), table, nbytes); written.append(self._table_path(name))": (
         "_write_meta and write_table write a temporary file and rename it: failing, they leave nothing behind, so when its path joins the clean-up list does not matter"
+    ),
+    "cloudshards/cache/follow.py:FollowStream.read: size > 0 → size >= 0": (
+        "read(0) returns before: size is never 0 here"
+    ),
+    "cloudshards/cache/follow.py:FollowStream.read: size > 0 → size >= 0 #2": (
+        "read(0) returns before: size is never 0 here"
+    ),
+    'cloudshards/cache/facts.py:remote_facts: getattr(stream, "size", None) or getattr(raw, "size", None) → getattr(stream, "size", None) and getattr(raw, "size", None)': (
+        "a stream's size is also in the details it carries, which are read next when it is None"
     ),
     # --- balance ------------------------------------------------------------------------------
     "cloudshards/balance.py:_url_key: hashlib.blake2b(key.encode(), digest_size=16) → hashlib.blake2b(key.encode(), digest_size=17)": (

@@ -150,8 +150,10 @@ def test_the_bytes_written_between_the_last_read_and_the_commit_are_read(
         download.write(DATA[4000:])
         download.commit()
 
+    assert read_all_up_to(follow, 3999) == DATA[1:4000]
     at_checkpoint(monkeypatch, "follower_caught_up", finish)
-    assert follow.read(1) + read_all(follow) == DATA[1:]
+    assert follow.read(1) == DATA[4000:4001]  # read after the commit: still what was asked
+    assert read_all(follow) == DATA[4001:]
     assert follow.offset == len(DATA)
     assert stats.bytes_disk == len(DATA)
     assert download.takeovers == []
@@ -183,13 +185,18 @@ def test_an_abandoned_download_is_taken_over_at_the_offset_reached(
     before = open_fds()
     download.write(DATA[:3000])
     follow = download.follow()
+    number = follow.fd
     assert read_all_up_to(follow, 3000) == DATA[:3000]
     download.lock.release()  # the downloader died: its lock is free, nothing committed
     assert read_all(follow) == DATA[3000:]
     assert download.takeovers == [3000]
-    # The partial file's descriptor was closed at the take-over; the number is reused now,
-    # and closing the follower must leave that new file alone.
-    reused = os.open(os.devnull, os.O_RDONLY)
+    # The partial file's descriptor was closed at the take-over; once its number is reused,
+    # closing the follower must leave that new file alone.
+    with pytest.raises(OSError, match="Bad file descriptor"):
+        os.fstat(number)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    reused = os.dup2(devnull, number)
+    os.close(devnull)
     try:
         table = MemberTable()
         table.complete = True

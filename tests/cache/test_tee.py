@@ -304,6 +304,24 @@ def test_a_disk_that_fills_up_mid_download_still_serves_every_byte(
     assert stream.stats.uncached == 1
 
 
+def test_a_disk_that_fills_up_where_the_held_back_end_begins_still_serves_every_byte(
+    entry: Entry, small_hold: int
+) -> None:
+    """The write that fails is the one of the chunk that reaches the held-back end: the bytes
+    held from that chunk on are served with it, unverified, as the rest of the stream is."""
+    hold_from = len(DATA) - small_hold
+    stream = tee(entry, Store(), md5=md5_of(DATA), refetch=Store)
+    got = b""
+    while len(got) < hold_from // 1000 * 1000:  # up to the chunk that crosses hold_from
+        got += stream.read(1000)
+    swap_descriptor(stream, "/dev/full", os.O_WRONLY)
+    got += read_all(stream)
+    assert got == DATA
+    stream.close()
+    assert entry.commits == []
+    assert entry.refetches == []
+
+
 def test_a_write_error_other_than_a_full_disk_names_the_partial_file(entry: Entry) -> None:
     stream = tee(entry, Store())
     stream.read(700)

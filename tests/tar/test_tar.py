@@ -1210,3 +1210,13 @@ def test_gzip_back_references_across_the_whole_window() -> None:
     payload = random.Random(5).randbytes(20 << 10)
     files = [("a.bin", payload), ("b.bin", payload), ("c.bin", payload)]
     assert read(gzip.compress(write_tar(files))) == files
+
+
+def test_gzip_back_references_across_the_whole_window_in_a_later_member() -> None:
+    """``cat a.gz b.gz``: each gzip member inflates with the whole 32 KiB window, the ones
+    after the first included (here the second holds two copies 20 KiB apart)."""
+    payload = random.Random(6).randbytes(20 << 10)
+    files = [("a.bin", payload), ("b.bin", payload), ("c.bin", payload)]
+    tar = write_tar(files)
+    cut = len(tar) // 4  # inside the first file: b.bin and c.bin are in the second member
+    assert read(gzip.compress(tar[:cut]) + gzip.compress(tar[cut:])) == files

@@ -45,7 +45,7 @@ keyed by file, function and text (:attr:`Mutant.key`), so they survive edits els
 
 Usage::
 
-    tox -e mutation                                     # all areas (about 40 min on 2 cores)
+    tox -e mutation                                     # all areas (about an hour on 2 cores)
     python integration/mutation.py --area tar --jobs 2
     python integration/mutation.py --list --area cache  # the mutants, not run
     python integration/mutation.py --only "tar/headers"  # mutants whose key contains this

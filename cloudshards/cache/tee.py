@@ -340,8 +340,7 @@ class TeeStream(ClosingStream):
         self.close()
         return unfinished
 
-    #: At close, a remainder up to this size is still downloaded to complete the entry: tar
-    #: readers stop at the end-of-archive marker, before the record padding after it.
+    #: A remainder up to this size is still fetched at close (tar readers stop before padding).
     DRAIN_MAX_BYTES = 16 << 20
 
     def close(self) -> None:
@@ -375,10 +374,9 @@ class TeeStream(ClosingStream):
             self._on_close()
 
     def _drain(self) -> None:
-        remaining = self.expected_size - self._received if self.expected_size is not None else None
-        if remaining is not None and remaining > self.DRAIN_MAX_BYTES:
-            return
         budget = self.DRAIN_MAX_BYTES
+        if self.expected_size is not None and self.expected_size - self._received > budget:
+            return
         while self._fd is not None:
             data = self.remote.read(1 << 22)
             if not data:  # the end: a remainder of exactly the budget completes too

@@ -233,9 +233,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         f"{samples / elapsed:,.0f} samples/s, {total / 1e6 / elapsed:,.1f} MB/s"
     )
     wait = min(io["wait_s"], elapsed)
+    print(f"waiting for I/O {wait:.2f} s ({wait / elapsed:.0%}), computing {elapsed - wait:.2f} s")
     print(
-        f"waiting for I/O {wait:.2f} s ({wait / elapsed:.0%}), computing "
-        f"{elapsed - wait:.2f} s; {int(io['requests'])} requests, {int(io['retries'])} retries, "
+        f"{int(io['requests'])} requests, {int(io['retries'])} retries, "
         f"{io['bytes'] / 1e6:.1f} MB from the store"
     )
     if "cache" in stats:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -88,7 +89,8 @@ def test_bench_reports_rates_and_io_wait_over_http(
     assert "samples/s" in lines[0]
     assert "MB/s" in lines[0]
     assert lines[1].startswith("waiting for I/O ")
-    assert lines[2].startswith("cache: 0 hits, 6 downloads")
+    assert re.fullmatch(r"\d+ requests, 0 retries, [\d.]+ MB from the store", lines[2])
+    assert lines[3].startswith("cache: 0 hits, 6 downloads")
 
     info = cloudshards_cli("cache", "info", str(cache_dir))
     assert info.returncode == 0, info.stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from typing import Any
@@ -280,6 +281,7 @@ def test_progress_bars_show_on_a_terminal(make_shards: Any) -> None:
     assert "samples/s" in lines[0]
     assert "MB/s" in lines[0]
     assert lines[1].startswith("waiting for I/O ")
+    assert re.fullmatch(r"0 requests, 0 retries, 0\.0 MB from the store", lines[2])  # local
 
 
 # --- the inspecting commands do not import torch ------------------------------------------------

@@ -255,3 +255,34 @@ def test_menu_labels_are_the_page_titles(site: Path) -> None:
     assert sorted(entry[2:] for entry in entries) == sorted(PAGES)
     home = built_page(site, "index.md")
     assert "md-footer__link--next" in home  # previous/next links at the bottom
+
+
+# --- the API reference -----------------------------------------------------------------------
+
+
+def _text(page_html: str) -> str:
+    return html.unescape(re.sub(r"<[^>]+>", "", page_html))
+
+
+def test_api_returns_sections_are_one_value_each(site: Path) -> None:
+    """A wrapped description of what a function returns is one row, not a row per line."""
+    page = built_page(site, "api.md")
+    sections = re.findall(r"Returns:.*?<tbody>(.*?)</tbody>", page, flags=re.S)
+    assert len(sections) >= 5
+    assert [section.count("<tr") for section in sections] == [1] * len(sections)
+
+
+def test_api_shows_no_private_signature_and_no_internal_names(site: Path) -> None:
+    text = _text(built_page(site, "api.md"))
+    assert re.findall(r"\b_[a-z]\w*\(", text) == []  # e.g. _map(data, f) under "map"
+    for internal in ("iterator1", "invoke", "decode1", "next_stream", "DecodeError.k"):
+        assert f'id="cloudshards.{internal}' not in built_page(site, "api.md")
+        assert not re.search(rf"\b{re.escape(internal)}\b", text), internal
+
+
+def test_api_table_of_contents_lists_objects_not_every_method(site: Path) -> None:
+    page = built_page(site, "api.md")
+    start = page.index('<nav class="md-nav md-nav--secondary"')
+    toc = page[start : page.index('<div class="md-content"', start)]
+    entries = set(re.findall(r'<a href="(#[^"]*)" class="md-nav__link">', toc))
+    assert 40 <= len(entries) <= 90  # it had 129

@@ -286,3 +286,24 @@ def test_api_table_of_contents_lists_objects_not_every_method(site: Path) -> Non
     toc = page[start : page.index('<div class="md-content"', start)]
     entries = set(re.findall(r'<a href="(#[^"]*)" class="md-nav__link">', toc))
     assert 40 <= len(entries) <= 90  # it had 129
+
+
+# --- repository files ----------------------------------------------------------------------------
+
+#: The contributors' page may name the repository's files without linking each.
+CONTRIBUTOR_PAGES = {"architecture.md"}
+
+
+def test_repository_files_named_on_user_pages_are_links() -> None:
+    """A reader of the site has no checkout: an example, benchmark or test named on a page
+    links to the file in the repository."""
+    named = re.compile(r"(?<!\[)`((?:examples|benchmarks|integration|tests)/[^`]*)`")
+    unlinked = []
+    for page in sorted(set(PAGES) - CONTRIBUTOR_PAGES):
+        inside = False
+        for number, line in enumerate((DOCS / page).read_text(encoding="utf-8").splitlines(), 1):
+            if line.lstrip().startswith(("```", "~~~")):
+                inside = not inside
+            if not inside:
+                unlinked += [f"{page}:{number}: {m.group(1)}" for m in named.finditer(line)]
+    assert unlinked == []

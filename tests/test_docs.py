@@ -235,7 +235,7 @@ def write_media_shards(data: Path) -> None:
                     {
                         "__key__": f"clip/{index:04d}",
                         "jpg": jpeg(index, (24, 32)),
-                        "json": {"index": index, "caption": f"clip {index}", "tags": ["a", "b"]},
+                        "json": {"index": index, "caption": f"clip {index}"},
                         "cls": index % 3,
                         "npy": np.arange(12, dtype=np.float32).reshape(3, 4),
                         "mp4": video,

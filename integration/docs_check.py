@@ -25,7 +25,16 @@ from pathlib import Path
 from system_deps import find_executable, install
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = ("", "getting-started/", "storage/", "caching/", "distributed/", "migrating/", "api/")
+PAGES = (
+    "",
+    "getting-started/",
+    "storage/",
+    "caching/",
+    "performance/",
+    "distributed/",
+    "migrating/",
+    "api/",
+)
 SIZES = {"desktop": (1280, 900), "phone": (390, 844)}
 
 

@@ -17,6 +17,10 @@ sees the values its environment had:
 
 Call :func:`register` in every process that opens ``slowfile://`` URLs (it is also a valid
 ``worker_init_fn`` for spawned DataLoader workers).
+
+Also here: reading a stream to its end or by a count (:func:`read_all`, :func:`read_exactly`),
+which the cache's tests do with every kind of stream, and a small complete member table
+(:func:`member_table`).
 """
 
 from __future__ import annotations
@@ -159,3 +163,38 @@ def opens(log: str | os.PathLike[str]) -> collections.Counter[str]:
     except FileNotFoundError:
         return collections.Counter()
     return collections.Counter(lines)
+
+
+def read_all(stream: Any, size: int = 1 << 16) -> bytes:
+    """What is left in ``stream``, read ``size`` bytes at a time."""
+    chunks = []
+    while chunk := stream.read(size):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def read_exactly(stream: Any, count: int, size: int = 1 << 16) -> bytes:
+    """The next ``count`` bytes of ``stream``, read at most ``size`` at a time; none of the
+    reads may come back empty."""
+    chunks = []
+    got = 0
+    while got < count:
+        chunk = stream.read(min(size, count - got))
+        assert chunk, f"the stream ended after {got} of {count} bytes"
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def member_table(*rows: tuple[str, int, int]) -> Any:
+    """A complete :class:`~cloudshards.cache.membertable.MemberTable` of ``(name, offset,
+    size)`` rows (one ``a.cls`` member when none are given)."""
+    from cloudshards.cache.membertable import MemberTable
+
+    table = MemberTable()
+    for name, offset, size in rows or (("a.cls", 512, 3),):
+        table.names.append(name)
+        table.offsets.append(offset)
+        table.sizes.append(size)
+    table.complete = True
+    return table

@@ -83,7 +83,7 @@ def _rank(config: dict[str, Any]) -> dict[str, Any]:
         for url in config["urls"]:
             stream = cache.open(url)
             try:
-                result["sha256"].append(hashlib.sha256(read_all(stream)).hexdigest())
+                result["sha256"].append(hashlib.sha256(fakes.read_all(stream)).hexdigest())
             finally:
                 stream.close()
         result["stats"] = cache.stats.as_dict()
@@ -307,13 +307,6 @@ def flocked(path: Path) -> bool:
     )
 
 
-def read_all(stream: Any) -> bytes:
-    chunks = []
-    while chunk := stream.read(1 << 16):
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 # --- entry names ---------------------------------------------------------------------------
 
 SIGNED = [
@@ -465,7 +458,7 @@ def test_secrets_and_dot_dots_stay_out_of_files_and_logs(
     for url in urls * 2:  # miss, then hit
         stream = cache.open(url)
         try:
-            assert read_all(stream) == source.read_bytes()
+            assert fakes.read_all(stream) == source.read_bytes()
         finally:
             stream.close()
     assert cache.stats.misses == 2
@@ -777,7 +770,7 @@ def test_follower_waits_for_a_download_that_is_slow_to_start(
     cache = ShardCache(cache_dir)
     stream = cache.open(url)
     try:
-        assert read_all(stream) == path.read_bytes()
+        assert fakes.read_all(stream) == path.read_bytes()
     finally:
         stream.close()
     assert downloader.result()["sha256"] == [hashlib.sha256(path.read_bytes()).hexdigest()]
@@ -910,7 +903,7 @@ def test_entry_in_use_is_never_evicted(make_shards: Any, store: Store, tmp_path:
         assert cache_of(rest_ds).stats.evictions > 0
         assert max(observed) <= budget
         assert entry_name(urls[0]) in data_files(cache_dir)
-        assert head + read_all(held) == shards.paths[0].read_bytes()
+        assert head + fakes.read_all(held) == shards.paths[0].read_bytes()
     finally:
         held.close()
     assert store.count(shards.paths[0]) == 1
@@ -1041,7 +1034,7 @@ def test_clear_cache_keeps_entries_in_use(make_shards: Any, store: Store, tmp_pa
             f"{held_name}.json",
             f"{held_name}.members.json",  # its member table (see _membertable)
         ]
-        assert read_all(held) == shards.paths[0].read_bytes()
+        assert fakes.read_all(held) == shards.paths[0].read_bytes()
     finally:
         held.close()
     assert clear_cache(cache_dir) == 1
@@ -1144,10 +1137,10 @@ def test_every_stream_is_a_context_manager(make_shards: Any, store: Store, tmp_p
     cache = ShardCache(tmp_path / "cache")
     for _ in range(2):  # a download (tee), then a hit
         with cache.open(url) as stream:
-            assert read_all(stream) == shards.paths[0].read_bytes()
+            assert fakes.read_all(stream) == shards.paths[0].read_bytes()
         assert stream.closed
     from cloudshards.source import OpenOptions, open_remote
 
     with open_remote(url, OpenOptions()) as remote:
-        assert read_all(remote) == shards.paths[0].read_bytes()
+        assert fakes.read_all(remote) == shards.paths[0].read_bytes()
     assert remote.closed

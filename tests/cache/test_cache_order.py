@@ -44,13 +44,6 @@ def fetches(log: Path) -> dict[str, int]:
     return dict(fakes.opens(log))
 
 
-def read_all(stream: Any) -> bytes:
-    chunks = []
-    while chunk := stream.read(1 << 16):
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 def files_in(directory: Path) -> list[str]:
     return sorted(os.listdir(directory)) if directory.is_dir() else []
 
@@ -131,7 +124,7 @@ def test_a_download_shorter_than_the_store_said_is_never_committed(
     with cache.open(url) as stream:
         if reader == "reads to the end":
             with pytest.raises(ShardOpenError, match="incomplete download"):
-                read_all(stream)
+                fakes.read_all(stream)
         else:
             assert stream.read(1000) == path.read_bytes()[:1000]
     assert files_in(cache_dir / "data") == []  # neither an entry nor a partial file
@@ -142,7 +135,7 @@ def test_a_download_shorter_than_the_store_said_is_never_committed(
     short_store.missing_bytes = 0  # the store serves the whole object again
     for _ in range(2):  # downloaded again, then a hit of the whole shard
         with cache.open(url) as stream:
-            assert read_all(stream) == path.read_bytes()
+            assert fakes.read_all(stream) == path.read_bytes()
     assert fetches(store) == {str(path): 2}
     assert (cache.stats.misses, cache.stats.hits) == (1, 1)
     assert files_in(cache_dir / "data") == [entry_name(url)]
@@ -176,7 +169,7 @@ def test_the_download_lock_is_held_until_the_entry_is_in_place(
     downloader = ShardCache(cache_dir)
     with downloader.open(url) as stream:
         at_checkpoints(monkeypatch, look)
-        assert read_all(stream) == path.read_bytes()
+        assert fakes.read_all(stream) == path.read_bytes()
     assert seen == [
         ("before_rename", True, False, "FollowStream"),
         ("after_rename", True, True, "_CachedFile"),
@@ -204,11 +197,11 @@ def test_a_follower_reads_the_bytes_written_just_before_the_commit(
 
     def finish_download(point: str) -> None:
         if point == "follower_caught_up" and not rest:
-            rest.append(read_all(downloader))  # writes, verifies, renames, unlocks
+            rest.append(fakes.read_all(downloader))  # writes, verifies, renames, unlocks
 
     at_checkpoints(monkeypatch, finish_download)
     with follower, downloader:
-        assert read_all(follower) == path.read_bytes()
+        assert fakes.read_all(follower) == path.read_bytes()
     assert head + rest[0] == path.read_bytes()
     assert len(head) < len(path.read_bytes()) // 10  # the follower caught up early on
     assert fetches(store) == {str(path): 1}
@@ -230,13 +223,13 @@ def test_a_process_that_gets_the_lock_rechecks_for_a_finished_entry(
 
     def finish_download(point: str) -> None:
         if point == "before_claim" and not finished:
-            finished.append(read_all(downloader))
+            finished.append(fakes.read_all(downloader))
             downloader.close()
 
     at_checkpoints(monkeypatch, finish_download)
     with late.open(url, wait_s=5) as stream:
         assert type(stream).__name__ == "_CachedFile"
-        assert read_all(stream) == path.read_bytes()
+        assert fakes.read_all(stream) == path.read_bytes()
     assert finished == [path.read_bytes()]
     assert fetches(store) == {str(path): 1}
     # Both ShardCaches count in this process's counters: one download, one hit.

@@ -53,13 +53,6 @@ def samples_of(source: Any) -> SampleList:
     return [(s["__key__"], {k: v for k, v in s.items() if not k.startswith("__")}) for s in source]
 
 
-def read_all(stream: Any) -> bytes:
-    chunks = []
-    while chunk := stream.read(1 << 16):
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 def flocked(path: Path) -> bool:
     """Whether any process holds a flock on ``path`` (from /proc/locks, without locking)."""
     try:
@@ -480,10 +473,10 @@ def test_a_follower_of_a_download_that_failed_verification_gets_a_shard_error(
     follower = cache.open(url, wait_s=10)
     assert type(follower).__name__ == "FollowStream"
     with pytest.raises(ShardOpenError, match="checksum"):
-        read_all(downloader)
+        fakes.read_all(downloader)
     downloader.close()
     with pytest.raises(ShardOpenError, match="checksum"):
-        read_all(follower)
+        fakes.read_all(follower)
     follower.close()
     assert held_locks(tmp_path / "cache") == []
     with cache.open(url) as fresh:
@@ -673,7 +666,7 @@ def test_a_full_filesystem_streams_uncached_and_holds_no_lock(
     start = time.monotonic()
     stream = ShardCache(cache_dir).open(urls[0], wait_s=5)
     try:
-        assert read_all(stream) == shards.paths[0].read_bytes()
+        assert fakes.read_all(stream) == shards.paths[0].read_bytes()
     finally:
         stream.close()
     assert time.monotonic() - start < 3

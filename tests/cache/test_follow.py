@@ -20,9 +20,11 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import fakes
 import pytest
 
 import cloudshards.cache.facts as facts
@@ -35,6 +37,9 @@ from cloudshards.errors import ShardOpenError
 from cloudshards.source import OpenOptions
 
 DATA = bytes(range(256)) * 40  # 10,240 bytes
+#: Reads of 700 bytes, so that they never line up with the 1,000-byte parts written or served.
+read_all = partial(fakes.read_all, size=700)
+read_exactly = partial(fakes.read_exactly, size=700)
 URL = "s3://bucket/shard-000.tar"
 
 
@@ -127,13 +132,6 @@ def at_checkpoint(monkeypatch: pytest.MonkeyPatch, point: str, action: Any) -> N
     monkeypatch.setattr(cachelock, "_checkpoint", checkpoint)
 
 
-def read_all(stream: Any, size: int = 700) -> bytes:
-    chunks = []
-    while chunk := stream.read(size):
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 # --- following ----------------------------------------------------------------------------
 
 
@@ -150,7 +148,7 @@ def test_the_bytes_written_between_the_last_read_and_the_commit_are_read(
         download.write(DATA[4000:])
         download.commit()
 
-    assert read_all_up_to(follow, 3999) == DATA[1:4000]
+    assert read_exactly(follow, 3999) == DATA[1:4000]
     at_checkpoint(monkeypatch, "follower_caught_up", finish)
     assert follow.read(1) == DATA[4000:4001]  # read after the commit: still what was asked
     assert read_all(follow) == DATA[4001:]
@@ -173,7 +171,7 @@ def test_a_follower_reads_a_growing_file_until_the_commit(download: Download) ->
     thread = threading.Thread(target=downloader)
     thread.start()
     try:
-        assert read_all(follow, 300) == DATA
+        assert read_all(follow, size=300) == DATA
     finally:
         thread.join()
     follow.close()
@@ -186,7 +184,7 @@ def test_an_abandoned_download_is_taken_over_at_the_offset_reached(
     download.write(DATA[:3000])
     follow = download.follow()
     number = follow.fd
-    assert read_all_up_to(follow, 3000) == DATA[:3000]
+    assert read_exactly(follow, 3000) == DATA[:3000]
     download.lock.release()  # the downloader died: its lock is free, nothing committed
     assert read_all(follow) == DATA[3000:]
     assert download.takeovers == [3000]
@@ -215,7 +213,7 @@ def test_an_abandoned_download_is_taken_over_at_the_offset_reached(
 def test_a_poisoned_download_fails_its_followers(download: Download) -> None:
     download.write(DATA[:3000])
     follow = download.follow()
-    read_all_up_to(follow, 3000)
+    read_exactly(follow, 3000)
     os.chmod(download.partial, POISONED_MODE)
     download.lock.release()
     with pytest.raises(ShardOpenError, match="checksum"):
@@ -236,24 +234,15 @@ def test_closing_a_follower_closes_its_file_once(download: Download) -> None:
 # --- the member table of a followed entry -------------------------------------------------
 
 
-def a_table() -> MemberTable:
-    table = MemberTable()
-    table.names.append("a.cls")
-    table.offsets.append(512)
-    table.sizes.append(3)
-    table.complete = True
-    return table
-
-
 def test_a_follower_saves_the_table_once_the_downloader_commits(download: Download) -> None:
     download.write(DATA)
     follow = download.follow()
-    read_all_up_to(follow, len(DATA))
+    read_exactly(follow, len(DATA))
     follow.table_path = str(download.directory / "entry.members.json")
     committer = threading.Timer(0.2, download.commit)
     committer.start()
     try:
-        follow.save_member_table(a_table())  # waits for the commit
+        follow.save_member_table(fakes.member_table())  # waits for the commit
     finally:
         committer.join()
     table = load_table(follow.table_path, len(DATA))
@@ -268,10 +257,10 @@ def test_a_follower_does_not_wait_for_a_commit_for_ever(
     monkeypatch.setattr(FollowStream, "COMMIT_WAIT_S", 0.3)
     download.write(DATA)
     follow = download.follow()
-    read_all_up_to(follow, len(DATA))
+    read_exactly(follow, len(DATA))
     follow.table_path = str(download.directory / "entry.members.json")
     start = time.monotonic()
-    follow.save_member_table(a_table())
+    follow.save_member_table(fakes.member_table())
     assert 0.3 <= time.monotonic() - start < 5
     assert not Path(follow.table_path).exists()  # no entry, no table
     follow.close()
@@ -280,11 +269,11 @@ def test_a_follower_does_not_wait_for_a_commit_for_ever(
 def test_a_follower_of_a_download_that_stopped_saves_no_table(download: Download) -> None:
     download.write(DATA)
     follow = download.follow()
-    read_all_up_to(follow, len(DATA))
+    read_exactly(follow, len(DATA))
     follow.table_path = str(download.directory / "entry.members.json")
     download.lock.release()  # stopped without committing
     start = time.monotonic()
-    follow.save_member_table(a_table())
+    follow.save_member_table(fakes.member_table())
     assert time.monotonic() - start < FollowStream.COMMIT_WAIT_S / 2
     assert not Path(follow.table_path).exists()
     follow.close()
@@ -293,22 +282,11 @@ def test_a_follower_of_a_download_that_stopped_saves_no_table(download: Download
 def test_without_a_table_path_nothing_is_saved(download: Download) -> None:
     download.write(DATA)
     follow = download.follow()
-    read_all_up_to(follow, len(DATA))
+    read_exactly(follow, len(DATA))
     download.commit()
-    follow.save_member_table(a_table())
+    follow.save_member_table(fakes.member_table())
     assert sorted(p.name for p in download.directory.iterdir()) == ["entry", "entry.lock"]
     follow.close()
-
-
-def read_all_up_to(stream: Any, limit: int) -> bytes:
-    chunks = []
-    got = 0
-    while got < limit:
-        chunk = stream.read(min(700, limit - got))
-        assert chunk
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
 
 
 # --- the download lock -----------------------------------------------------------------------

@@ -30,13 +30,6 @@ def slowfile(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name, raising=False)
 
 
-def read_all(stream: Any) -> bytes:
-    parts = []
-    while chunk := stream.read(1 << 16):
-        parts.append(chunk)
-    return b"".join(parts)
-
-
 def shard(make_shards: Any, sizes: list[int] | None = None) -> tuple[list[str], list[bytes]]:
     shards = make_shards(sizes or [3])
     return [fakes.url_of(p) for p in shards.paths], [p.read_bytes() for p in shards.paths]
@@ -69,7 +62,7 @@ def test_a_take_over_that_another_reader_won_skips_what_was_read(
     stream, first = follow_a_dead_download(cache, url, content)
     monkeypatch.setattr(cache, "_claim", lambda name: None)  # someone else claimed it first
     try:
-        assert first + read_all(stream) == content  # from the store, past what was read
+        assert first + fakes.read_all(stream) == content  # from the store, past what was read
     finally:
         stream.close()
 
@@ -93,11 +86,11 @@ def test_a_take_over_on_a_disk_that_fails(
     try:
         if error == errno.ENOSPC:  # full: the rest comes from the store, with a warning
             with caplog.at_level(logging.WARNING):
-                assert first + read_all(stream) == content
+                assert first + fakes.read_all(stream) == content
             assert "cache disk full" in caplog.text
         else:  # anything else is not the disk's state: it is raised
             with pytest.raises(OSError, match=os.strerror(error)):
-                read_all(stream)
+                fakes.read_all(stream)
     finally:
         stream.close()
 
@@ -114,7 +107,7 @@ def test_a_store_that_fails_to_open_leaves_the_lock_free(make_shards: Any, tmp_p
     assert not is_locked(lock_path(cache, url))
     stream = cache.open(url)  # the next reader downloads it
     try:
-        assert read_all(stream) == content
+        assert fakes.read_all(stream) == content
     finally:
         stream.close()
 
@@ -128,7 +121,7 @@ def test_the_lock_file_records_the_size_being_downloaded(make_shards: Any, tmp_p
     try:
         # Other downloaders read it to count this download against the budget.
         assert Path(lock_path(cache, url)).read_bytes() == str(len(content)).encode()
-        assert read_all(stream) == content
+        assert fakes.read_all(stream) == content
     finally:
         stream.close()
 
@@ -169,7 +162,7 @@ def test_a_new_entry_without_a_table_removes_an_older_table(
     table.write_text("{}")  # an older entry's table, for other bytes
     stream = cache.open(url)
     try:
-        assert read_all(stream) == content  # read as bytes: no parse, no table
+        assert fakes.read_all(stream) == content  # read as bytes: no parse, no table
     finally:
         stream.close()
     assert os.path.exists(cache._path("data", entry_name(url)))
@@ -184,7 +177,7 @@ def test_a_hit_makes_an_entry_the_most_recently_used(make_shards: Any, tmp_path:
     def read(url: str) -> None:
         stream = cache.open(url)
         try:
-            read_all(stream)
+            fakes.read_all(stream)
         finally:
             stream.close()
 
@@ -201,7 +194,7 @@ def test_a_corrupt_entry_leaves_no_descriptor_open(make_shards: Any, tmp_path: P
     (url,), (content,) = shard(make_shards)
     cache = ShardCache(tmp_path / "cache")
     stream = cache.open(url)
-    read_all(stream)
+    fakes.read_all(stream)
     stream.close()
     entry = Path(cache._path("data", entry_name(url)))
     entry.write_bytes(content[:-512])  # truncated: its size no longer matches its metadata
@@ -217,7 +210,7 @@ def test_an_entry_evicted_while_it_was_opened_is_a_miss(
     (url,), _ = shard(make_shards)
     cache = ShardCache(tmp_path / "cache")
     stream = cache.open(url)
-    read_all(stream)
+    fakes.read_all(stream)
     stream.close()
     entry = cache._path("data", entry_name(url))
     real_stat = os.stat
@@ -243,7 +236,7 @@ def test_a_take_over_with_the_budget_full_streams_past_what_was_read(
     cache_dir = tmp_path / "cache"
     cache = ShardCache(cache_dir, max_bytes=len(contents[0]))
     in_use = cache.open(urls[0])
-    read_all(in_use)
+    fakes.read_all(in_use)
     in_use.close()
     assert os.path.exists(cache._path("data", entry_name(urls[0])))  # exactly the budget: kept
     in_use = cache.open(urls[0])  # a hit held open: it cannot be evicted
@@ -251,7 +244,7 @@ def test_a_take_over_with_the_budget_full_streams_past_what_was_read(
         stream, first = follow_a_dead_download(cache, urls[1], contents[1])
         try:
             with caplog.at_level(logging.WARNING):
-                assert first + read_all(stream) == contents[1]
+                assert first + fakes.read_all(stream) == contents[1]
             assert "budget full of entries in use" in caplog.text
             # Counted and saved at once (no close of a cache file will save it later).
             assert wds.cache_info(cache_dir)["counters"]["uncached"] == 1
@@ -295,7 +288,7 @@ def test_a_shard_of_unknown_size_is_streamed_under_a_budget(
     with caplog.at_level(logging.WARNING):
         stream = cache.open(url)
         try:
-            assert read_all(stream) == content
+            assert fakes.read_all(stream) == content
         finally:
             stream.close()
     assert "size is unknown" in caplog.text
@@ -318,7 +311,7 @@ def test_downloads_in_flight_count_against_the_budget(
         with caplog.at_level(logging.WARNING):
             stream = cache.open(urls[1])
             try:
-                assert read_all(stream) == contents[1]
+                assert fakes.read_all(stream) == contents[1]
             finally:
                 stream.close()
     finally:

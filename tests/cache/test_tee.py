@@ -17,17 +17,21 @@ import os
 import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import fakes
 import pytest
 
-from cloudshards.cache.membertable import MemberTable
 from cloudshards.cache.stats import CacheStats
 from cloudshards.cache.tee import TeeStream
 from cloudshards.errors import CacheError, ShardOpenError
 
 DATA = bytes(range(256)) * 40  # 10,240 bytes
+#: Reads of 700 bytes, so that they never line up with the 1,000-byte parts written or served.
+read_all = partial(fakes.read_all, size=700)
+read_exactly = partial(fakes.read_exactly, size=700)
 URL = "gs://bucket/shard-000.tar"
 
 
@@ -121,13 +125,6 @@ def tee(
         refetch=counted_refetch if refetch is not None else None,
         distrust=entry.distrust,
     )
-
-
-def read_all(stream: Any, size: int = 700) -> bytes:
-    chunks = []
-    while chunk := stream.read(size):
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def md5_of(data: bytes) -> str:
@@ -374,11 +371,7 @@ class _nothing:
 
 
 def test_a_member_table_is_saved_only_once_the_entry_is_committed(entry: Entry) -> None:
-    table = MemberTable()
-    table.names.append("a.cls")
-    table.offsets.append(512)
-    table.sizes.append(3)
-    table.complete = True
+    table = fakes.member_table()
     stream = tee(entry, Store())
     stream.table_path = str(entry.directory / "entry.members.json")
     stream.read(100)
@@ -401,7 +394,7 @@ def test_close_completes_a_remainder_of_up_to_the_drain_size(
     still downloads it and commits the entry, up to and including DRAIN_MAX_BYTES."""
     monkeypatch.setattr(TeeStream, "DRAIN_MAX_BYTES", 4000)
     stream = tee(entry, Store())
-    assert read_all_up_to(stream, len(DATA) - 4000) == DATA[:-4000]
+    assert read_exactly(stream, len(DATA) - 4000) == DATA[:-4000]
     stream.close()
     assert entry.commits == [len(DATA)]
     assert entry.final.read_bytes() == DATA
@@ -413,7 +406,7 @@ def test_close_gives_up_a_remainder_larger_than_the_drain_size(
     monkeypatch.setattr(TeeStream, "DRAIN_MAX_BYTES", 4000)
     store = Store()
     stream = tee(entry, store)
-    read_all_up_to(stream, len(DATA) - 4001)
+    read_exactly(stream, len(DATA) - 4001)
     fetched = store.pos
     stream.close()
     stream.close()  # twice: counted and reported once
@@ -466,14 +459,3 @@ def test_cancel_says_whether_it_gave_up_a_download_in_progress(entry: Entry) -> 
     read_all(finished)
     assert finished.cancel() is False
     assert not finished.handed_back
-
-
-def read_all_up_to(stream: TeeStream, limit: int) -> bytes:
-    chunks = []
-    got = 0
-    while got < limit:
-        chunk = stream.read(min(700, limit - got))
-        assert chunk
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)

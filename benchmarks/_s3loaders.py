@@ -213,11 +213,11 @@ def _import_library(name: str) -> None:
         import webdataset  # noqa: F401
 
 
-def _cpu_s() -> float:
-    """User+system CPU seconds of this process and every child it has reaped."""
+def _cpu_s() -> tuple[float, float]:
+    """User and system CPU seconds of this process and every child it has reaped."""
     own = resource.getrusage(resource.RUSAGE_SELF)
     kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+    return own.ru_utime + kids.ru_utime, own.ru_stime + kids.ru_stime
 
 
 def read(spec: dict[str, Any]) -> None:
@@ -242,7 +242,7 @@ def read(spec: dict[str, Any]) -> None:
                 head += int.from_bytes(data[:8], "little")
             samples += len(keys)
         seconds = time.perf_counter() - t0
-        cpu = _cpu_s() - cpu0
+        user, system = (now - then for now, then in zip(_cpu_s(), cpu0, strict=True))
         gets, store_bytes = counter.since(before)
         problems = []
         if samples != expected["keys"] or len(seen) != expected["unique"] or dupes:
@@ -257,7 +257,8 @@ def read(spec: dict[str, Any]) -> None:
                 "seconds": seconds,
                 "samples": samples,
                 "payload_bytes": nbytes,
-                "cpu_s": cpu,
+                "cpu_s": user + system,
+                "sys_s": system,
                 "gets": gets,
                 "store_bytes": store_bytes,
                 "mismatch": "; ".join(problems) or None,

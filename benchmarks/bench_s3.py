@@ -321,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
                         line = f"  {setup:<6} w={workers} {variant[0]:<18}"
                         for e in epochs:
                             line += f" e{e['epoch']} {e['samples'] / e['seconds']:8,.0f}/s"
-                            line += f" {e['cpu_s']:5.1f} cpu-s {e['gets']:5d} GETs"
+                            line += f" {e['cpu_s']:5.1f} cpu-s ({e['sys_s']:4.1f} sys)"
+                            line += f" {e['gets']:5d} GETs"
                             if e["mismatch"]:
                                 cell.errors.append(f"MISMATCH epoch {e['epoch']}: {e['mismatch']}")
                                 line += f" MISMATCH: {e['mismatch']}"

@@ -335,3 +335,6 @@ def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     monkeypatch.setenv("NO_GCE_CHECK", "true")
+    from cloudshards.source import adapt
+
+    adapt.forget()  # part sizes measured by earlier tests

@@ -12,9 +12,10 @@ import pytest
 import torch.utils.data
 
 import cloudshards as wds
-from cloudshards.errors import ConfigError, ShardOpenError
-from cloudshards.source import OpenOptions, object_at
+from cloudshards.errors import ConfigError, ShardFormatError, ShardOpenError
+from cloudshards.source import FetchOptions, OpenOptions, object_at, process_stats
 from cloudshards.source.objstore import ObstoreObject
+from cloudshards.source.parts import FIRST_PART_BYTES
 from cloudshards.source.remote import FsspecObject
 
 if TYPE_CHECKING:
@@ -166,3 +167,44 @@ def test_spawned_workers_read_through_obstore(
     monkeypatch.setenv("CLOUDSHARDS_TRANSPORT", "obstore")
     keys = _read_in_workers(s3_dataset.url, s3_dataset.storage_options, "spawn")
     assert keys == sorted(all_keys(s3_dataset))
+
+
+def _requests_and_samples(url: str, options: Any) -> tuple[int, list[tuple[str, bytes]]]:
+    """The requests reading ``url`` sent (the counters are the process's) and its samples."""
+    before = process_stats().requests
+    dataset = wds.WebDataset(url, shardshuffle=False, storage_options=options)
+    samples = [(sample["__key__"], sample["bin"]) for sample in dataset]
+    return process_stats().requests - before, samples
+
+
+def test_no_size_lookup_the_first_get_brings_the_size(
+    s3_dataset: RemoteDataset, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through obstore a shard's first ranged GET also brings its size: no HEAD. A shard that
+    fits in the first part is one GET; the rest follow as parts."""
+    options = s3_dataset.storage_options
+    sizes = [(s3_dataset.local.root / name).stat().st_size for name in s3_dataset.local.shards]
+    first, part = FIRST_PART_BYTES, FetchOptions().part_bytes
+    expected = sum(1 + -(-max(0, size - first) // part) for size in sizes)
+    monkeypatch.setenv("CLOUDSHARDS_TRANSPORT", "obstore")
+    requests, fast = _requests_and_samples(s3_dataset.url, options)
+    assert requests == expected
+    assert [key for key, _ in fast] == all_keys(s3_dataset)
+    # s3fs: a HEAD beside each shard's first part, same bytes.
+    monkeypatch.setenv("CLOUDSHARDS_TRANSPORT", "fsspec")
+    requests, slow = _requests_and_samples(s3_dataset.url, options)
+    assert requests == expected + len(sizes)
+    assert slow == fast
+
+
+def test_an_empty_object_is_a_truncated_tar_not_a_range_error(
+    s3_dataset: RemoteDataset, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """S3 answers a ranged GET of an empty object with 416; the shard is still named as what
+    it is: a tar cut short (at byte 0)."""
+    monkeypatch.setenv("CLOUDSHARDS_TRANSPORT", "obstore")
+    url = s3_dataset.url_for("empty.tar")
+    s3_dataset.server.filesystem().pipe(url, b"")
+    with pytest.raises(ShardFormatError, match="truncated tar") as info:
+        keys_of(url, s3_dataset.storage_options, empty_check=False)
+    assert url in str(info.value)

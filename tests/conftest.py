@@ -111,6 +111,9 @@ def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPath
         ):
             monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("CLOUDSHARDS_COUNTS_DIR", str(tmp_path_factory.mktemp("counts")))
+    from cloudshards.source import adapt
+
+    adapt.forget()  # part sizes measured by earlier tests
 
 
 #: Every thread cloudshards starts is named with this prefix (threading.Thread(name=...),

@@ -200,6 +200,29 @@ class ObstoreObject:
 
         return bytes(_call(obstore.get_range, self.store, self.key, start=start, end=end))
 
+    def cat_first(
+        self, end: int, on_details: Callable[[dict[str, Any]], None]
+    ) -> tuple[bytes, dict[str, Any]]:
+        """Bytes ``[0, end)`` (all of a shorter object) and the object's metadata, in one
+        ranged GET: the answer's headers carry the size and ETag (no HEAD), handed to
+        ``on_details`` as soon as they are in, before the body."""
+        import obstore
+
+        try:
+            result = _call(obstore.get, self.store, self.key, options={"range": (0, end)})
+        except OSError as exc:
+            if getattr(exc, "status", None) != 416:
+                raise
+            # An empty object has no byte 0 to range over: its metadata says so.
+            details = self.info()
+            if details.get("size") != 0:
+                raise
+            on_details(details)
+            return b"", details
+        details = _details(result.meta)
+        on_details(details)
+        return bytes(_call(result.bytes)), details
+
     def cat(self) -> bytes:
         """The whole object in one GET."""
         import obstore

@@ -14,8 +14,9 @@ from functools import partial
 from typing import Protocol
 
 from cloudshards.source.local import is_local
+from cloudshards.source.openparts import open_parts, open_sized_parts
 from cloudshards.source.options import FetchOptions, OpenOptions
-from cloudshards.source.parts import PartStream, open_parts, open_sized_parts
+from cloudshards.source.parts import PartStream
 from cloudshards.source.plain import open_shard
 from cloudshards.source.resumable import open_remote
 from cloudshards.source.retries import IOStats, process_stats

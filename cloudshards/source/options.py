@@ -65,6 +65,9 @@ class FetchOptions:
         backoff_s: First retry delay; doubles each time, with full jitter.
         max_backoff_s: Cap on one retry delay.
         stall_timeout_s: A part that makes no progress for this long is an error.
+        adaptive: Size the parts from the measured link (:mod:`cloudshards.source.adapt`),
+            holding at most ``concurrency x part_bytes`` per shard; :meth:`from_env` turns it
+            on unless ``part_bytes`` or ``concurrency`` is given (argument or variable).
     """
 
     # Defaults measured with benchmarks/bench_remote.py (30 ms before each request, 25 MB/s per
@@ -80,6 +83,7 @@ class FetchOptions:
     backoff_s: float = 0.1
     max_backoff_s: float = 5.0
     stall_timeout_s: float = 120.0
+    adaptive: bool = False
 
     def __post_init__(self) -> None:
         if self.prefetch < 0:
@@ -100,6 +104,11 @@ class FetchOptions:
         variable of a field they give is not read."""
         defaults = cls()
         values: dict[str, Any] = {k: v for k, v in overrides.items() if v is not None}
+        if "adaptive" not in values:
+            fixed = ("part_bytes", "concurrency")
+            values["adaptive"] = not any(
+                name in values or config.env_str(_ENV_FIELDS[name]) is not None for name in fixed
+            )
         for name, variable in _ENV_FIELDS.items():
             if name not in values:
                 default = getattr(defaults, name)

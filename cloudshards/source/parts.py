@@ -18,14 +18,14 @@ from urllib.parse import urlsplit
 
 from cloudshards.errors import ShardOpenError
 from cloudshards.redact import redact_url
-from cloudshards.source.options import FetchOptions, OpenOptions
-from cloudshards.source.resumable import ResumableStream, open_remote
-from cloudshards.source.retries import IOStats, RangeIgnoredError, retry
+from cloudshards.source import adapt
+from cloudshards.source.options import FetchOptions
+from cloudshards.source.retries import IOStats, RangeIgnoredError
 from cloudshards.source.stream import ShardSource
-from cloudshards.source.transport import StoreObject, fetch_range, object_at
+from cloudshards.source.transport import StoreObject, fetch_range
 from cloudshards.types import ClosingStream
 
-__all__ = ["FIRST_PART_BYTES", "PartStream", "open_parts", "open_sized_parts"]
+__all__ = ["FIRST_PART_BYTES", "PartStream", "fixed_plan"]
 
 # The logger's name from before the module moved: logging configurations name it.
 logger = logging.getLogger("cloudshards.prefetch")
@@ -66,6 +66,7 @@ class PartStream(ClosingStream):
         cancel: threading.Event | None = None,
         first_part: cf.Future[bytes] | None = None,
         open_tail: Callable[[int], ShardSource] | None = None,
+        plan: adapt.PartPlan | None = None,
     ) -> None:
         self.url = source.url
         self.shard_index = shard_index
@@ -77,6 +78,7 @@ class PartStream(ClosingStream):
         self._source = source
         self._executor = executor
         self._options = options
+        self._plan = plan or fixed_plan(options)
         self._open_tail = open_tail
         # Per-shard counters; every increment also lands in the process totals.
         self._stats = IOStats(parent=stats)
@@ -90,7 +92,7 @@ class PartStream(ClosingStream):
         self._next_start = 0
         if first_part is not None:
             # Sent together with the size lookup, before the size was known.
-            first_length = min(FIRST_PART_BYTES, options.part_bytes)
+            first_length = self._plan.first_bytes
             self._window.append((first_part, 0, first_length))
             self._next_start = first_length
         self._current = memoryview(b"")
@@ -142,18 +144,18 @@ class PartStream(ClosingStream):
         size = self._known_size()
         if size is None:
             return  # not known yet (the lookup's callback fills), or unknown (streamed)
-        options = self._options
+        options, plan = self._options, self._plan
         with self._lock:
-            # The part being read counts against ``concurrency``: memory stays within
-            # (prefetch + 1) x concurrency x part_bytes.
+            # The part being read counts against the parts in flight: memory stays within
+            # (prefetch + 1) x concurrency x part_bytes (a plan's parts x size never exceed it).
             held = 1 if self._position < len(self._current) else 0
             while (
                 not self.closed
-                and len(self._window) + held < options.concurrency
+                and len(self._window) + held < plan.in_flight
                 and self._next_start < size
             ):
                 start = self._next_start
-                end = min(start + options.part_bytes, size)
+                end = min(start + plan.part_bytes, size)
                 self._next_start = end
                 future = self._executor.submit(
                     fetch_range,
@@ -308,79 +310,7 @@ class PartStream(ClosingStream):
             logger.debug("shard done: %s", record)
 
 
-def open_parts(
-    url: str,
-    options: OpenOptions,
-    fetch: FetchOptions,
-    *,
-    executor: cf.ThreadPoolExecutor,
-    stats: IOStats,
-    shard_index: int | None = None,
-    cancel: threading.Event | None = None,
-) -> PartStream | ResumableStream:
-    """Look up the shard's size and start its first ranged GETs (one resumable streaming GET
-    for hosts known to ignore Range)."""
-    stats.add(shards=1)
-
-    def stream(start: int = 0) -> ResumableStream:
-        return open_remote(
-            url, options, fetch=fetch, stats=stats, shard_index=shard_index, start=start
-        )
-
-    if _host_key(url) in _UNRANGED_HOSTS:
-        return stream()
-    source = object_at(url, options, stall_timeout_s=fetch.stall_timeout_s)
-
-    def lookup() -> dict[str, Any]:
-        stats.add(requests=1)
-        return source.info()
-
-    # The first (small) part goes out with the size lookup: one round trip to first byte,
-    # and the reader starts on it without waiting for the lookup.
-    first_end = min(FIRST_PART_BYTES, fetch.part_bytes)
-    first = executor.submit(
-        fetch_range, source, 0, first_end, size=None, options=fetch, stats=stats, cancel=cancel
-    )
-    details = executor.submit(
-        retry, lookup, url=url, offset=0, options=fetch, stats=stats, what="HEAD", cancel=cancel
-    )
-    return PartStream(
-        source,
-        details,
-        executor=executor,
-        options=fetch,
-        stats=stats,
-        shard_index=shard_index,
-        cancel=cancel,
-        first_part=first,
-        open_tail=stream,
-    )
-
-
-def open_sized_parts(
-    url: str,
-    options: OpenOptions,
-    fetch: FetchOptions,
-    *,
-    executor: cf.ThreadPoolExecutor,
-    stats: IOStats,
-    size: int,
-    check_size: Callable[[int], None],
-    shard_index: int | None = None,
-) -> PartStream:
-    """Ranged GETs of an object whose size is known already (from an index): one metadata
-    request first, whose size goes to ``check_size`` (which raises to refuse the object)."""
-    source = object_at(url, options, stall_timeout_s=fetch.stall_timeout_s)
-    details = source.info()
-    if details.get("size") is not None:
-        check_size(int(details["size"]))
-    stream = PartStream(
-        source,
-        {**details, "size": size},
-        executor=executor,
-        options=fetch,
-        stats=stats,
-        shard_index=shard_index,
-    )
-    stream.start()
-    return stream
+def fixed_plan(options: FetchOptions) -> adapt.PartPlan:
+    """The parts as the options fix them, with a small first part."""
+    first = min(FIRST_PART_BYTES, options.part_bytes)
+    return adapt.PartPlan(first, options.part_bytes, options.concurrency)

@@ -15,8 +15,9 @@ from typing import Any
 
 from cloudshards.source.local import is_local
 from cloudshards.source.opener import NodeCache, ShardSource, open_source, store_opener
+from cloudshards.source.openparts import open_parts
 from cloudshards.source.options import FetchOptions, OpenOptions
-from cloudshards.source.parts import PartStream, open_parts
+from cloudshards.source.parts import PartStream
 from cloudshards.source.retries import IOStats, process_stats
 
 __all__ = ["ShardPrefetcher", "current_thread_count"]

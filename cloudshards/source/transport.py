@@ -10,10 +10,12 @@ transport carried the bytes.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from typing import IO, Any, Protocol
 
 from cloudshards.redact import raise_redacted
+from cloudshards.source import adapt
 from cloudshards.source.objstore import s3_object
 from cloudshards.source.options import FetchOptions, OpenOptions
 from cloudshards.source.remote import fsspec_object
@@ -22,6 +24,7 @@ from cloudshards.source.stream import map_backend_error
 
 __all__ = [
     "StoreObject",
+    "fetch_first",
     "fetch_range",
     "object_at",
     "object_info",
@@ -130,7 +133,9 @@ def fetch_range(
 
     def call() -> bytes:
         stats.add(requests=1)
+        began = time.perf_counter()
         data = source.cat_range(start, end, timeout=options.stall_timeout_s)
+        adapt.record(source.url, len(data), time.perf_counter() - began)
         stats.add(bytes=len(data))
         if len(data) == expected:
             return data
@@ -143,6 +148,42 @@ def fetch_range(
         raise ConnectionError(f"ranged GET returned {len(data)} bytes, expected {expected}")
 
     return retry(call, url=source.url, offset=start, options=options, stats=stats, cancel=cancel)
+
+
+def fetch_first(
+    source: StoreObject,
+    end: int,
+    on_details: Callable[[dict[str, Any]], None],
+    *,
+    options: FetchOptions,
+    stats: IOStats,
+    cancel: threading.Event | None = None,
+) -> tuple[bytes, dict[str, Any]]:
+    """Bytes ``[0, end)`` of an object and its metadata, from one GET (a source with
+    ``cat_first``: the metadata comes with the ranged answer, no HEAD), retried. The
+    metadata goes to ``on_details`` as soon as the answer's headers are in (again on a retry).
+
+    The bytes are the whole object when it is shorter than ``end``, or when the server
+    ignored the range (then longer than ``end``: the caller streams from them).
+
+    Raises:
+        ShardOpenError: The object is missing, or the GET failed after retries.
+    """
+    cat_first = getattr(source, "cat_first")  # noqa: B009 - a member of some transports only
+
+    def call() -> tuple[bytes, dict[str, Any]]:
+        stats.add(requests=1)
+        began = time.perf_counter()
+        data, details = cat_first(end, on_details)
+        adapt.record(source.url, len(data), time.perf_counter() - began)
+        stats.add(bytes=len(data))
+        size = details.get("size")
+        if size is None or len(data) in (min(end, int(size)), int(size)):
+            return data, details
+        # A cut connection or a broken server: never hand it on; ask again.
+        raise ConnectionError(f"ranged GET returned {len(data)} bytes, expected {min(end, size)}")
+
+    return retry(call, url=source.url, offset=0, options=options, stats=stats, cancel=cancel)
 
 
 def read_range(

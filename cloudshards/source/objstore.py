@@ -196,9 +196,15 @@ class ObstoreObject:
     def cat_range(self, start: int, end: int, timeout: float | None = None) -> bytes:
         """Bytes ``[start, end)`` (fewer when the object ends first), in one ranged GET."""
         del timeout  # the store's read timeout is the stall timeout
+
+        return bytes(self.cat_range_view(start, end))
+
+    def cat_range_view(self, start: int, end: int) -> memoryview:
+        """:meth:`cat_range` without the copy into ``bytes``: a read-only view of the buffer
+        obstore filled (the parts of a shard the tar reader slices members from)."""
         import obstore
 
-        return bytes(_call(obstore.get_range, self.store, self.key, start=start, end=end))
+        return memoryview(_call(obstore.get_range, self.store, self.key, start=start, end=end))
 
     def cat_first(
         self, end: int, on_details: Callable[[dict[str, Any]], None]

@@ -44,7 +44,7 @@ def open_parts(
     source = object_at(url, options, stall_timeout_s=fetch.stall_timeout_s)
 
     plan = _plan(url, fetch)
-    first: cf.Future[bytes]
+    first: cf.Future[Any]
     details: cf.Future[dict[str, Any]]
     if hasattr(source, "cat_first"):
         # One GET brings the first part and the size (obstore: the answer's metadata).

@@ -64,7 +64,7 @@ class PartStream(ClosingStream):
         stats: IOStats,
         shard_index: int | None = None,
         cancel: threading.Event | None = None,
-        first_part: cf.Future[bytes] | None = None,
+        first_part: cf.Future[Any] | None = None,
         open_tail: Callable[[int], ShardSource] | None = None,
         plan: adapt.PartPlan | None = None,
     ) -> None:
@@ -88,7 +88,7 @@ class PartStream(ClosingStream):
         # The window is filled by the reader and by the lookup's completion callback.
         self._lock = threading.Lock()
         # (future, start, requested length) of the ranged GETs in flight, in order.
-        self._window: deque[tuple[cf.Future[bytes], int, int]] = deque()
+        self._window: deque[tuple[cf.Future[Any], int, int]] = deque()
         self._next_start = 0
         if first_part is not None:
             # Sent together with the size lookup, before the size was known.
@@ -96,7 +96,8 @@ class PartStream(ClosingStream):
             self._window.append((first_part, 0, first_length))
             self._next_start = first_length
         self._current = memoryview(b"")
-        self._part = b""  # the part ``_current`` views: handed on whole, without a copy
+        # The part ``_current`` views: handed on whole, without a copy.
+        self._part: bytes | memoryview = b""
         self._position = 0
         self._tail: ShardSource | None = None
         self.offset = 0
@@ -166,11 +167,18 @@ class PartStream(ClosingStream):
                     options=options,
                     stats=self._stats,
                     cancel=self._cancel_event,
+                    view=True,
                 )
                 self._window.append((future, start, end - start))
 
     def read(self, size: int = -1) -> bytes:
         """Return up to ``size`` bytes (a whole part when ``size`` is -1); ``b""`` at the end."""
+        return bytes(self.read_view(size))
+
+    def read_view(self, size: int = -1) -> bytes | memoryview:
+        """:meth:`read`, with a whole part handed on as the transport delivered it: a
+        read-only memoryview, not copied into ``bytes``, where the transport fills its own
+        buffers (obstore). For readers that slice what they need (the tar reader)."""
         if self._position >= len(self._current):
             self._current = memoryview(b"")  # release the finished part before refilling
             self._part = b""
@@ -184,15 +192,16 @@ class PartStream(ClosingStream):
             self._position = 0
             self._fill()
         end = len(self._current) if size < 0 else min(len(self._current), self._position + size)
+        part: bytes | memoryview
         if self._position == 0 and end == len(self._current):
-            data = self._part  # the whole part: no copy (readers ask for a block or more)
+            part = self._part  # the whole part: no copy (readers ask for a block or more)
         else:
-            data = bytes(self._current[self._position : end])
+            part = bytes(self._current[self._position : end])
         self._position = end
-        self.offset += len(data)
-        return data
+        self.offset += len(part)
+        return part
 
-    def _next_part(self) -> bytes | None:
+    def _next_part(self) -> bytes | memoryview | None:
         """The next part in order (waiting for it), or None at the end of the object."""
         with self._lock:
             entry = self._window.popleft() if self._window else None
@@ -248,10 +257,11 @@ class PartStream(ClosingStream):
             offset=self.offset,
         )
 
-    def _wait(self, future: cf.Future[bytes]) -> bytes:
+    def _wait(self, future: cf.Future[Any]) -> bytes | memoryview:
         start = time.perf_counter()
         try:
-            return future.result(timeout=self._options.stall_timeout_s)
+            data: bytes | memoryview = future.result(timeout=self._options.stall_timeout_s)
+            return data
         except cf.TimeoutError:
             raise self._stalled() from None
         except RangeIgnoredError as exc:

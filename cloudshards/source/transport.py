@@ -119,8 +119,10 @@ def fetch_range(
     options: FetchOptions,
     stats: IOStats,
     cancel: threading.Event | None = None,
-) -> bytes:
-    """Fetch bytes ``[start, end)`` of an object of ``size`` bytes, verified and retried.
+    view: bool = False,
+) -> bytes | memoryview:
+    """Fetch bytes ``[start, end)`` of an object of ``size`` bytes, verified and retried;
+    with ``view``, as a read-only memoryview where the transport has one (no copy).
 
     Each attempt is bounded by ``stall_timeout_s``, so a connection that stops delivering is
     abandoned (and retried) instead of hanging.
@@ -131,10 +133,16 @@ def fetch_range(
     """
     expected = end - start
 
-    def call() -> bytes:
+    fetch = getattr(source, "cat_range_view", None) if view else None
+
+    def call() -> bytes | memoryview:
         stats.add(requests=1)
         began = time.perf_counter()
-        data = source.cat_range(start, end, timeout=options.stall_timeout_s)
+        data: bytes | memoryview
+        if fetch is not None:
+            data = fetch(start, end)
+        else:
+            data = source.cat_range(start, end, timeout=options.stall_timeout_s)
         adapt.record(source.url, len(data), time.perf_counter() - began)
         stats.add(bytes=len(data))
         if len(data) == expected:
@@ -142,7 +150,7 @@ def fetch_range(
         if size is None and len(data) < expected:
             return data  # the object ends inside the range; the caller checks its size
         if (size is None and len(data) > expected) or (len(data) == size and size > expected):
-            raise RangeIgnoredError(data)
+            raise RangeIgnoredError(bytes(data))
         # A short or long body that is not the whole object: a cut connection or a broken
         # server. Never hand it on; retrying asks again for exactly this range.
         raise ConnectionError(f"ranged GET returned {len(data)} bytes, expected {expected}")
@@ -198,4 +206,4 @@ def read_range(
 ) -> bytes:
     """Bytes ``[start, end)`` of the object at ``url``: :func:`fetch_range` by URL."""
     source = object_at(url, options, stall_timeout_s=fetch.stall_timeout_s)
-    return fetch_range(source, start, end, size=size, options=fetch, stats=stats)
+    return bytes(fetch_range(source, start, end, size=size, options=fetch, stats=stats))

@@ -48,7 +48,9 @@ class BlockReader:
         self.block_bytes = block_bytes
         self.base = 0
         self.pos = 0
-        self.read: Callable[[int], bytes] = stream.read
+        # A stream that can hand on its blocks without copying them does (PartStream's
+        # obstore parts): the loop in members.py makes bytes of what it slices from them.
+        self.read: Callable[[int], bytes] = getattr(stream, "read_view", stream.read)
         self.buf = b""
         # A block read whole to complete a straddling header or member, and where its unread
         # rest starts: the next fill takes it as its buffer, without a copy (see fill).
@@ -157,7 +159,7 @@ class BlockReader:
             raise self._in_member(exc, member, entry) from exc
         if data is None or not complete:
             raise self.error("truncated tar: stream ends inside member data", start, member, entry)
-        return data
+        return data if type(data) is bytes else bytes(data)  # a slice of a view: copy it out
 
     def skip_or_raise(
         self, size: int, padded: int, member: str | None, entry: str | None = None
@@ -263,7 +265,7 @@ class BlockReader:
         # slower (zeroing + copy + bytes()), and a reused scratch buffer would hold up to
         # max_member_bytes of memory for the life of the shard.
         rest = self._read_exact(size - avail)
-        return None if rest is None else buf[pos:] + rest
+        return None if rest is None else b"".join((buf[pos:], rest))  # buf may be a view
 
     def _read_exact(self, size: int) -> bytes | None:
         chunk = self.read(size)
@@ -343,7 +345,7 @@ class BlockReader:
         if ext_offset >= 0:
             raise self.error("corrupt tar: extended header not followed by a member", ext_offset)
         self.fill(BLOCK)
-        second = self.buf[self.pos : self.pos + BLOCK]
+        second = bytes(self.buf[self.pos : self.pos + BLOCK])
         if second.count(0) != len(second):
             raise self.error("corrupt tar: a zero block followed by more data", offset)
         if self.gzip is not None:

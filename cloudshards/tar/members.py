@@ -160,6 +160,8 @@ def _iter_members(
             buf, pos = rd.buf, rd.pos
         offset = rd.base + pos
         header = buf[pos : pos + BLOCK]
+        if type(header) is not bytes:  # buf is a part the stream handed on as a view
+            header = bytes(header)
         pos += BLOCK
         if not checksum_ok(header):
             if header == ZERO_BLOCK:
@@ -227,6 +229,8 @@ def _iter_members(
             end = pos + padded
             if end <= len(buf):
                 data = buf[pos : pos + size]
+                if type(data) is not bytes:
+                    data = bytes(data)  # the sample's own bytes, not a view of a whole part
                 pos = end
             else:
                 rd.pos = pos
@@ -243,7 +247,7 @@ def _iter_members(
                     offset=offset,
                 )
             if pos + padded <= len(buf):
-                data = buf[pos : pos + size]
+                data = bytes(buf[pos : pos + size])
                 pos += padded
             else:
                 rd.pos = pos

@@ -145,6 +145,9 @@ def _iter_members(
             record.sizes.append,
         )
     buf, pos = rd.buf, rd.pos
+    # buf may be a part the stream handed on as a view (PartStream.read_view): then headers
+    # and members are copied out of it as bytes. Checked at each refill, not per member.
+    view = type(buf) is not bytes
     long_name: str | None = None  # from a GNU 'L' header, for the next member
     pax_path: str | None = None  # from a PAX 'x' header, for the next member
     pax_size: int | None = None
@@ -158,9 +161,10 @@ def _iter_members(
                 rd.finish_at_eof(ext_offset)
                 return
             buf, pos = rd.buf, rd.pos
+            view = type(buf) is not bytes
         offset = rd.base + pos
         header = buf[pos : pos + BLOCK]
-        if type(header) is not bytes:  # buf is a part the stream handed on as a view
+        if view:
             header = bytes(header)
         pos += BLOCK
         if not checksum_ok(header):
@@ -217,6 +221,7 @@ def _iter_members(
                         rd.pos = pos
                         rd.skip_or_raise(size, padded, name)
                         buf, pos = rd.buf, rd.pos
+                        view = type(buf) is not bytes
                     continue
             if size > max_member_bytes:
                 raise ShardFormatError(
@@ -229,13 +234,14 @@ def _iter_members(
             end = pos + padded
             if end <= len(buf):
                 data = buf[pos : pos + size]
-                if type(data) is not bytes:
+                if view:
                     data = bytes(data)  # the sample's own bytes, not a view of a whole part
                 pos = end
             else:
                 rd.pos = pos
                 data = rd.take_or_raise(size, padded, name)
                 buf, pos = rd.buf, rd.pos
+                view = type(buf) is not bytes
             yield _new_member(Member, (new_name, data, data_offset))
             continue
 
@@ -247,12 +253,15 @@ def _iter_members(
                     offset=offset,
                 )
             if pos + padded <= len(buf):
-                data = bytes(buf[pos : pos + size])
+                data = buf[pos : pos + size]
+                if view:
+                    data = bytes(data)
                 pos += padded
             else:
                 rd.pos = pos
                 data = rd.take_or_raise(size, padded, None, "an extended header")
                 buf, pos = rd.buf, rd.pos
+                view = type(buf) is not bytes
             if typeflag == _LONG_NAME:
                 long_name = decode_name(cut_nul(data))
             elif typeflag != _LONG_LINK:
@@ -279,6 +288,7 @@ def _iter_members(
             rd.pos = pos
             rd.skip_or_raise(size, padded, None, _entry(member_name(header), typeflag))
             buf, pos = rd.buf, rd.pos
+            view = type(buf) is not bytes
 
 
 def _entry(name: str, typeflag: int) -> str:

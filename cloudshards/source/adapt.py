@@ -24,14 +24,13 @@ from urllib.parse import urlsplit
 
 from cloudshards.process import PerProcess
 
-__all__ = [
-    "MAX_PART_BYTES", "MIN_PART_BYTES", "TARGET_PART_S", "PartPlan", "forget", "plan", "record",
-]  # fmt: skip
+__all__ = ["MAX_PART_BYTES", "TARGET_PART_S", "PartPlan", "forget", "plan", "record"]
 
 #: Transfer time one part should take once the first byte is in.
 TARGET_PART_S = 0.08
-MIN_PART_BYTES = 1 << 20
 MAX_PART_BYTES = 16 << 20
+#: Planned part sizes are whole multiples of this (rounded down); never below ``part_bytes``.
+_PART_STEP = 1 << 20
 #: Requests up to this size measure the time to first byte (their transfer is short).
 _SMALL = 256 << 10
 #: Requests from this size on measure a connection's throughput.
@@ -112,7 +111,7 @@ def plan(url: str, part_bytes: int, concurrency: int, first_bytes: int) -> PartP
     rate = _link(url).rate
     if rate is None:
         return PartPlan(first_bytes, part_bytes, concurrency)
-    size = int(rate * TARGET_PART_S) // MIN_PART_BYTES * MIN_PART_BYTES
+    size = int(rate * TARGET_PART_S) // _PART_STEP * _PART_STEP
     budget = part_bytes * concurrency
     size = max(part_bytes, min(MAX_PART_BYTES, budget, size))
     in_flight = max(1, min(concurrency, budget // size))

@@ -196,7 +196,6 @@ class ObstoreObject:
     def cat_range(self, start: int, end: int, timeout: float | None = None) -> bytes:
         """Bytes ``[start, end)`` (fewer when the object ends first), in one ranged GET."""
         del timeout  # the store's read timeout is the stall timeout
-
         return bytes(self.cat_range_view(start, end))
 
     def cat_range_view(self, start: int, end: int) -> memoryview:

@@ -110,6 +110,12 @@ def read_object(url: str, storage_options: Mapping[str, Any] | None) -> bytes:
     return fsspec_object(url, storage_options).cat()
 
 
+def _answered(source: StoreObject, stats: IOStats, nbytes: int, began: float) -> None:
+    """One GET answered: its bytes in the counters, its duration in the link's estimate."""
+    adapt.record(source.url, nbytes, time.perf_counter() - began)
+    stats.add(bytes=nbytes)
+
+
 def fetch_range(
     source: StoreObject,
     start: int,
@@ -143,8 +149,7 @@ def fetch_range(
             data = fetch(start, end)
         else:
             data = source.cat_range(start, end, timeout=options.stall_timeout_s)
-        adapt.record(source.url, len(data), time.perf_counter() - began)
-        stats.add(bytes=len(data))
+        _answered(source, stats, len(data), began)
         if len(data) == expected:
             return data
         if size is None and len(data) < expected:
@@ -183,8 +188,7 @@ def fetch_first(
         stats.add(requests=1)
         began = time.perf_counter()
         data, details = cat_first(end, on_details)
-        adapt.record(source.url, len(data), time.perf_counter() - began)
-        stats.add(bytes=len(data))
+        _answered(source, stats, len(data), began)
         size = details.get("size")
         if size is None or len(data) in (min(end, int(size)), int(size)):
             return data, details

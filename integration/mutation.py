@@ -121,7 +121,9 @@ AREAS: dict[str, Area] = {
             ),
             "cloudshards/cache/budget.py": ("CacheBudget._reserve",),
             "cloudshards/cache/tee.py": ("TeeStream.*",),
+            "cloudshards/cache/recheck.py": ("recheck_download",),
             "cloudshards/cache/follow.py": ("FollowStream.*",),
+            "cloudshards/cache/handoff.py": ("Handoff.*",),
             "cloudshards/cache/lock.py": (
                 "DownloadLock.*",
                 "is_locked",
@@ -145,6 +147,7 @@ AREAS: dict[str, Area] = {
             "tests/cache/test_cache_safety.py",
             "tests/cache/test_tee.py",
             "tests/cache/test_follow.py",
+            "tests/cache/test_handoff.py",
             "tests/cache/test_membertable.py",
             GAPS,
             # Checksums are trusted only from real stores (S3 single-part ETags, GCS md5Hash):
@@ -156,6 +159,7 @@ AREAS: dict[str, Area] = {
             "CacheBudget._reserve",
             "ShardCache._open_hit",
             "TeeStream.*",
+            "recheck_download",
             "FollowStream.*",
             "DownloadLock.*",
         ),
@@ -320,22 +324,22 @@ REVIEWED_EQUIVALENTS: dict[str, str] = {
     'cloudshards/cache/facts.py:_store_key: urlsplit(url).netloc.rsplit("@", 1) → urlsplit(url).netloc.rsplit("@", 2)': (
         "any maxsplit of at least 1 gives the same last part"
     ),
-    "cloudshards/cache/follow.py:FollowStream.read: time.sleep(delay) → pass": (
+    "cloudshards/cache/follow.py:FollowStream.read_view: time.sleep(delay) → pass": (
         "polling only: busy-waits instead (CPU, not behaviour)"
     ),
-    "cloudshards/cache/follow.py:FollowStream.read: min(delay * 2, self.POLL_MAX_S) → max(delay * 2, self.POLL_MAX_S)": (
+    "cloudshards/cache/follow.py:FollowStream.read_view: min(delay * 2, self.POLL_MAX_S) → max(delay * 2, self.POLL_MAX_S)": (
         "polling interval only"
     ),
-    "cloudshards/cache/follow.py:FollowStream.read: delay * 2 → delay // 2": (
+    "cloudshards/cache/follow.py:FollowStream.read_view: delay * 2 → delay // 2": (
         "polling interval only"
     ),
-    "cloudshards/cache/follow.py:FollowStream.read: delay * 2 → delay * 3": (
+    "cloudshards/cache/follow.py:FollowStream.read_view: delay * 2 → delay * 3": (
         "polling interval only"
     ),
-    "cloudshards/cache/follow.py:FollowStream.read: delay * 2 → delay * 1": (
+    "cloudshards/cache/follow.py:FollowStream.read_view: delay * 2 → delay * 1": (
         "polling interval only"
     ),
-    "cloudshards/cache/follow.py:FollowStream.read: -1 → -2": (
+    "cloudshards/cache/follow.py:FollowStream.read_view: -1 → -2": (
         "any negative descriptor means closed"
     ),
     "cloudshards/cache/follow.py:FollowStream.save_member_table: self.fd < 0 → self.fd <= 0": (
@@ -401,16 +405,16 @@ REVIEWED_EQUIVALENTS: dict[str, str] = {
     "cloudshards/cache/tee.py:TeeStream.__init__: hashlib.md5(usedforsecurity=False) → hashlib.md5(usedforsecurity=True)": (
         "the flag only matters to FIPS builds of OpenSSL; the digest is the same"
     ),
-    "cloudshards/cache/tee.py:TeeStream._recheck: hashlib.md5(usedforsecurity=False) → hashlib.md5(usedforsecurity=True)": (
+    "cloudshards/cache/recheck.py:recheck_download: hashlib.md5(usedforsecurity=False) → hashlib.md5(usedforsecurity=True)": (
         "the flag only matters to FIPS builds of OpenSSL; the digest is the same"
     ),
-    "cloudshards/cache/tee.py:TeeStream._recheck: hashlib.md5(usedforsecurity=False) → hashlib.md5(usedforsecurity=True) #2": (
+    "cloudshards/cache/recheck.py:recheck_download: hashlib.md5(usedforsecurity=False) → hashlib.md5(usedforsecurity=True) #2": (
         "the flag only matters to FIPS builds of OpenSSL; the digest is the same"
     ),
-    "cloudshards/cache/tee.py:TeeStream._recheck: hashlib.md5(usedforsecurity=False) → hashlib.md5(usedforsecurity=True) #3": (
+    "cloudshards/cache/recheck.py:recheck_download: hashlib.md5(usedforsecurity=False) → hashlib.md5(usedforsecurity=True) #3": (
         "the flag only matters to FIPS builds of OpenSSL; the digest is the same"
     ),
-    "cloudshards/cache/tee.py:TeeStream.read: continue → pass": (
+    "cloudshards/cache/tee.py:TeeStream.read_view: continue → pass": (
         "data is empty there, so the loop goes round all the same"
     ),
     "cloudshards/cache/tee.py:TeeStream._take: cut >= len(data) → cut > len(data)": (
@@ -434,19 +438,19 @@ REVIEWED_EQUIVALENTS: dict[str, str] = {
     "cloudshards/cache/tee.py:TeeStream._fail: self._drop_partial(poison=True); self._error = ShardOpenError(f'cache: {reason}', url=self.url, offset=self._received) → self._error = ShardOpenError(f'cache: {reason}', url=self.url, offset=self._received); self._drop_partial(poison=True)": (
         "independent: the error is raised after both"
     ),
-    "cloudshards/cache/tee.py:TeeStream._recheck: self.stats.bytes_network += len(chunk); whole.update(chunk) → whole.update(chunk); self.stats.bytes_network += len(chunk)": (
+    "cloudshards/cache/recheck.py:recheck_download: stats.bytes_network += len(chunk); whole.update(chunk) → whole.update(chunk); stats.bytes_network += len(chunk)": (
         "independent"
     ),
-    "cloudshards/cache/tee.py:TeeStream._recheck: whole.update(chunk); cut = max(0, min(len(chunk), served - position)) → cut = max(0, min(len(chunk), served - position)); whole.update(chunk)": (
+    "cloudshards/cache/recheck.py:recheck_download: whole.update(chunk); cut = max(0, min(len(chunk), served - position)) → cut = max(0, min(len(chunk), served - position)); whole.update(chunk)": (
         "independent"
     ),
-    "cloudshards/cache/tee.py:TeeStream._recheck: prefix.update(chunk[:cut]); tail += chunk[cut:] → tail += chunk[cut:]; prefix.update(chunk[:cut])": (
+    "cloudshards/cache/recheck.py:recheck_download: prefix.update(chunk[:cut]); tail += chunk[cut:] → tail += chunk[cut:]; prefix.update(chunk[:cut])": (
         "independent"
     ),
-    "cloudshards/cache/tee.py:TeeStream._recheck: self.expected_size or 0 → self.expected_size or 1": (
+    "cloudshards/cache/recheck.py:recheck_download: size or 0 → size or 1": (
         "a recheck needs a size (the held-back end is computed from it): for an empty object a longer second download is 'changed' either way"
     ),
-    'cloudshards/cache/tee.py:TeeStream._recheck: return "changed", b"" → pass #2': (
+    'cloudshards/cache/recheck.py:recheck_download: return "changed", b"" → pass #2': (
         "a second download of another length matches neither digest (the first download had the expected length), so it is 'changed' below"
     ),
     "cloudshards/cache/tee.py:TeeStream._complete: self._held.clear() → pass": (
@@ -470,11 +474,8 @@ REVIEWED_EQUIVALENTS: dict[str, str] = {
     "cloudshards/cache/shardcache.py:ShardCache._download.commit: written.append(self._table_path(name)); write_table(self._table_path(name), table, nbytes) → write_table(self._table_path(name), table, nbytes); written.append(self._table_path(name))": (
         "_write_meta and write_table write a temporary file and rename it: failing, they leave nothing behind, so when its path joins the clean-up list does not matter"
     ),
-    "cloudshards/cache/follow.py:FollowStream.read: size > 0 → size >= 0": (
-        "read(0) returns before: size is never 0 here"
-    ),
-    "cloudshards/cache/follow.py:FollowStream.read: size > 0 → size >= 0 #2": (
-        "read(0) returns before: size is never 0 here"
+    "cloudshards/cache/follow.py:FollowStream._pread: size > 0 → size >= 0": (
+        "read_view(0) returns before: size is never 0 here"
     ),
     'cloudshards/cache/facts.py:remote_facts: getattr(stream, "size", None) or getattr(raw, "size", None) → getattr(stream, "size", None) and getattr(raw, "size", None)': (
         "a stream's size is also in the details it carries, which are read next when it is None"

@@ -10,6 +10,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from cloudshards.cache.handoff import Handoff
 from cloudshards.cache.keys import entry_name, store_endpoint
 from cloudshards.cache.tee import TeeStream
 from cloudshards.redact import redact_url
@@ -31,12 +32,15 @@ def download_ahead(
     shard_index: int | None = None,
     open_store: StoreOpener | None = None,
     cancel: threading.Event | None = None,
+    keep_bytes: int = 0,
 ) -> threading.Thread | None:
     """Start downloading a shard that will be read soon, in a background thread.
 
     The thread writes the entry at the store's speed, independently of any consumer; the
     consumer later calls :meth:`ShardCache.open` as usual and reads the growing file (or the
-    finished entry), as every other process on the node does. Nothing starts (None) when the
+    finished entry), as every other process on the node does, except that up to
+    ``keep_bytes`` of the blocks it has not reached yet are handed to it from memory (see
+    :mod:`cloudshards.cache.handoff`). Nothing starts (None) when the
     entry is complete, another process is downloading it, the URL is local, or the shard
     cannot be cached (budget, disk): :meth:`ShardCache.open` then handles it as before. A
     failure in the thread abandons the partial file; whoever reads it takes the download over.
@@ -78,40 +82,55 @@ def download_ahead(
         stream.close()
         return None
 
+    handoff = Handoff(keep_bytes)
+
     def cancelled() -> None:
         # Nobody reads a cancelled download ahead: it is no miss, nor a shard streamed
         # uncached (the stream was handed back); a later open of it is no longer this
         # process's own download, and counts as usual.
-        stats._ahead.discard(name)
+        if stats._ahead.get(name) is handoff:
+            del stats._ahead[name]
+        handoff.clear()
         cache._save_stats()
 
     thread = threading.Thread(
         target=_download_in_background,
-        args=(stream, cancel, cancelled),
+        args=(stream, handoff, cancel, cancelled),
         name="cloudshards-cache-ahead",
         daemon=True,
     )
-    stats._ahead.add(name)
+    stats._ahead[name] = handoff
     thread.start()
     return thread
 
 
+#: The most one block of a download ahead holds: a whole part of the largest size (parts are
+#: handed on as they came, see PartStream.read_view).
+_BLOCK_BYTES = 16 << 20
+
+
 def _download_in_background(
-    tee: TeeStream, cancel: threading.Event | None, on_cancelled: Callable[[], None]
+    tee: TeeStream,
+    handoff: Handoff,
+    cancel: threading.Event | None,
+    on_cancelled: Callable[[], None],
 ) -> None:
     """Read ``tee`` to its end (it writes the entry and commits it), unless cancelled or it
-    can no longer be cached (the consumer then streams the shard itself).
+    can no longer be cached (the consumer then streams the shard itself). Every block read
+    (already in the partial file) is published to ``handoff`` for this process's reader.
 
     Cancelled, it stops at once and abandons the partial file (then ``on_cancelled``), however
     little is left: completing it, as closing a consumer's stream does, would go on fetching
     after the iterator was closed, and race the prefetcher shutting its pool down."""
     try:
         while cancel is None or not cancel.is_set():
-            if not tee.read(4 << 20):
+            block = tee.read_view(_BLOCK_BYTES)
+            if not block:
                 break
             if tee.partial_dropped:
                 tee.handed_back = True  # the consumer streams it, and counts it
                 break
+            handoff.publish(block)
     except Exception as exc:
         logger.debug("cache: download ahead of %s stopped: %s", redact_url(tee.url), exc)
     finally:
@@ -120,3 +139,4 @@ def _download_in_background(
                 tee.close()
             elif tee.cancel():
                 on_cancelled()
+        handoff.finish()

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 
 from cloudshards.cache import lock as _cachelock
+from cloudshards.cache.handoff import Handoff
 from cloudshards.cache.lock import is_locked, is_poisoned
 from cloudshards.cache.membertable import MemberTable, write_table
 from cloudshards.cache.stats import CacheStats
@@ -35,6 +36,8 @@ class FollowStream(ClosingStream):
         entry: Path the partial file is renamed to when complete.
         lock_path: The downloader's lock file.
         take_over: Returns a replacement stream that skips ``offset`` delivered bytes.
+        handoff: The blocks of this process's own download ahead of the file, if it is one:
+            read from memory while they are held, and waited for instead of polling.
     """
 
     POLL_MIN_S = 0.002
@@ -50,6 +53,7 @@ class FollowStream(ClosingStream):
         stats: CacheStats,
         take_over: Callable[[int], ShardSource],
         on_close: Callable[[], None],
+        handoff: Handoff | None = None,
     ) -> None:
         self.fd = fd
         self.url = url
@@ -59,19 +63,30 @@ class FollowStream(ClosingStream):
         self._take_over = take_over
         self._on_close = on_close
         self._replacement: ShardSource | None = None
+        self._handoff = handoff
         self._inode = os.fstat(fd).st_ino
         self.offset = 0
         self.closed = False
 
     def read(self, size: int = -1) -> bytes:
         """Return the next bytes, waiting for the downloader when we have caught up."""
+        return bytes(self.read_view(size))
+
+    def read_view(self, size: int = -1) -> bytes | memoryview:
+        """:meth:`read`, with the blocks of this process's own download ahead handed on from
+        memory as they came (see :mod:`cloudshards.cache.handoff`)."""
         if self._replacement is not None:
             return self._replacement.read(size)
         if size == 0:
             return b""
         delay = self.POLL_MIN_S
+        handoff = self._handoff
         while True:
-            data = os.read(self.fd, size if size > 0 else 1 << 22)
+            data: bytes | memoryview | None = None
+            if handoff is not None:
+                data = handoff.take(self.offset, size)
+            if not data:
+                data = self._pread(size)
             if data:
                 self.offset += len(data)
                 self.stats.bytes_disk += len(data)
@@ -83,7 +98,7 @@ class FollowStream(ClosingStream):
                 # (The downloader renames before it unlocks, so a free lock is checked the
                 # same way.)
                 if self._committed():
-                    data = os.read(self.fd, size if size > 0 else 1 << 22)
+                    data = self._pread(size)
                     self.offset += len(data)
                     self.stats.bytes_disk += len(data)
                     return data
@@ -97,12 +112,24 @@ class FollowStream(ClosingStream):
                 logger.info(
                     "cache: download of %s was abandoned; taking over", redact_url(self.url)
                 )
+                self._release_handoff()
                 os.close(self.fd)
                 self.fd = -1
                 self._replacement = self._take_over(self.offset)
                 return self._replacement.read(size)
-            time.sleep(delay)
+            if handoff is not None:
+                handoff.wait(self.offset, delay)  # woken by the next block
+            else:
+                time.sleep(delay)
             delay = min(delay * 2, self.POLL_MAX_S)
+
+    def _pread(self, size: int) -> bytes:
+        return os.pread(self.fd, size if size > 0 else 1 << 22, self.offset)
+
+    def _release_handoff(self) -> None:
+        if self._handoff is not None:
+            self._handoff.clear()
+            self._handoff = None
 
     def _committed(self) -> bool:
         try:
@@ -145,6 +172,7 @@ class FollowStream(ClosingStream):
         if self.closed:
             return
         self.closed = True
+        self._release_handoff()
         if self.fd >= 0:
             fd, self.fd = self.fd, -1
             try:

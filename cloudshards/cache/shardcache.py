@@ -118,11 +118,15 @@ class ShardCache(CacheBudget):
         name = entry_name(url, store_endpoint(url, options))
         deadline = time.monotonic() + wait_s
         delay = 0.002
-        own = name in self.stats._ahead  # downloaded ahead by this process: counted as a miss
-        self.stats._ahead.discard(name)
+        # Downloaded ahead by this process: counted as a miss; its blocks still in memory are
+        # handed to this reader (see cache.handoff).
+        handoff = self.stats._ahead.pop(name, None)
+        own = handoff is not None
         while True:
             hit = self._open_hit(name, url, shard_index, counted=not own)
             if hit is not None:
+                if handoff is not None:
+                    handoff.clear()
                 return hit
             try:
                 lock = self._claim(name)
@@ -159,6 +163,7 @@ class ShardCache(CacheBudget):
                 stats=CacheStats() if own else self.stats,
                 take_over=lambda offset: self._take_over(url, name, options, shard_index, offset),
                 on_close=self._save_stats,
+                handoff=handoff,
             )
             follow.table_path = self._table_path(name)
             return follow
@@ -171,11 +176,18 @@ class ShardCache(CacheBudget):
         shard_index: int | None = None,
         open_store: StoreOpener | None = None,
         cancel: threading.Event | None = None,
+        keep_bytes: int = 0,
     ) -> threading.Thread | None:
         """Start downloading a shard that will be read soon, in a background thread (see
         :func:`cloudshards.cache.ahead.download_ahead`); None when nothing started."""
         return ahead.download_ahead(
-            self, url, options, shard_index=shard_index, open_store=open_store, cancel=cancel
+            self,
+            url,
+            options,
+            shard_index=shard_index,
+            open_store=open_store,
+            cancel=cancel,
+            keep_bytes=keep_bytes,
         )
 
     def _claim(self, name: str) -> DownloadLock | None:

@@ -10,6 +10,7 @@ import os
 import socket
 from dataclasses import dataclass, field
 
+from cloudshards.cache.handoff import Handoff
 from cloudshards.logs import warn_once
 from cloudshards.process import PerProcess
 
@@ -42,8 +43,9 @@ class CacheStats:
     bytes_disk: int = 0
     evictions: int = 0
     _warned: set[str] = field(default_factory=set, repr=False)
-    #: Entries this process downloaded ahead that its consumer has not opened yet.
-    _ahead: set[str] = field(default_factory=set, repr=False)
+    #: Entries this process downloaded ahead that its consumer has not opened yet, with the
+    #: blocks held in memory for that consumer.
+    _ahead: dict[str, Handoff] = field(default_factory=dict, repr=False)
     #: Downloads ahead start once this process has committed an entry, and never after the
     #: disk filled up: they must not cost a second download of what cannot be cached.
     _committed_one: bool = field(default=False, repr=False)

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from cloudshards.cache.lock import POISONED_MODE, is_disk_full
 from cloudshards.cache.membertable import MemberTable, write_table
+from cloudshards.cache.recheck import WHY, recheck_download
 from cloudshards.cache.stats import CacheStats, warn_disk_full
 from cloudshards.errors import CacheError, ShardOpenError
 from cloudshards.redact import redact_url
@@ -33,7 +34,8 @@ class TeeStream(ClosingStream):
     memory, and out of the partial file that followers read) until the whole download has
     been verified: a tar reader needs its end-of-archive blocks, so no reader finishes a shard
     on bytes that were not verified, and a failure reaches it through ``read``. On a mismatch
-    the object is fetched once more and compared (see :meth:`_recheck`).
+    the object is fetched once more and compared (see
+    :func:`~cloudshards.cache.recheck.recheck_download`).
 
     Args:
         remote: The open store stream.
@@ -95,6 +97,10 @@ class TeeStream(ClosingStream):
         #: whose consumer streams the shard itself (and counts it).
         self.handed_back = False
         self._error: ShardOpenError | None = None
+        # The store stream's read_view where it has one (parts as views, not copied).
+        self._read_remote: Callable[[int], bytes | memoryview] = getattr(
+            remote, "read_view", remote.read
+        )
         self._fd: int | None = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self.closed = False
         #: Set by the reader after a complete parse; saved next to the entry on commit.
@@ -118,20 +124,31 @@ class TeeStream(ClosingStream):
             ShardOpenError: The download is shorter or longer than the store said, or does
                 not match its checksum in a way that may have reached this reader.
         """
-        if self._error is not None:
-            raise self._error
         if size < 0:  # everything: the held-back end comes in a separate chunk
             return b"".join(iter(lambda: self.read(1 << 22), b""))
+        return bytes(self.read_view(size))
+
+    def read_view(self, size: int = -1) -> bytes | memoryview:
+        """:meth:`read`, handing on what the store stream handed on: a part as a read-only
+        view where it does (see :meth:`PartStream.read_view
+        <cloudshards.source.parts.PartStream.read_view>`), so a part is written to disk and
+        parsed without being copied. ``size`` < 0: up to 4 MiB.
+        """
+        if self._error is not None:
+            raise self._error
         if size == 0:
             return b""
+        if size < 0:
+            size = 1 << 22
         while True:
+            data: bytes | memoryview
             if self._tail is not None:
                 count = min(size, len(self._tail))
                 if not count:
                     return b""
-                data, self._tail = bytes(self._tail[:count]), self._tail[count:]
+                data, self._tail = self._tail[:count], self._tail[count:]
             else:
-                data = self.remote.read(size)
+                data = self._read_remote(size)
                 if not data:
                     self._at_end(recheck=True)
                     if self._tail is None:
@@ -147,7 +164,7 @@ class TeeStream(ClosingStream):
                 self.offset += len(data)
                 return data
 
-    def _take(self, data: bytes) -> bytes:
+    def _take(self, data: bytes | memoryview) -> bytes | memoryview:
         """Write ``data`` (or hold back its part at the end); return what may be served now."""
         start = self._received
         self._received += len(data)
@@ -169,13 +186,13 @@ class TeeStream(ClosingStream):
         self._write(front)
         self._held += back
         if self._fd is None:  # the disk filled up: nothing is verified or held any more
-            front, self._hold_from = front + bytes(self._held), None
+            front, self._hold_from = bytes(front) + bytes(self._held), None
             self._held.clear()
         elif self.expected_size is not None and self._received > self.expected_size:
             self._fail(f"the store sent more than the {self.expected_size} bytes it said")
         return front
 
-    def _write(self, data: bytes) -> None:
+    def _write(self, data: bytes | memoryview) -> None:
         if self._fd is None or not data:
             return
         try:
@@ -234,7 +251,18 @@ class TeeStream(ClosingStream):
             return
         if self._hold_from is None or not recheck or self._refetch is None:
             self._fail("downloaded bytes do not match the store's checksum")
-        verdict, tail = self._recheck()
+        assert self._hold_from is not None
+        assert self._refetch is not None
+        verdict, tail = recheck_download(
+            self._refetch,
+            self.stats,
+            url=self.url,
+            served=self._hold_from,
+            size=self.expected_size,
+            expected_md5=self._expected_md5,
+            first_md5=self._md5.hexdigest(),
+            prefix_md5=self._prefix_md5,
+        )
         if verdict == "tail":
             logger.warning(
                 "cache: the end of a download of %s did not match the store's checksum; "
@@ -254,51 +282,7 @@ class TeeStream(ClosingStream):
             self._keep = False
             self._complete(bytes(self._held))
         else:
-            self._fail(f"downloaded bytes do not match the store's checksum, {_WHY[verdict]}")
-
-    def _recheck(self) -> tuple[str, bytes]:
-        """Download the object once more, and compare.
-
-        Returns ``("tail", bytes)`` when the second download matches the checksum and agrees
-        with the first on every byte already served (only held-back bytes were wrong: serve
-        the second's); ``("checksum", b"")`` when both downloads agree with each other, not
-        with the checksum (it is not an MD5 of the bytes); otherwise ``("prefix", b"")`` (bytes
-        already served were wrong), ``("changed", b"")`` (the object differs each time) or
-        ``("failed", b"")`` (the second download failed).
-        """
-        assert self._hold_from is not None
-        assert self._md5 is not None
-        assert self._refetch is not None
-        served = self._hold_from
-        whole = hashlib.md5(usedforsecurity=False)
-        prefix = hashlib.md5(usedforsecurity=False)
-        tail, position = bytearray(), 0
-        try:
-            stream = self._refetch()
-            try:
-                while chunk := stream.read(1 << 22):
-                    self.stats.bytes_network += len(chunk)
-                    whole.update(chunk)
-                    cut = max(0, min(len(chunk), served - position))
-                    prefix.update(chunk[:cut])
-                    tail += chunk[cut:]
-                    position += len(chunk)
-                    if position > (self.expected_size or 0):
-                        return "changed", b""
-            finally:
-                stream.close()
-        except OSError as exc:  # the store is unreachable now: nothing can be vouched for
-            logger.debug("cache: refetching %s failed: %s", redact_url(self.url), exc)
-            return "failed", b""
-        # No prefix hash: nothing came before the held-back bytes (an empty object).
-        first = (self._prefix_md5 or hashlib.md5(usedforsecurity=False)).digest()
-        if position != self.expected_size:
-            return "changed", b""
-        if whole.hexdigest() == self._expected_md5:
-            return ("tail", bytes(tail)) if prefix.digest() == first else ("prefix", b"")
-        if whole.hexdigest() == self._md5.hexdigest():
-            return "checksum", b""
-        return "changed", b""
+            self._fail(f"downloaded bytes do not match the store's checksum, {WHY[verdict]}")
 
     def _complete(self, tail: bytes) -> None:
         """Write the verified held-back bytes, commit the entry (unless not kept), and serve
@@ -378,7 +362,7 @@ class TeeStream(ClosingStream):
         if self.expected_size is not None and self.expected_size - self._received > budget:
             return
         while self._fd is not None:
-            data = self.remote.read(1 << 22)
+            data = self._read_remote(1 << 22)
             if not data:  # the end: a remainder of exactly the budget completes too
                 self._at_end(recheck=False)
                 return
@@ -387,14 +371,3 @@ class TeeStream(ClosingStream):
             if budget < 0:  # the size was unknown, and more is left than is worth it
                 return
             self._take(data)
-
-
-#: Why a download that did not match its checksum may have served wrong bytes, per verdict of
-#: :meth:`TeeStream._recheck`.
-_WHY = {
-    "prefix": "and a second download (which does) differs in bytes already read: they were "
-    "corrupted in transit; read the shard again",
-    "changed": "nor does a second download: the object changed while it was read; read the "
-    "shard again",
-    "failed": "and a second download to check it failed; read the shard again",
-}

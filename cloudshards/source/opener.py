@@ -50,6 +50,7 @@ class NodeCache(Protocol):
         shard_index: int | None = None,
         open_store: StoreOpener | None = None,
         cancel: threading.Event | None = None,
+        keep_bytes: int = 0,
     ) -> threading.Thread | None: ...
 
 

@@ -194,9 +194,9 @@ class PartStream(ClosingStream):
         end = len(self._current) if size < 0 else min(len(self._current), self._position + size)
         part: bytes | memoryview
         if self._position == 0 and end == len(self._current):
-            part = self._part  # the whole part: no copy (readers ask for a block or more)
-        else:
-            part = bytes(self._current[self._position : end])
+            part = self._part  # the whole part as it came
+        else:  # a piece of a part larger than the read (adaptive parts reach 16 MiB): a view
+            part = self._current[self._position : end]
         self._position = end
         self.offset += len(part)
         return part

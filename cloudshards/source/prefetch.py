@@ -1,6 +1,8 @@
 """Shard prefetch: while the consumer parses shard i, shards i+1..i+K (in the consumer's exact
 order) are already being fetched, each as a window of ranged GETs (see
-:mod:`cloudshards.source.parts`). Memory is bounded by (K + 1) x concurrency x part_bytes.
+:mod:`cloudshards.source.parts`). Memory is bounded by (K + 1) x concurrency x part_bytes
+(with a node cache, plus up to concurrency x part_bytes per shard downloaded ahead, held for
+its reader: see :mod:`cloudshards.cache.handoff`).
 Closing (or garbage-collecting) the iterator cancels what is pending and joins the threads.
 """
 
@@ -153,6 +155,8 @@ class ShardPrefetcher:
                 cancel=self._cancel,
             ),
             cancel=self._cancel,
+            # The reader takes the blocks it reaches from memory; at most a shard's window.
+            keep_bytes=self._fetch.concurrency * self._fetch.part_bytes,
         )
         if thread is not None:
             threads.append(thread)

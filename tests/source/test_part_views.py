@@ -8,6 +8,7 @@ import gzip
 import io
 import tarfile
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -110,3 +111,51 @@ def test_read_gives_bytes(executor: cf.ThreadPoolExecutor) -> None:
         stream.close()
     assert b"".join(pieces) == data
     assert source.views > 1
+
+
+@pytest.mark.parametrize("md5", [False, True], ids=["by-length", "md5-verified"])
+def test_a_download_into_the_cache_hands_parts_on_as_views(
+    executor: cf.ThreadPoolExecutor, tmp_path: Any, md5: bool
+) -> None:
+    """Through the node cache's tee, parts are written to disk and parsed as the views they
+    came as (no copy into bytes); the entry and the members are the object's bytes."""
+    import hashlib
+
+    from cloudshards.cache.stats import CacheStats
+    from cloudshards.cache.tee import TeeStream
+
+    data = shard(MEMBERS)
+    source = ViewSource(data)
+    committed: list[int] = []
+    partial = tmp_path / "entry.partial"
+    tee = TeeStream(
+        part_stream(source, executor),
+        str(partial),
+        commit=lambda n: committed.append(n) is None,
+        abandon=lambda: None,
+        on_close=lambda: None,
+        stats=CacheStats(),
+        expected_size=len(data),
+        expected_md5=hashlib.md5(data).hexdigest() if md5 else None,
+    )
+    handed: list[type] = []
+    read_view = tee.read_view
+
+    def spy(size: int) -> bytes | memoryview:
+        block = read_view(size)
+        handed.append(type(block))
+        return block
+
+    tee.read_view = spy  # type: ignore[method-assign]
+    try:
+        members = list(iter_members(tee, url=source.url, block_bytes=PART))
+    finally:
+        tee.close()
+    assert [(m.name, m.data) for m in members] == MEMBERS
+    assert all(type(m.data) is bytes for m in members)
+    assert source.copies == 0
+    assert source.views >= len(data) // PART
+    # Every part reached the reader as a view (bar the verified tail, held back as bytes).
+    assert handed.count(memoryview) >= len(data) // PART - 1
+    assert committed == [len(data)]
+    assert partial.read_bytes() == data

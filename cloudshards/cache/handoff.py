@@ -1,0 +1,82 @@
+"""Bytes of a download ahead handed to this process's own reader from memory.
+
+A download ahead (:mod:`cloudshards.cache.ahead`) writes the entry's ``.partial`` file for
+every process on the node. Its own process's reader would otherwise read those bytes back
+from the file (a second copy of each byte through the kernel) and poll the file for growth.
+Instead the downloading thread publishes each block here right after writing it, and the
+reader (a :class:`~cloudshards.cache.follow.FollowStream`) takes the blocks it reaches while
+they are still held, reads the file for the rest, and is woken when a block arrives.
+
+Memory stays bounded: at most ``keep_bytes`` of blocks the reader has not passed are held (the
+first ones of the shard until the reader starts, then those just ahead of it); a block
+published while that much is held is not kept (it is on disk, and the reader reads it there).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+__all__ = ["Handoff"]
+
+
+class Handoff:
+    """Blocks of one download ahead, in order, for this process's reader of it.
+
+    The downloading thread calls :meth:`publish` for every block after writing it to the
+    partial file, then :meth:`finish`; the reader calls :meth:`take` and :meth:`wait`.
+
+    Args:
+        keep_bytes: Most bytes held at once (blocks beyond it are read from the file).
+    """
+
+    def __init__(self, keep_bytes: int) -> None:
+        self.keep_bytes = keep_bytes
+        self._cond = threading.Condition()
+        self._blocks: deque[tuple[int, bytes | memoryview]] = deque()  # (offset, block)
+        self._held = 0
+        self._end = 0  # bytes published (all of them written to the partial file)
+        self._finished = False
+
+    def publish(self, block: bytes | memoryview) -> None:
+        """Record the next ``len(block)`` bytes of the download (already in the file)."""
+        with self._cond:
+            if block and self._held + len(block) <= self.keep_bytes:
+                self._blocks.append((self._end, block))
+                self._held += len(block)
+            self._end += len(block)
+            self._cond.notify_all()
+
+    def finish(self) -> None:
+        """No more blocks will come (the download completed, failed or was cancelled)."""
+        with self._cond:
+            self._finished = True
+            self._cond.notify_all()
+
+    def take(self, offset: int, size: int) -> bytes | memoryview | None:
+        """Up to ``size`` bytes (``size`` < 0: the rest of a block) from ``offset`` if they
+        are held, dropping every block before them; None if they are not (read the file)."""
+        with self._cond:
+            blocks = self._blocks
+            while blocks and blocks[0][0] + len(blocks[0][1]) <= offset:
+                self._held -= len(blocks.popleft()[1])
+            if not blocks or blocks[0][0] > offset:
+                return None
+            start, block = blocks[0]
+            begin = offset - start
+            end = len(block) if size < 0 else min(len(block), begin + size)
+            if begin == 0 and end == len(block):
+                return block
+            return memoryview(block)[begin:end]
+
+    def wait(self, offset: int, timeout: float) -> None:
+        """Wait (at most ``timeout`` seconds) until bytes past ``offset`` are published or the
+        download is finished."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._end > offset or self._finished, timeout)
+
+    def clear(self) -> None:
+        """Drop every held block (the reader is done, or never came)."""
+        with self._cond:
+            self._blocks.clear()
+            self._held = 0

@@ -1,0 +1,119 @@
+"""A download ahead hands its own process's reader the blocks it reaches from memory (not read
+back from the partial file), within a byte bound; the rest comes from the file, and the entry
+and every byte read are the same either way."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import fakes
+import pytest
+
+import cloudshards as wds
+from cloudshards.cache.follow import FollowStream
+from cloudshards.cache.handoff import Handoff
+from cloudshards.source import OpenOptions
+
+
+def test_blocks_are_taken_in_order_and_dropped_once_passed() -> None:
+    handoff = Handoff(keep_bytes=10)
+    handoff.publish(b"abcd")
+    handoff.publish(b"efgh")
+    assert handoff.take(0, 100) == b"abcd"
+    assert bytes(handoff.take(1, 2) or b"") == b"bc"  # a piece of a block is a view of it
+    handoff.publish(b"ijkl")  # 4 + 4 + 4 > 10: not held (the reader reads it from the file)
+    assert handoff.take(6, 4) == memoryview(b"efgh")[2:]  # passing a block drops those before
+    assert handoff.take(0, 4) is None
+    assert handoff.take(8, 4) is None
+    assert handoff.take(12, 4) is None  # not published yet
+    handoff.publish(b"mn")  # room again: held
+    assert handoff.take(12, 2) == b"mn"
+
+
+def test_the_held_bytes_never_exceed_the_bound() -> None:
+    handoff = Handoff(keep_bytes=1000)
+    for _ in range(50):
+        handoff.publish(bytes(300))
+        assert handoff._held <= 1000
+    assert handoff.take(0, 300) == bytes(300)
+    assert handoff.take(900, 300) is None  # the fourth block was never held
+
+
+def test_wait_returns_when_a_block_arrives_or_the_download_ends() -> None:
+    handoff = Handoff(keep_bytes=100)
+    threading.Timer(0.05, handoff.publish, args=(b"x",)).start()
+    start = time.monotonic()
+    handoff.wait(0, 10)
+    assert time.monotonic() - start < 5
+    threading.Timer(0.05, handoff.finish).start()
+    start = time.monotonic()
+    handoff.wait(1, 10)
+    assert time.monotonic() - start < 5
+
+
+@pytest.fixture
+def store(monkeypatch: pytest.MonkeyPatch) -> None:
+    fakes.register()
+    for name in fakes.ENV_KNOBS:
+        monkeypatch.delenv(name, raising=False)
+
+
+def _cache_with_one_entry(tmp_path: Path, url: str) -> wds.ShardCache:
+    cache = wds.ShardCache(tmp_path / "cache")
+    with cache.open(url) as stream:  # downloads ahead start once this process cached one
+        while stream.read(1 << 20):
+            pass
+    return cache
+
+
+@pytest.mark.parametrize("keep_kib", [0, 96, 4096], ids=["none-held", "some-held", "all-held"])
+def test_the_own_reader_takes_held_blocks_and_reads_the_rest_from_the_file(
+    make_shards: Any,
+    store: None,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    keep_kib: int,
+) -> None:
+    monkeypatch.setenv(fakes.CHUNK_ENV, str(32 << 10))  # many blocks per shard
+    monkeypatch.setenv(fakes.OPEN_DELAY_ENV, "0.01")
+    shards = make_shards([3, 20], payload_bytes=20_000)
+    urls = [fakes.url_of(p) for p in shards.paths]
+    cache = _cache_with_one_entry(tmp_path, urls[0])
+    preads: list[int] = []
+    real_pread = os.pread
+
+    def counting_pread(fd: int, size: int, offset: int) -> bytes:
+        data = real_pread(fd, size, offset)
+        preads.append(len(data))
+        return data
+
+    monkeypatch.setattr(os, "pread", counting_pread)
+    thread = cache.download_ahead(urls[1], OpenOptions(), keep_bytes=keep_kib << 10)
+    assert thread is not None
+    stream = cache.open(urls[1])
+    assert isinstance(stream, FollowStream)
+    try:
+        got = []
+        while block := stream.read_view(1 << 20):
+            got.append(bytes(block))
+    finally:
+        stream.close()
+    thread.join(30)
+    expected = shards.paths[1].read_bytes()
+    assert b"".join(got) == expected
+    size = len(expected)
+    from_file = sum(preads)
+    if keep_kib == 0:
+        assert from_file == size
+    elif keep_kib == 96:
+        assert 0 < from_file < size  # what was held came from memory, the rest from the file
+    else:
+        assert from_file <= size // 2  # blocks are published right after they are written
+    data = tmp_path / "cache" / "data"
+    entries = {name: (data / name).read_bytes() for name in os.listdir(data)}
+    assert sorted(entries.values()) == sorted(p.read_bytes() for p in shards.paths)
+    assert (cache.stats.misses, cache.stats.hits, cache.stats.waits) == (2, 0, 0)

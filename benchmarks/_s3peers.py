@@ -64,6 +64,7 @@ DEPENDENCIES = [
     "matplotlib",
     "catalogue",
     "transformers<5",
+    "py-spy",  # bench_s3.py --py-spy
 ]
 _STUB = '''"""Stub: streaming imports these names at import time; nothing measured calls them."""
 

@@ -118,6 +118,8 @@ def run_child(
     writing the profile there; ``gil``: only samples of the thread holding the GIL."""
     argv = [str(python()), str(HERE / "_s3loaders.py"), command, json.dumps(spec)]
     if py_spy is not None:
+        if not (python().parent / "py-spy").exists():  # peers installed before it was listed
+            subprocess.run([str(python()), "-m", "pip", "install", "-q", "py-spy"], check=True)
         spy = [str(python().parent / "py-spy"), "record", "-f", "raw", "-r", "100", "-s"]
         argv = [*spy, *(["--gil"] if gil else []), "-o", str(py_spy), "--", *argv]
     popen = subprocess.Popen(
@@ -257,7 +259,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not names or set(names) - set(LIBRARIES) - labels:
         p.error(f"--loaders takes names among {', '.join(sorted(set(LIBRARIES) | labels))}")
     args.variants = [v for v in VARIANTS if v[1] in names or v[0] in names]
-    args.setups = [x.strip() for x in args.setups.split(",") if x.strip()]
+    args.setups = [x.strip() for x in args.setups.replace("both", ",".join(SETUPS)).split(",")]
+    args.setups = [x for x in dict.fromkeys(args.setups) if x]
     if not args.setups or set(args.setups) - set(SETUPS):
         p.error("--setups takes proxy, direct or both")
     args.workers = [int(x) for x in args.workers.split(",") if x.strip()]

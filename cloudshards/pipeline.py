@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from cloudshards import config
 from cloudshards.dist import WorkerInfo
 from cloudshards.fluid import FluidInterface
+from cloudshards.process import freeze_inherited_objects
 from cloudshards.seeding import default_seed, epoch_context
 from cloudshards.stages import base
 from cloudshards.stages.base import IterationContext, PipelineStage
@@ -162,6 +163,7 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
     def iterator(self, epoch: int | None = None) -> Iterator[Any]:
         """Run ``repetitions`` passes (stopping early if a pass yields nothing), at most
         ``nsamples`` items when ``with_epoch`` set it, resuming where ``load_state_dict`` says."""
+        freeze_inherited_objects()  # in a DataLoader worker: see its docstring
         context = self._context(epoch)
         context.bounded = self.nsamples > 0
         resume, self._resume = self._resume, None

@@ -4,13 +4,15 @@ fork-reset scheme of the package."""
 
 from __future__ import annotations
 
+import gc
 import os
+import sys
 import threading
 import weakref
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
-__all__ = ["PerProcess"]
+__all__ = ["PerProcess", "freeze_inherited_objects"]
 
 T = TypeVar("T")
 
@@ -83,3 +85,36 @@ def _reset_after_fork() -> None:
 
 
 os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+#: The process that last asked :func:`freeze_inherited_objects` (it acts once per process).
+_FREEZE_ASKED_BY = -1
+
+
+def freeze_inherited_objects() -> None:
+    """In a DataLoader worker, take every object it has so far (those inherited from the
+    parent above all) out of the cyclic garbage collector's reach, with ``gc.freeze()``;
+    once per process, the first time a cloudshards dataset is iterated there.
+
+    A forked worker inherits the parent's whole heap (torch alone brings ~150,000 objects)
+    with the parent's collector counters, which often call for a full collection soon: that
+    collection walks every inherited object and writes into its header, copying each page
+    of the parent's heap (copy-on-write). Measured here: one such collection per worker and
+    epoch, 0.09 s each, a quarter of the CPU of a warm epoch with 2 workers. Frozen objects
+    are still freed by reference counting; only reference cycles among them are never
+    collected, in a process that lives for an epoch (or for the run, with persistent workers).
+    Objects made after the freeze are collected as usual. Nothing happens outside a
+    DataLoader worker, or with ``CLOUDSHARDS_GC_FREEZE=0``.
+    """
+    global _FREEZE_ASKED_BY
+    pid = os.getpid()
+    if pid == _FREEZE_ASKED_BY:
+        return
+    _FREEZE_ASKED_BY = pid
+    data = sys.modules.get("torch.utils.data")  # a worker has it: no import just to ask
+    if data is None or data.get_worker_info() is None:
+        return
+    from cloudshards.config import env_bool
+
+    if env_bool("GC_FREEZE", True):
+        gc.freeze()

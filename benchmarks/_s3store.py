@@ -127,3 +127,83 @@ class StoreCounter:
         with open(self.where, "rb") as f:
             f.seek(before[0])
             return parse_log(f.read().decode("utf-8", "replace"))
+
+
+# ------------------------------------------------------------------------------------- GCS
+GCS_PROJECT = "bench"
+
+
+def gcs_env(endpoint: str) -> dict[str, str]:
+    """What gcsfs and google-cloud-storage read to reach the emulator, anonymously."""
+    return {
+        "STORAGE_EMULATOR_HOST": endpoint,
+        "GOOGLE_CLOUD_PROJECT": GCS_PROJECT,
+        # gcsfs otherwise makes a gRPC call per bucket that times out after 60 s (TESTBED.md).
+        "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+    }
+
+
+class FakeGCS:
+    """fake-gcs-server (in-memory backend) on a free port, with the benchmark's bucket."""
+
+    def __init__(self, popen: subprocess.Popen[bytes], url: str) -> None:
+        self.popen, self.url = popen, url
+
+    @classmethod
+    def start(cls, binary: Path, workdir: Path, timeout_s: float = 30.0) -> FakeGCS:
+        import socket
+
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        url = f"http://127.0.0.1:{port}"
+        argv = [str(binary), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port)]
+        argv += ["-backend", "memory", "-external-url", url, "-log-level", "warn"]
+        with (workdir / "fake-gcs.log").open("wb") as out:
+            popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+        server = cls(popen, url)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                gcs_request(
+                    url,
+                    "POST",
+                    f"/storage/v1/b?project={GCS_PROJECT}",
+                    json.dumps({"name": BUCKET}).encode(),
+                    "application/json",
+                )
+                return server
+            except OSError:
+                if popen.poll() is not None:
+                    break
+                select.select([], [], [], 0.05)
+        server.stop()
+        raise RuntimeError(f"fake-gcs-server did not start: see {workdir / 'fake-gcs.log'}")
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            self.popen.wait(10)
+
+
+def gcs_request(endpoint: str, method: str, path: str, body: bytes, content_type: str) -> bytes:
+    """One request to the GCS JSON API (the stdlib only: the child imports this module too)."""
+    request = urllib.request.Request(
+        endpoint + path, data=body, method=method, headers={"Content-Type": content_type}
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return bytes(response.read())
+
+
+def gcs_upload(endpoint: str, name: str, path: Path) -> None:
+    """Upload a file as ``gs://BUCKET/name`` (a simple media upload)."""
+    from urllib.parse import quote
+
+    query = f"uploadType=media&name={quote(name, safe='')}"
+    gcs_request(
+        endpoint,
+        "POST",
+        f"/upload/storage/v1/b/{BUCKET}/o?{query}",
+        path.read_bytes(),
+        "application/octet-stream",
+    )

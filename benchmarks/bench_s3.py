@@ -10,7 +10,10 @@ format: tar shards (webdataset's TarWriter) for cloudshards and webdataset, ``li
 chunks for LitData 0.2.76, ``MDSWriter`` shards for MosaicML Streaming 0.13.0; all are
 uploaded to s3rver 3.7.1, a local S3 server that serves Range requests. Setups: ``proxy``
 reads through the cloud simulator (integration/cloudsim.py in its own process: 30 ms before
-each request, 25 MB/s per connection), ``direct`` reads s3rver itself.
+each request, 25 MB/s per connection), ``direct`` reads s3rver itself, ``gcs`` reads the tar
+and LitData copies from fake-gcs-server (the GCS emulator; JSON API) through the simulator:
+cloudshards through gcsfs, LitData through google-cloud-storage (MosaicML Streaming and
+webdataset are measured on S3 only).
 
 Each measurement (loader x setup x DataLoader workers, batch 32) runs in a fresh child process
 under the peers' interpreter (_s3peers.py) with empty caches: epoch 1 is cold, epoch 2 warm.
@@ -41,9 +44,9 @@ from pathlib import Path
 from typing import Any
 
 from _common import REPO_ROOT, format_table, median
-from _s3peers import S3RVER, child_env, ensure, python
+from _s3peers import S3RVER, child_env, ensure, fake_gcs_server, python
 from _s3peers import versions as peer_versions
-from _s3store import S3rver, s3_env
+from _s3store import FakeGCS, S3rver, gcs_env, s3_env
 
 HERE = Path(__file__).resolve().parent
 CLOUDSIM = REPO_ROOT / "integration" / "cloudsim.py"
@@ -57,7 +60,8 @@ VARIANTS = (
     ("webdataset", "webdataset", False),
 )
 LIBRARIES = ("cloudshards", "litdata", "streaming", "webdataset")
-SETUPS = ("proxy", "direct")
+SETUPS = ("proxy", "direct", "gcs")
+GCS_LIBRARIES = ("cloudshards", "litdata")  # the loaders measured on GCS too
 
 
 @dataclass
@@ -146,7 +150,10 @@ def measure(
     workers: int,
     endpoint: str,
     counter: str,
+    store: str = "s3",
 ) -> tuple[list[dict[str, Any]] | None, str]:
+    """One fresh child reading with ``variant``; ``store``: "s3" (``endpoint`` is S3's) or
+    "gcs" (``endpoint`` is the GCS emulator's, read through the simulator)."""
     label, library, cache = variant
     child_dir = Path(tempfile.mkdtemp(prefix=f"s3bench-{label}-", dir=args.work))
     try:
@@ -160,8 +167,10 @@ def measure(
             "counter": counter,
             "work_child": str(child_dir),
             "epochs": args.epochs,
+            "store": store,
         }
-        env = child_env(endpoint, {**os.environ, **s3_env(endpoint)})
+        extra = gcs_env(endpoint) if store == "gcs" else s3_env(endpoint)
+        env = child_env(endpoint, {**os.environ, **extra})
         env["TMPDIR"] = str(child_dir)
         env["CLOUDSHARDS_COUNTS_DIR"] = str(child_dir / "counts")
         py_spy, args.py_spy = args.py_spy, None  # only the first measurement
@@ -184,7 +193,9 @@ def report(cells: dict[tuple[str, int, str], Cell], args: argparse.Namespace) ->
             rows = []
             base = cells.get((setup, workers, BASELINE))
             for label, _, _ in args.variants:
-                cell = cells[(setup, workers, label)]
+                cell = cells.get((setup, workers, label))
+                if cell is None:  # not measured on this store
+                    continue
                 for error in cell.errors:
                     problems.append(f"{setup}, {workers} workers, {label}: {error}")
                 if not cell.epochs:
@@ -212,11 +223,12 @@ def report(cells: dict[tuple[str, int, str], Cell], args: argparse.Namespace) ->
                         fmt(cell.cpu_per_gb(1), 1),
                     ]
                 )
-            where = (
-                f"cloud simulator ({args.latency_s * 1000:.0f} ms, {args.mbps:g} MB/s per conn)"
-                if setup == "proxy"
-                else "direct to s3rver (store bytes from its log, 3 digits)"
-            )
+            sim = f"cloud simulator ({args.latency_s * 1000:.0f} ms, {args.mbps:g} MB/s per conn)"
+            where = {
+                "proxy": f"s3rver behind the {sim}",
+                "direct": "direct to s3rver (store bytes from its log, 3 digits)",
+                "gcs": f"fake-gcs-server (GCS JSON API) behind the {sim}",
+            }[setup]
             print(f"\n{setup}: {where}, {workers} DataLoader workers, batch {args.batch}\n")
             print(format_table(header, rows))
     return problems
@@ -234,7 +246,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=",".join(LIBRARIES),
         help="comma-separated libraries, or variants (cloudshards+cache)",
     )
-    p.add_argument("--setups", default=",".join(SETUPS), help="proxy, direct or both")
+    p.add_argument(
+        "--setups",
+        default=",".join(SETUPS),
+        help="comma-separated among proxy, direct, gcs; both = proxy,direct (default: all)",
+    )
     p.add_argument("--workers", default="0,2", help="DataLoader worker counts (default 0,2)")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--latency-s", type=float, default=0.03, help="simulator first-byte delay")
@@ -259,10 +275,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not names or set(names) - set(LIBRARIES) - labels:
         p.error(f"--loaders takes names among {', '.join(sorted(set(LIBRARIES) | labels))}")
     args.variants = [v for v in VARIANTS if v[1] in names or v[0] in names]
-    args.setups = [x.strip() for x in args.setups.replace("both", ",".join(SETUPS)).split(",")]
+    args.setups = [x.strip() for x in args.setups.replace("both", "proxy,direct").split(",")]
     args.setups = [x for x in dict.fromkeys(args.setups) if x]
     if not args.setups or set(args.setups) - set(SETUPS):
-        p.error("--setups takes proxy, direct or both")
+        p.error("--setups takes proxy, direct, gcs (comma-separated) or both")
     args.workers = [int(x) for x in args.workers.split(",") if x.strip()]
     if min(args.repeats, args.shards, args.samples, args.bin_kib, args.batch) < 1:
         p.error("--repeats, --shards, --samples, --bin-kib and --batch must be positive")
@@ -286,10 +302,13 @@ def main(argv: list[str] | None = None) -> int:
     args.work = work.resolve()
     started = time.perf_counter()
     server = S3rver.start(S3RVER, args.work)
-    sim = None
+    sim = gcs = gcs_sim = None
     try:
         spec = {"shards": args.shards, "samples": args.samples, "bin_bytes": args.bin_kib * 1024}
         spec |= {"work": str(args.work / "data"), "endpoint": server.url}
+        if "gcs" in args.setups:
+            gcs = FakeGCS.start(fake_gcs_server(), args.work)
+            spec["gcs_endpoint"] = gcs.url
         env = child_env(server.url, {**os.environ, **s3_env(server.url)})
         written, text = run_child("write", spec, env, 1800)
         if written is None:
@@ -298,24 +317,36 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"data       {args.shards} shards x {args.samples} samples, bin {args.bin_kib} KiB;"
             f" {written['uploaded_bytes'] / 1e6:.0f} MB uploaded in 3 formats to {server.url}"
+            + (f"; tar and LitData's to {gcs.url}" if gcs is not None else "")
         )
         print(
             f"repeats    {args.repeats}, order alternating; batch {args.batch}; fresh process each"
         )
         if "proxy" in args.setups:
             sim = Simulator(server.url, args.latency_s, args.mbps)
+        if gcs is not None:
+            gcs_sim = Simulator(gcs.url, args.latency_s, args.mbps)
         cells = {
-            (s, w, v[0]): Cell() for s in args.setups for w in args.workers for v in args.variants
+            (s, w, v[0]): Cell()
+            for s in args.setups
+            for w in args.workers
+            for v in args.variants
+            if s != "gcs" or v[1] in GCS_LIBRARIES
         }
         for repeat in range(args.repeats):
             order = args.variants if repeat % 2 == 0 else args.variants[::-1]
             for setup in args.setups:
-                endpoint = sim.url if setup == "proxy" and sim else server.url
-                counter = f"cloudsim:{endpoint}" if setup == "proxy" else f"s3rverlog:{server.log}"
+                endpoint = {"proxy": sim, "gcs": gcs_sim}.get(setup) or server
+                counter = (
+                    f"s3rverlog:{server.log}" if setup == "direct" else f"cloudsim:{endpoint.url}"
+                )
+                store = "gcs" if setup == "gcs" else "s3"
                 for workers in args.workers:
                     for variant in order:
-                        cell = cells[(setup, workers, variant[0])]
-                        epochs, text = measure(args, variant, workers, endpoint, counter)
+                        cell = cells.get((setup, workers, variant[0]))
+                        if cell is None:
+                            continue
+                        epochs, text = measure(args, variant, workers, endpoint.url, counter, store)
                         if epochs is None:
                             cell.errors.append(text.strip().splitlines()[0])
                             print(f"  {setup:<6} w={workers} {variant[0]:<18} FAILED\n{text}")
@@ -332,8 +363,9 @@ def main(argv: list[str] | None = None) -> int:
                         print(line, flush=True)
         problems = report(cells, args)
     finally:
-        if sim is not None:
-            sim.stop()
+        for running in (sim, gcs_sim, gcs):
+            if running is not None:
+                running.stop()
         server.stop()
         if temp is not None:
             shutil.rmtree(temp, ignore_errors=True)

@@ -15,7 +15,7 @@ from cloudshards.cache import ShardCache
 from cloudshards.dist import WorkerInfo
 from cloudshards.grouping import make_name_filter
 from cloudshards.source import FetchOptions, OpenOptions
-from cloudshards.stages.base import IterationContext, current_context
+from cloudshards.stages.base import IterationContext, current_context, per_sample
 from cloudshards.stages.read import read_shards
 from cloudshards.types import ExceptionHandler
 
@@ -24,6 +24,7 @@ __all__ = ["_Counter", "_EmptyCheck", "_ShardReader", "_Split"]
 logger = logging.getLogger(__name__)
 
 
+@per_sample  # passes every sample on
 class _EmptyCheck:
     """Raise when this worker's whole epoch produced no sample, with a message saying why."""
 

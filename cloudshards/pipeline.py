@@ -28,6 +28,8 @@ from cloudshards.seeding import default_seed, epoch_context
 from cloudshards.stages import base
 from cloudshards.stages.base import IterationContext, PipelineStage
 from cloudshards.stages.epoch import EpochLimiter
+from cloudshards.stages.rebuffer import connect, is_reader, read_again
+from cloudshards.stages.shuffle import ShuffleIterator
 from cloudshards.stages.state import (
     STATE_VERSION,
     LiveEpoch,
@@ -152,12 +154,19 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
         if not self.pipeline:
             raise ValueError("DataPipeline has no source")
         source = self.invoke(self.pipeline[0])
+        reader = (0, source) if is_reader(source) else None
         if registry is not None:
             registry.track(source)
-        for step in self.pipeline[1:]:
+        for number, step in enumerate(self.pipeline[1:], start=1):
             source = self.invoke(step, source)
+            if is_reader(source):
+                reader = (number, source)
+            elif isinstance(source, ShuffleIterator):
+                connect(self.pipeline, source, number, reader)
             if registry is not None:
                 registry.track(source)
+                if isinstance(source, ShuffleIterator) and source.pending:
+                    source.refill(read_again(self.invoke, self.pipeline, number, source.pending))
         return iter(source)
 
     def iterator(self, epoch: int | None = None) -> Iterator[Any]:

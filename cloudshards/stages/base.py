@@ -42,12 +42,34 @@ __all__ = [
     "current_context",
     "iteration_context",
     "make_rng",
+    "one_item_per_sample",
+    "per_sample",
     "pipelinefilter",
     "run_in_context",
     "stateful_key",
 ]
 
 _T = TypeVar("_T")
+
+#: Filter functions and stage classes known to give at most one item per item they take,
+#: decided by that item alone (see :func:`one_item_per_sample`).
+_PER_SAMPLE: set[object] = set()
+
+_F = TypeVar("_F")
+
+
+def per_sample(f: _F) -> _F:
+    """Mark a filter function (or stage class) as giving at most one item per item it takes,
+    decided by that item alone: ``map``, ``decode``, ``select``, ``to_tuple``..."""
+    _PER_SAMPLE.add(f)
+    return f
+
+
+def one_item_per_sample(stage: Any) -> bool:
+    """Whether ``stage`` is known to give at most one item per item, decided by that item
+    alone: a shuffle buffer after such stages can be restored by reading its samples again."""
+    inner = stage.f if isinstance(stage, FilterFunction) else type(stage)
+    return inner in _PER_SAMPLE
 
 
 @runtime_checkable

@@ -13,7 +13,7 @@ from fnmatch import fnmatch
 from typing import Any
 
 from cloudshards.handlers import reraise_exception
-from cloudshards.stages.base import pipelinefilter
+from cloudshards.stages.base import per_sample, pipelinefilter
 from cloudshards.types import ExceptionHandler, Sample
 
 __all__ = [
@@ -71,6 +71,7 @@ def transform_with(sample: Sequence[Any], transformers: Sequence[Any] | None) ->
     return result
 
 
+@per_sample
 def _to_tuple(
     data: Iterable[Sample],
     *args: str,
@@ -110,6 +111,7 @@ def _to_tuple(
 to_tuple = pipelinefilter(_to_tuple)
 
 
+@per_sample
 def _rename(
     data: Iterable[Sample],
     handler: ExceptionHandler = reraise_exception,
@@ -135,6 +137,7 @@ def _rename(
 rename = pipelinefilter(_rename)
 
 
+@per_sample
 def _rename_keys(
     source: Iterable[Sample],
     *args: tuple[str, str],
@@ -178,6 +181,7 @@ def _rename_keys(
 rename_keys = pipelinefilter(_rename_keys)
 
 
+@per_sample
 def _extract_keys(
     source: Iterable[Sample],
     *patterns: str | Sequence[str],
@@ -242,6 +246,7 @@ def identity_decoder(x: Any) -> Any:
     return x
 
 
+@per_sample
 def _xdecode(
     source: Iterable[Sample],
     *args: tuple[str, Callable[[Any], Any]],

@@ -18,7 +18,7 @@ from cloudshards import config
 from cloudshards.cache import ShardCache
 from cloudshards.cache.membertable import MemberTable, table_samples
 from cloudshards.errors import ConfigError
-from cloudshards.grouping import group_members, split_key
+from cloudshards.grouping import group_members
 from cloudshards.handlers import reraise_exception
 from cloudshards.redact import redact_url
 from cloudshards.source import (
@@ -27,6 +27,13 @@ from cloudshards.source import (
     ShardPrefetcher,
     ShardSource,
     local_path,
+)
+from cloudshards.stages.positions import (
+    number_of,
+    positioned,
+    selected,
+    selecting,
+    skipping,
 )
 from cloudshards.tar import iter_members
 from cloudshards.types import ExceptionHandler, NameFilter, Sample
@@ -129,7 +136,27 @@ class ShardReader(Iterator[Sample]):
         #: [shards begun, samples delivered from the last]; updated by the generator.
         self._position = [0, 0]
         self._resume: tuple[int, int] | None = None
+        self._select: dict[int, frozenset[int]] | None = None
         self._it: Iterator[Sample] | None = None
+
+    @property
+    def position(self) -> list[int]:
+        """The live ``[shards begun, samples delivered from the last]``: right after a sample
+        is delivered, it is that sample's (shard number + 1, sample number + 1) in this pass
+        (a shuffle buffer downstream notes it for each item it takes)."""
+        return self._position
+
+    def select(self, places: Iterable[tuple[int, int]]) -> None:
+        """Deliver only the samples at ``places`` ((shard number, sample number) as
+        :attr:`position` numbers them), in that numbering's order; the other shards are not
+        opened, the other samples' data not read where the shard can skip it (to read a
+        restored shuffle buffer's samples again). Before iterating."""
+        if self._it is not None:
+            raise RuntimeError("a ShardReader selects samples before it starts reading")
+        wanted: dict[int, set[int]] = {}
+        for shard, sample in places:
+            wanted.setdefault(shard, set()).add(sample)
+        self._select = {shard: frozenset(samples) for shard, samples in wanted.items()}
 
     def __iter__(self) -> Iterator[Sample]:
         if self._it is None:
@@ -144,6 +171,7 @@ class ShardReader(Iterator[Sample]):
                 self._fetch,
                 self._resume,
                 self._position,
+                self._select,
             )
         return self._it
 
@@ -178,12 +206,14 @@ def _read(
     fetch: FetchOptions | None,
     resume: tuple[int, int] | None,
     position: list[int],
+    select: dict[int, frozenset[int]] | None = None,
 ) -> Iterator[Sample]:
     """:class:`ShardReader`'s generator: keeps ``position`` up to date as it delivers."""
     options = options or OpenOptions()
     numbered: deque[tuple[dict[str, Any], int, int]] = deque()
+    source = positioned(src, resume, numbered) if select is None else selected(src, select)
     shards = open_shards(
-        _positioned(src, resume, numbered),
+        source,
         handler=handler,
         options=options,
         cache=cache,
@@ -193,65 +223,6 @@ def _read(
         yield from _read_opened(shards, handler, options, name_filter, position, numbered)
     finally:
         shards.close()  # stops the prefetcher's threads now, not when garbage-collected
-
-
-def _positioned(
-    src: Iterable[dict[str, Any]],
-    resume: tuple[int, int] | None,
-    numbered: deque[tuple[dict[str, Any], int, int]],
-) -> Iterator[dict[str, Any]]:
-    """Number the shards (for ``state_dict``: each shard yielded goes to ``numbered`` with its
-    number and the samples skipped in it); on resume skip the shards already read (without
-    opening them) and the samples already delivered from the next one."""
-    skip_shards, skip_samples = resume or (0, 0)
-    for number, shard in enumerate(src):
-        if number < skip_shards:
-            continue
-        shard = dict(shard)  # a dict of our own: the reader finds it again by identity
-        resumed = 0
-        if number == skip_shards and skip_samples:
-            shard["skip"] = shard.get("skip", 0) + skip_samples
-            if "take" in shard:
-                shard["take"] = max(0, shard["take"] - skip_samples)
-            resumed = skip_samples
-        numbered.append((shard, number, resumed))
-        yield shard
-
-
-def _number_of(
-    numbered: deque[tuple[dict[str, Any], int, int]], shard: dict[str, Any]
-) -> tuple[int, int] | None:
-    """(number, samples skipped) of an opened shard; the shards yielded before it that never
-    opened (skipped after an open error) are dropped. By identity, else by URL."""
-    for same in (lambda entry: entry[0] is shard, lambda entry: entry[0]["url"] == shard["url"]):
-        for i, entry in enumerate(numbered):
-            if same(entry):
-                for _ in range(i + 1):
-                    numbered.popleft()
-                return entry[1], entry[2]
-    return None
-
-
-def _skipping(name_filter: NameFilter | None, skip: int) -> NameFilter:
-    """A name filter that also drops the members of the first ``skip`` samples (without
-    reading their data), keyed exactly as :func:`group_members` keys them."""
-    seen = 0
-    last: str | None = None
-
-    def skipping(name: str) -> str | None:
-        nonlocal seen, last
-        mapped = name_filter(name) if name_filter is not None else name
-        if mapped is None or seen > skip:
-            return mapped
-        parts = split_key(mapped)
-        if parts is None:
-            return None
-        if parts[0] != last:
-            last = parts[0]
-            seen += 1
-        return None if seen <= skip else mapped
-
-    return skipping
 
 
 def _limited(samples: Iterator[Sample], shard: dict[str, Any]) -> Iterator[Sample]:
@@ -291,13 +262,18 @@ def _read_opened(
     for shard, stream in shards:
         url = shard["url"]
         index = shard.get("shard_index")
-        number = _number_of(numbered, shard)
+        number = number_of(numbered, shard)
         position[0], position[1] = (position[0], 0) if number is None else number
         position[0] += 1
         skip = shard.get("skip", 0)
+        chosen = shard.get("select")
         record: MemberTable | None = None
         try:
-            members_filter = _skipping(name_filter, skip) if skip else name_filter
+            members_filter: NameFilter | None
+            if chosen is not None:
+                members_filter = selecting(name_filter, chosen)
+            else:
+                members_filter = skipping(name_filter, skip) if skip else name_filter
             samples = _samples_by_table(stream, url, members_filter, options, index)
             if samples is None:
                 if hasattr(stream, "save_member_table"):
@@ -313,14 +289,24 @@ def _read_opened(
                 samples = group_members(
                     members, url=url, shard_index=index, name_filter=members_filter
                 )
-            if "take" in shard:
+            if chosen is not None:  # stop after the last one: the rest is not needed
+                samples = itertools.islice(samples, len(chosen))
+                record = None
+            elif "take" in shard:
                 samples = _limited(samples, shard)
             path = local_path(url)
+            places = shard.get("select_places")
+            if places is not None:  # selected samples: their own numbers, in order
+                position[0] = places[0] + 1
+                numbers = iter(places[1])
             for sample in samples:
                 if path is not None:
                     # webdataset 1.0.2 tells consumers where a local shard lives.
                     sample["__local_path__"] = path
-                position[1] += 1
+                if places is None:
+                    position[1] += 1
+                else:
+                    position[1] = next(numbers) + 1
                 yield sample
             if record is not None and record.complete:
                 stream.save_member_table(record)

@@ -1,19 +1,28 @@
 """Sample shuffling with a bounded buffer (webdataset's ``shuffle`` and ``detshuffle``).
 
-Resumption: approximate (up to ``bufsize`` buffered samples per worker are not replayed). The
-buffer size, ``initial`` and seed are in the state fingerprint: a state saved with another
-shuffle is refused.
+Resumption: exact when the buffer is fed by a shard reader through stages that give at most one
+item per sample (``map``, ``decode``, ``select``, ``to_tuple``...): the state holds the
+generator's RNG state and, for each buffered sample, where the reader found it (shard number,
+sample number), never sample bytes; a restore reads those samples again (see
+:class:`ShuffleIterator`). Otherwise (no shard reader upstream, or a stage that gives several
+items per sample, such as ``batched`` before the shuffle) the buffer is not saved and a restore
+loses at most ``bufsize`` samples per worker, with one warning. The buffer size, ``initial``
+and seed are in the state fingerprint: a state saved with another shuffle is refused.
 """
 
 from __future__ import annotations
 
+import logging
 import random
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
+from cloudshards.errors import StateMismatchError
 from cloudshards.stages.base import PipelineStage, make_rng
 
-__all__ = ["Shuffler", "detshuffle", "pick", "shuffle"]
+__all__ = ["ShuffleIterator", "Shuffler", "detshuffle", "pick", "shuffle"]
+
+logger = logging.getLogger(__name__)
 
 
 def pick(buf: list[Any], rng: random.Random) -> Any:
@@ -75,12 +84,12 @@ class Shuffler:
         self.rng = rng
         self.seed = seed
 
-    def __call__(self, data: Iterable[Any]) -> Iterator[Any]:
+    def __call__(self, data: Iterable[Any]) -> ShuffleIterator:
         rng = self.rng
-        if rng is None and self.seed is None:
+        if rng is None:
             # Drawn now, while the pipeline's context is current, not lazily on first next().
-            rng = make_rng("shuffle")
-        return _shuffle(data, self.bufsize, self.initial, rng=rng, seed=self.seed)
+            rng = make_rng("shuffle") if self.seed is None else random.Random(self.seed)
+        return ShuffleIterator(data, self.bufsize, self.initial, rng)
 
     def stage_config(self) -> dict[str, Any]:
         """Buffer size, initial fill and seed (an explicit ``rng`` counts by its type)."""
@@ -118,4 +127,184 @@ class detshuffle(PipelineStage):
         """Shuffle ``src`` with the next epoch's seed."""
         self.epoch += 1
         rng = random.Random(self.seed + self.epoch)
-        return _shuffle(src, self.bufsize, self.initial, rng)
+        return ShuffleIterator(src, self.bufsize, self.initial, rng)
+
+
+class _Buffer:
+    """What a running shuffle holds, shared by :class:`ShuffleIterator` and its generator
+    (which must not refer to the iterator: see StatefulIterator)."""
+
+    __slots__ = ("done", "exact", "items", "places", "pulled", "rng", "why")
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+        self.items: list[Any] = []
+        #: Where the reader found each item of ``items`` (same order): (shard, sample).
+        self.places: list[tuple[int, int]] = []
+        self.pulled = 0  # items taken from the source
+        self.done = False  # the source is exhausted: only the buffer is left
+        self.exact = True
+        self.why = ""
+
+
+class ShuffleIterator:
+    """A running shuffle buffer (webdataset 1.0.2's algorithm, see :func:`_shuffle`) whose
+    state says which samples it holds.
+
+    The pipeline hands it the shard reader upstream (``reader``) when it builds the chain;
+    after each item taken from its source it notes the reader's position, which is that
+    item's sample when every stage in between gives at most one item per sample. Its state is
+    the RNG's state and those positions in buffer order; restored, the pipeline reads those
+    samples again (from the shards that hold them, through the same stages, see
+    :meth:`~cloudshards.pipeline.DataPipeline._chain`) and :meth:`refill` puts them back in
+    place, so the run continues with exactly the items it would have delivered.
+    """
+
+    state_key = "shuffle"
+
+    def __init__(self, src: Iterable[Any], bufsize: int, initial: int, rng: random.Random) -> None:
+        self._src = src
+        self._bufsize = bufsize
+        self._initial = min(initial, bufsize)
+        self._buffer = _Buffer(rng)
+        self._it: Iterator[Any] | None = None
+        #: The shard reader upstream (set by the pipeline), or None.
+        self.reader: Any = None
+        #: Positions to read again before the first item (set by load_state_dict).
+        self.pending: list[tuple[int, int]] = []
+        self._restored: Mapping[str, Any] | None = None
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._it is None:
+            if self.pending:
+                raise StateMismatchError(
+                    "this shuffle buffer was restored but its samples were never read again "
+                    "(the pipeline has no shard reader before it)"
+                )
+            position = getattr(self.reader, "position", None)
+            if position is None and self._buffer.exact:
+                self.inexact("no shard reader feeds it")
+            self._it = _run(self._src, self._bufsize, self._initial, self._buffer, position)
+        return self._it
+
+    def __next__(self) -> Any:
+        return next(self.__iter__())
+
+    def close(self) -> None:
+        close = getattr(self._it, "close", None)
+        if close is not None:
+            close()
+
+    def inexact(self, why: str) -> None:
+        """The buffer cannot be read again by position (``why``): leave it out of the state."""
+        self._buffer.exact = False
+        self._buffer.why = why
+        self.reader = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"rng": ..., "buffer": [[shard, sample], ...], "pulled": n, "done": bool}``;
+        ``{}`` before the first item or when the buffer cannot be restored exactly."""
+        buffer = self._buffer
+        if not buffer.exact:
+            _warn_inexact(buffer.why)
+            return {}
+        if not buffer.pulled:
+            return {}
+        version, internal, gauss = buffer.rng.getstate()
+        return {
+            "rng": [version, list(internal), gauss],
+            "buffer": [list(place) for place in buffer.places],
+            "pulled": buffer.pulled,
+            "done": buffer.done,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Note the saved buffer; the pipeline reads its samples again and calls
+        :meth:`refill` before the first item."""
+        if self._it is not None:
+            raise RuntimeError("a shuffle buffer is restored before it starts")
+        self._restored = state
+        self.pending = [(int(shard), int(sample)) for shard, sample in state.get("buffer", [])]
+
+    def refill(self, items: Mapping[tuple[int, int], Any]) -> None:
+        """Put the samples read again (by position) back, in the saved order, with the RNG."""
+        state = self._restored
+        assert state is not None
+        buffer = self._buffer
+        missing = [place for place in self.pending if place not in items]
+        if missing:
+            raise StateMismatchError(
+                f"cannot restore the shuffle buffer exactly: {len(missing)} of its "
+                f"{len(self.pending)} samples were not found again (shard, sample: "
+                f"{missing[:3]}); the shards changed since the checkpoint, or could not be read"
+            )
+        buffer.items = [items[place] for place in self.pending]
+        buffer.places = list(self.pending)
+        version, internal, gauss = state["rng"]
+        buffer.rng.setstate((int(version), tuple(int(x) for x in internal), gauss))
+        buffer.pulled = int(state.get("pulled", len(self.pending)))
+        buffer.done = bool(state.get("done", False))
+        self.pending = []
+
+
+def _run(
+    src: Iterable[Any],
+    bufsize: int,
+    initial: int,
+    buffer: _Buffer,
+    position: list[int] | None,
+) -> Iterator[Any]:
+    """:func:`_shuffle` over ``buffer`` (possibly refilled), noting each item's place: the
+    same pulls and picks, so a restored buffer continues the same sequence."""
+    rng = buffer.rng
+    items, places = buffer.items, buffer.places
+    last = (-1, -1)
+    source = iter(src) if not buffer.done else iter(())
+    while not buffer.done:
+        pulls = 0
+        while True:  # webdataset pulls a second item while the buffer is not full
+            try:
+                sample = next(source)
+            except StopIteration:
+                buffer.done = True
+                break
+            place = (position[0] - 1, position[1] - 1) if position is not None else last
+            if place == last and buffer.exact:
+                # Two items from one sample: a stage in between is not one-to-one.
+                buffer.exact = False
+                buffer.why = "a stage before it gives several items per sample"
+            last = place
+            items.append(sample)
+            places.append(place)
+            buffer.pulled += 1
+            pulls += 1
+            if pulls == 2 or len(items) >= bufsize:
+                break
+        if pulls and len(items) >= initial:
+            yield _take(items, places, rng)
+    while items:
+        yield _take(items, places, rng)
+
+
+def _take(items: list[Any], places: list[tuple[int, int]], rng: random.Random) -> Any:
+    """:func:`pick`, keeping ``places`` in step with ``items``."""
+    k = rng.randint(0, len(items) - 1)
+    sample = items[k]
+    items[k] = items[-1]
+    items.pop()
+    places[k] = places[-1]
+    places.pop()
+    return sample
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_inexact(why: str) -> None:
+    if why not in _WARNED:
+        _WARNED.add(why)
+        logger.warning(
+            "shuffle: a checkpoint does not hold this buffer (%s); a restore loses the samples "
+            "in it (at most its size per worker)",
+            why,
+        )

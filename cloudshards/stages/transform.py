@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from cloudshards.handlers import reraise_exception
-from cloudshards.stages.base import make_rng, pipelinefilter
+from cloudshards.stages.base import make_rng, per_sample, pipelinefilter
 from cloudshards.types import ExceptionHandler, Sample
 
 __all__ = [
@@ -47,6 +47,7 @@ def identity(x: Any) -> Any:
     return x
 
 
+@per_sample
 def _map(
     data: Iterable[Any], f: Callable[[Any], Any], handler: ExceptionHandler = reraise_exception
 ) -> Iterator[Any]:
@@ -68,6 +69,7 @@ def _map(
 map = pipelinefilter(_map)
 
 
+@per_sample
 class Decode:
     """The stage ``.decode(...)`` adds: :func:`_map` with a decoder, which can be told the
     fields the rest of the pipeline uses (``to_tuple`` right after it does).
@@ -112,6 +114,7 @@ class Decode:
         return f"<decode {self.decoder!r}>"
 
 
+@per_sample
 def _map_dict(
     data: Iterable[Sample],
     handler: ExceptionHandler = reraise_exception,
@@ -137,6 +140,7 @@ def _map_dict(
 map_dict = pipelinefilter(_map_dict)
 
 
+@per_sample
 def _map_tuple(
     data: Iterable[Any],
     *args: Callable[[Any], Any] | None,
@@ -165,6 +169,7 @@ def _map_tuple(
 map_tuple = pipelinefilter(_map_tuple)
 
 
+@per_sample
 def _select(data: Iterable[Any], predicate: Callable[[Any], bool]) -> Iterator[Any]:
     """Keep the samples for which ``predicate`` is true."""
     for sample in data:
@@ -242,6 +247,7 @@ def _log_keys(data: Iterable[Any], logfile: str | None = None) -> Iterator[Any]:
 log_keys = pipelinefilter(_log_keys)
 
 
+@per_sample
 def _decode(
     data: Iterable[Sample], *args: Any, handler: ExceptionHandler = reraise_exception, **kw: Any
 ) -> Iterator[Sample]:

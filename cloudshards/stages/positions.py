@@ -1,0 +1,115 @@
+"""Which samples a shard reader delivers, and their numbers: the shards of a pass numbered in
+order, resuming after a position, and choosing samples by number (to read a restored shuffle
+buffer's samples again); name filters that drop the members of samples not delivered, so that
+their data is never read."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from cloudshards.grouping import split_key
+from cloudshards.types import NameFilter
+
+__all__ = ["number_of", "positioned", "selected", "selecting", "skipping"]
+
+
+def positioned(
+    src: Iterable[dict[str, Any]],
+    resume: tuple[int, int] | None,
+    numbered: deque[tuple[dict[str, Any], int, int]],
+) -> Iterator[dict[str, Any]]:
+    """Number the shards (for ``state_dict``: each shard yielded goes to ``numbered`` with its
+    number and the samples skipped in it); on resume skip the shards already read (without
+    opening them) and the samples already delivered from the next one."""
+    skip_shards, skip_samples = resume or (0, 0)
+    for number, shard in enumerate(src):
+        if number < skip_shards:
+            continue
+        shard = dict(shard)  # a dict of our own: the reader finds it again by identity
+        resumed = 0
+        if number == skip_shards and skip_samples:
+            shard["skip"] = shard.get("skip", 0) + skip_samples
+            if "take" in shard:
+                shard["take"] = max(0, shard["take"] - skip_samples)
+            resumed = skip_samples
+        numbered.append((shard, number, resumed))
+        yield shard
+
+
+def selected(
+    src: Iterable[dict[str, Any]], select: dict[int, frozenset[int]]
+) -> Iterator[dict[str, Any]]:
+    """The shards that hold selected samples, each told which of its samples (counted from
+    its first, before its ``skip``) to deliver; none after the last of them."""
+    last = max(select, default=-1)
+    for number, shard in enumerate(src):
+        if number > last:
+            return
+        wanted = select.get(number)
+        if wanted:
+            skip = shard.get("skip", 0)
+            yield {
+                **shard,
+                "select": frozenset(skip + sample for sample in wanted),
+                "select_places": (number, sorted(wanted)),
+            }
+
+
+def number_of(
+    numbered: deque[tuple[dict[str, Any], int, int]], shard: dict[str, Any]
+) -> tuple[int, int] | None:
+    """(number, samples skipped) of an opened shard; the shards yielded before it that never
+    opened (skipped after an open error) are dropped. By identity, else by URL."""
+    for same in (lambda entry: entry[0] is shard, lambda entry: entry[0]["url"] == shard["url"]):
+        for i, entry in enumerate(numbered):
+            if same(entry):
+                for _ in range(i + 1):
+                    numbered.popleft()
+                return entry[1], entry[2]
+    return None
+
+
+def skipping(name_filter: NameFilter | None, skip: int) -> NameFilter:
+    """A name filter that also drops the members of the first ``skip`` samples (without
+    reading their data), keyed exactly as :func:`group_members` keys them."""
+    seen = 0
+    last: str | None = None
+
+    def skipping(name: str) -> str | None:
+        nonlocal seen, last
+        mapped = name_filter(name) if name_filter is not None else name
+        if mapped is None or seen > skip:
+            return mapped
+        parts = split_key(mapped)
+        if parts is None:
+            return None
+        if parts[0] != last:
+            last = parts[0]
+            seen += 1
+        return None if seen <= skip else mapped
+
+    return skipping
+
+
+def selecting(name_filter: NameFilter | None, wanted: frozenset[int]) -> NameFilter:
+    """A name filter that keeps only the members of the samples numbered in ``wanted`` (from
+    0, keyed exactly as :func:`group_members` keys them): the others' data is not read."""
+    seen = 0
+    last: str | None = None
+
+    def selecting(name: str) -> str | None:
+        nonlocal seen, last
+        mapped = name_filter(name) if name_filter is not None else name
+        if mapped is None:
+            return None
+        parts = split_key(mapped)
+        if parts is None:
+            return None
+        if parts[0] != last:
+            last = parts[0]
+            seen += 1
+        return mapped if seen - 1 in wanted else None
+
+    return selecting

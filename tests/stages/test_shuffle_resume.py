@@ -121,3 +121,111 @@ def test_stateful_dataloader_with_a_shuffle_buffer_resumes_exactly(
     second = loader()
     second.load_state_dict(state)
     assert keys(head) + keys(second) == everything
+
+
+@pytest.mark.parametrize("k", [3, 11])
+def test_balanced_ranks_resampled_shards_and_epochs_of_fixed_length(
+    make_shards: Any, monkeypatch: pytest.MonkeyPatch, k: int
+) -> None:
+    """The reader's numbering (balanced ranks skip and take within shards; resampled shards
+    repeat; with_epoch cuts passes) is what the restore reads again by."""
+    shards = make_shards(UNEVEN)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    everything, resumed = resume_after(
+        lambda: wds.WebDataset(shards.spec(), shardshuffle=True, seed=8).shuffle(6), k, epoch=1
+    )
+    assert len(everything) == 31 // 2
+    assert keys(resumed) == keys(everything)
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.delenv("RANK")
+    everything, resumed = resume_after(
+        lambda: wds.WebDataset(shards.spec(), resampled=True, seed=2).shuffle(8).with_epoch(40),
+        k * 3,
+    )
+    assert len(everything) == 40
+    assert keys(resumed) == keys(everything)
+
+
+def test_webdataset_style_pipelines_and_detshuffle(make_shards: Any) -> None:
+    shards = make_shards(UNEVEN)
+    urls = [str(p) for p in shards.paths]
+
+    def build(stage: Any) -> Any:
+        return wds.DataPipeline(
+            wds.SimpleShardList(urls), wds.tarfile_to_samples(), stage, wds.to_tuple("__key__")
+        )
+
+    for stage in (lambda: wds.shuffle(7, seed=5), lambda: wds.detshuffle(7, seed=5)):
+        everything, resumed = resume_after(lambda stage=stage: build(stage()), 9)
+        assert resumed == everything
+
+
+def test_a_restore_from_a_store_opens_only_the_shards_that_hold_buffered_samples(
+    make_shards: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import fakes
+
+    fakes.register()
+    log = tmp_path / "opens.log"
+    monkeypatch.setenv(fakes.OPEN_LOG_ENV, str(log))
+    shards = make_shards([20] * 8)
+    urls = [fakes.url_of(p) for p in shards.paths]
+
+    def build() -> Any:
+        return wds.WebDataset(urls, shardshuffle=False).shuffle(10)
+
+    everything = keys(build())
+    first = build()
+    it = iter(first)
+    head = [next(it) for _ in range(75)]
+    state = first.state_dict()
+    it.close()  # type: ignore[attr-defined]
+    held = {shard for shard, _ in state["stages"]["shuffle"]["buffer"]}
+    log.unlink()
+    second = build()
+    second.load_state_dict(state)
+    rest = iter(second)
+    after = [next(rest)]
+    reopened = fakes.opens(log)
+    after += list(rest)
+    # The shards holding buffered samples (each once), then the one the reader goes on with
+    # and the two it prefetches; none of the shards before it that hold nothing buffered.
+    current = state["stages"]["reader"]["shards"] - 1
+    expected = {n for n in held} | {current, current + 1, current + 2}
+    assert current == 4
+    assert held - {current} and max(held) <= current
+    assert set(reopened) == {str(shards.paths[n]) for n in expected}
+    assert all(count == 1 for path, count in reopened.items() if path != str(shards.paths[4]))
+    assert keys(head) + keys(after) == everything
+
+
+def test_with_a_node_cache_the_buffered_samples_come_from_the_cache(
+    make_shards: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import fakes
+
+    fakes.register()
+    log = tmp_path / "opens.log"
+    monkeypatch.setenv(fakes.OPEN_LOG_ENV, str(log))
+    shards = make_shards([20] * 8)
+    urls = [fakes.url_of(p) for p in shards.paths]
+    cache = str(tmp_path / "cache")
+
+    def build() -> Any:
+        return wds.WebDataset(urls, shardshuffle=False, cache_dir=cache).shuffle(10)
+
+    first = build()
+    it = iter(first)
+    head = [next(it) for _ in range(75)]
+    state = first.state_dict()
+    it.close()  # type: ignore[attr-defined]
+    log.unlink()
+    second = build()
+    second.load_state_dict(state)
+    rest = list(second)
+    # Shards 0-4 were read (the last one completed when closed): nothing of them comes from
+    # the store again, buffered samples included.
+    assert set(fakes.opens(log)) <= {str(p) for p in shards.paths[5:]}
+    reference = list(wds.WebDataset(urls, shardshuffle=False).shuffle(10))
+    assert keys(head) + keys(rest) == keys(reference)

@@ -67,7 +67,7 @@ def make_dataset(args: argparse.Namespace) -> wds.WebDataset:
         cache_dir=args.cache_dir,
     )
     return (
-        dataset.shuffle(args.shuffle_buffer)  # no-op with 0 (resume is exact without it)
+        dataset.shuffle(args.shuffle_buffer)  # no-op with 0; resume is exact either way
         .decode()
         .to_tuple("__key__", "npy", "cls")
         .batched(args.batch_size)  # batch in the worker: one pickle per batch, not per sample

@@ -352,17 +352,23 @@ def test_epochs_rerun_is_identical(runner: Runner, data: Data) -> None:
     check_same_run(run, again)
 
 
-def test_epochs_resume_from_state(runner: Runner, data: Data) -> None:
+@pytest.mark.parametrize("buffer", [0, 1000], ids=["no-shuffle-buffer", "shuffle-1000"])
+def test_epochs_resume_from_state(runner: Runner, data: Data, buffer: int) -> None:
     """Stop mid-epoch 0 saving ``StatefulDataLoader``'s state, resume from it and stop again
     mid-epoch 1, resume from that: the three runs together trained on exactly the
-    uninterrupted run's batches (no shuffle buffer), and ended with the same model (each
-    rank's final loss)."""
-    reference = reference_run(runner, data)
+    uninterrupted run's batches (with a sample shuffle buffer too: its samples are read again
+    by position on restore), and ended with the same model (each rank's final loss)."""
+    shuffle = [f"--shuffle-buffer={buffer}"] if buffer else []
+    if buffer:
+        saved = f"--state={runner.root / 'reference-shuffled'}"
+        reference = runner.run(EPOCHS_SCRIPT, epochs_args(data, saved, *shuffle))
+    else:
+        reference = reference_run(runner, data)
     check_lockstep(reference)
     per_epoch = reference.steps_in(0, 0)
     stops = (per_epoch // 2, per_epoch + per_epoch // 2 + 1)  # mid-epoch 0, mid-epoch 1
     log_dir = runner.new_dir("resumed")
-    args = epochs_args(data)
+    args = epochs_args(data, *shuffle)
     previous: Path | None = None
     for stop in (*stops, None):
         state = runner.new_dir("state")

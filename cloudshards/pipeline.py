@@ -261,13 +261,14 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
     def state_dict(self) -> dict[str, Any]:
         """Where this process's stream is: the epoch, its effective seed, and each stateful
         stage's position under its key (``"passes"``: pass and items delivered; ``"reader"``:
-        shards begun and samples delivered from the last one); see
-        :mod:`cloudshards.stages.state` for the format.
+        shards begun and samples delivered from the last one; ``"shuffle"``: the positions of
+        the buffered samples and the RNG state); see :mod:`cloudshards.stages.state` for the
+        format.
 
         Restoring it with :meth:`load_state_dict` continues exactly after the last item
-        delivered, unless a shuffle buffer held samples (those are lost: resume is then
-        approximate by at most the buffer size). Under ``StatefulDataLoader`` each worker
-        saves and restores its own.
+        delivered, shuffle buffers included (their samples are read again by position; see
+        :class:`~cloudshards.stages.shuffle.ShuffleIterator` for when a buffer cannot be).
+        Under ``StatefulDataLoader`` each worker saves and restores its own.
         """
         live = self._live
         digest, layout = self._fingerprint()

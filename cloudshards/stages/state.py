@@ -12,6 +12,7 @@ A pipeline's ``state_dict()`` is plain data (version 2)::
         "stages": {                     # each stateful stage's state, under its own key
             "passes": {"repetition": 0, "yielded": 17},
             "reader": {"shards": 3, "samples": 2},
+            "shuffle": {"rng": [...], "buffer": [[2, 7], ...], "pulled": 29, "done": False},
         },
     }
 

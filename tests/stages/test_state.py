@@ -1,6 +1,6 @@
 """Exact resume: ``state_dict()`` after k items, ``load_state_dict()`` in a fresh pipeline, and
-the rest of the stream is what an uninterrupted run delivers (approximate only with a shuffle
-buffer, by at most its size); states from another dataset or layout are refused."""
+the rest of the stream is what an uninterrupted run delivers (shuffle buffers: see
+test_shuffle_resume.py); states from another dataset or layout are refused."""
 
 from __future__ import annotations
 

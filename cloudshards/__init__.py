@@ -63,6 +63,7 @@ if TYPE_CHECKING:
         load_index,
         write_index,
     )
+    from cloudshards.loader import StatefulLoader
     from cloudshards.mix import RandomMix, RoundRobin
     from cloudshards.multishard import MultiShardSample
     from cloudshards.pipeline import DataPipeline, FluidInterface, FluidWrapper
@@ -110,6 +111,7 @@ __version__ = "0.1.0"
 _EXPORTS: dict[str, tuple[str, ...]] = {
     "cloudshards.cache": ("CacheStats", "ShardCache", "cache_info", "clear_cache"),
     "cloudshards.dataset": ("WebDataset", "WebLoader"),
+    "cloudshards.loader": ("StatefulLoader",),
     "cloudshards.decoders": (
         "Continue",
         "Decoder",
@@ -252,6 +254,7 @@ __all__ = [
     "ShardWriter",
     "SimpleShardList",
     "StateMismatchError",
+    "StatefulLoader",
     "TarWriter",
     "UnsupportedError",
     "WebDataset",

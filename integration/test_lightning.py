@@ -75,3 +75,54 @@ def test_lightning_ddp_over_uneven_shards_does_not_hang(tmp_path: Path, workers:
         assert set(both) <= everything
         orders.append(both)
     assert orders[0] != orders[1]  # reshuffled
+
+
+RESUME_SCRIPT = Path(__file__).with_name("lightning_resume.py")
+
+
+def _lightning(tmp_path: Path, *args: str) -> str:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CLOUDSHARDS_", "WDS_"))}
+    env["CLOUDSHARDS_COUNTS_DIR"] = str(tmp_path / "counts")
+    process = subprocess.Popen(
+        [sys.executable, str(RESUME_SCRIPT), *args],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        output, _ = process.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"the Lightning run hung:\n{output.decode(errors='replace')[-4000:]}")
+    text = output.decode(errors="replace")
+    assert process.returncode == 0, text[-4000:]
+    return text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3 * TIMEOUT_S + 30)
+@pytest.mark.parametrize("stop", ["mid-epoch-0", "mid-epoch-1"])
+def test_lightning_checkpoint_mid_epoch_resumes_exactly(tmp_path: Path, stop: str) -> None:
+    """Lightning saves StatefulDataLoader's state in its checkpoint (every worker's dataset
+    state, shuffle buffer included) and restores it with ``fit(ckpt_path=...)``: the steps
+    before the checkpoint and after the restore are exactly the uninterrupted run's."""
+    spec = write_shards(tmp_path)
+    out = tmp_path / "keys"
+    out.mkdir()
+    _lightning(tmp_path, spec, "2", str(out), "full")
+    full = [json.loads((out / f"full-rank{rank}.json").read_text()) for rank in (0, 1)]
+    per_epoch = len(full[0]) // 2
+    assert len(full[0]) == len(full[1]) == 2 * per_epoch
+    steps = per_epoch // 2 if stop == "mid-epoch-0" else per_epoch + per_epoch // 2
+    _lightning(tmp_path, spec, "2", str(out), "stop", str(steps))
+    checkpoints = sorted((out / "ckpt").glob("*.ckpt"))
+    assert len(checkpoints) == 1, checkpoints
+    _lightning(tmp_path, spec, "2", str(out), "resume", str(checkpoints[0]))
+    for rank in (0, 1):
+        before = json.loads((out / f"stop-rank{rank}.json").read_text())
+        after = json.loads((out / f"resume-rank{rank}.json").read_text())
+        assert len(before) == steps
+        assert before + after == full[rank], f"rank {rank}"

@@ -1,0 +1,107 @@
+"""A checkpointable DataLoader for multi-rank training: one checkpoint restores every rank.
+
+torchdata's ``StatefulDataLoader`` saves each DataLoader worker's dataset state, which is what
+an exact resume needs (see docs/distributed.md). In a multi-rank job every rank has its own
+state, but frameworks write one checkpoint: PyTorch Lightning saves rank 0's
+(``trainer.save_checkpoint`` runs on every rank, only rank 0 writes) and hands that same file to
+every rank on restore, so the other ranks would get rank 0's position. :class:`StatefulLoader`
+gathers every rank's state into the one it returns (``torch.distributed.all_gather_object``),
+and on restore each rank takes its own.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch.distributed as torch_dist
+
+from cloudshards.errors import StateMismatchError
+
+try:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+except ImportError as exc:  # pragma: no cover - the message is the point
+    raise ImportError(
+        "cloudshards.StatefulLoader needs torchdata (pip install 'cloudshards[resume]')"
+    ) from exc
+
+__all__ = ["StatefulLoader"]
+
+#: The key of a state that holds every rank's.
+RANKS_KEY = "cloudshards_ranks"
+
+
+class StatefulLoader(StatefulDataLoader):  # type: ignore[misc]
+    """torchdata's ``StatefulDataLoader`` (same arguments) whose ``state_dict()`` holds every
+    rank's state when ``torch.distributed`` runs on more than one rank, so that a single
+    checkpoint (Lightning's, or one file saved by rank 0) restores each rank exactly.
+
+    ``state_dict()`` is then a collective call: every rank must call it at the same step, as
+    Lightning does when it checkpoints (and as a loop does that saves on every rank). With
+    ``all_ranks=False`` (or one rank) it is ``StatefulDataLoader``'s own state.
+
+    ``load_state_dict()`` takes either form: a gathered state gives each rank its own part (it
+    must come from the same number of ranks, or :class:`~cloudshards.StateMismatchError` says
+    so); a single rank's state is loaded as it is.
+
+    ``prefetched``: how many batches the training loop fetches ahead of the step it trains
+    (``state_dict()`` then describes the position after the batches actually trained).
+    PyTorch Lightning's fit loop fetches one ahead: pass ``prefetched=1`` there, or a restore
+    skips the batch that was fetched but not trained. It costs a copy of the loader's state
+    per batch.
+    """
+
+    def __init__(
+        self, *args: Any, all_ranks: bool = True, prefetched: int = 0, **kwargs: Any
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.all_ranks = all_ranks
+        self.prefetched = prefetched
+        #: States before each of the last ``prefetched`` batches was fetched (oldest first).
+        self._before: deque[dict[str, Any]] | None = None
+
+    def __iter__(self) -> Any:
+        iterator = super().__iter__()
+        if self.prefetched <= 0:
+            return iterator
+        self._before = deque(maxlen=self.prefetched)
+        return self._lagging(iterator, self._before)
+
+    def _lagging(self, iterator: Iterator[Any], before: deque[dict[str, Any]]) -> Iterator[Any]:
+        while True:
+            before.append(StatefulDataLoader.state_dict(self))
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        # With batches fetched ahead: the state before the oldest of them.
+        state: dict[str, Any] = self._before[0] if self._before else super().state_dict()
+        world = _world_size()
+        if not self.all_ranks or world <= 1:
+            return state
+        gathered: list[Any] = [None] * world
+        torch_dist.all_gather_object(gathered, state)
+        return {RANKS_KEY: gathered, "world_size": world}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        if RANKS_KEY in state_dict:
+            states = list(state_dict[RANKS_KEY])
+            world = _world_size()
+            if len(states) != world:
+                raise StateMismatchError(
+                    f"this checkpoint holds the loader states of {len(states)} ranks; this "
+                    f"job has {world}: restore on the same number of ranks"
+                )
+            state_dict = states[torch_dist.get_rank() if world > 1 else 0]
+        self._before = None
+        super().load_state_dict(dict(state_dict))
+
+
+def _world_size() -> int:
+    if torch_dist.is_available() and torch_dist.is_initialized():
+        return int(torch_dist.get_world_size())
+    return 1

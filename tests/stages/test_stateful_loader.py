@@ -1,0 +1,55 @@
+"""cloudshards.StatefulLoader: torchdata's StatefulDataLoader whose state holds every rank's
+(gathered in a multi-rank job; one rank here, see integration/test_lightning.py for two), and
+that can describe the position before the batches a training loop fetched ahead."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from test_state import keys
+
+import cloudshards as wds
+from cloudshards.errors import StateMismatchError
+
+
+def _loader(spec: str, workers: int, prefetched: int = 0) -> Any:
+    dataset = wds.WebDataset(spec, shardshuffle=True, seed=3).shuffle(20).batched(3)
+    dataset.set_epoch(1)
+    return wds.StatefulLoader(dataset, batch_size=None, num_workers=workers, prefetched=prefetched)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("prefetched", [0, 1, 2])
+def test_a_loop_that_fetches_ahead_resumes_after_what_it_trained(
+    make_shards: Any, workers: int, prefetched: int
+) -> None:
+    shards = make_shards([9, 14, 5, 20, 11])
+    everything = keys(_loader(shards.spec(), workers))
+    first = _loader(shards.spec(), workers, prefetched)
+    it = iter(first)
+    fetched = [next(it) for _ in range(6 + prefetched)]  # trained 6, fetched `prefetched` more
+    state = first.state_dict()
+    del it
+    second = _loader(shards.spec(), workers, prefetched)
+    second.load_state_dict(state)
+    assert keys(fetched[:6]) + keys(second) == everything
+
+
+def test_one_rank_saves_its_own_state_and_a_gathered_one_must_match_the_world(
+    make_shards: Any,
+) -> None:
+    shards = make_shards([5, 5])
+    loader = _loader(shards.spec(), 0)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    assert "cloudshards_ranks" not in state  # one rank: torchdata's own state
+    gathered = {"cloudshards_ranks": [state], "world_size": 1}
+    again = _loader(shards.spec(), 0)
+    again.load_state_dict(gathered)  # a gathered state from one rank restores that rank
+    assert keys(again) == keys(_loader(shards.spec(), 0))[3:]
+    with pytest.raises(StateMismatchError, match="3 ranks"):
+        _loader(shards.spec(), 0).load_state_dict(
+            {"cloudshards_ranks": [state] * 3, "world_size": 3}
+        )

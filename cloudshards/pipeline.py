@@ -28,7 +28,7 @@ from cloudshards.seeding import default_seed, epoch_context
 from cloudshards.stages import base
 from cloudshards.stages.base import IterationContext, PipelineStage
 from cloudshards.stages.epoch import EpochLimiter
-from cloudshards.stages.rebuffer import connect, is_reader, read_again
+from cloudshards.stages.rebuffer import connect, is_reader, read_again, snapshot
 from cloudshards.stages.shuffle import ShuffleIterator
 from cloudshards.stages.state import (
     STATE_VERSION,
@@ -153,12 +153,13 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
         # The chain of one pass; each stage's stateful iterator goes to the registry.
         if not self.pipeline:
             raise ValueError("DataPipeline has no source")
-        source = self.invoke(self.pipeline[0])
-        reader = (0, source) if is_reader(source) else None
-        if registry is not None:
-            registry.track(source)
-        for number, step in enumerate(self.pipeline[1:], start=1):
-            source = self.invoke(step, source)
+        # A restored buffer reads its samples again through copies of the stages taken now
+        # (a stage counting its calls, detshuffle, must see this pass's count there too).
+        steps = snapshot(self.pipeline) if registry is not None and registry.restores else []
+        source: Any = None
+        reader: tuple[int, Any] | None = None
+        for number, step in enumerate(self.pipeline):
+            source = self.invoke(step, source) if number else self.invoke(step)
             if is_reader(source):
                 reader = (number, source)
             elif isinstance(source, ShuffleIterator):
@@ -166,7 +167,7 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
             if registry is not None:
                 registry.track(source)
                 if isinstance(source, ShuffleIterator) and source.pending:
-                    source.refill(read_again(self.invoke, self.pipeline, number, source.pending))
+                    source.refill(read_again(self.invoke, steps, number, source.pending))
         return iter(source)
 
     def iterator(self, epoch: int | None = None) -> Iterator[Any]:

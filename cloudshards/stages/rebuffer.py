@@ -9,6 +9,7 @@ rebuilds the stages before the shuffle with the reader told to deliver only thos
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,12 +17,24 @@ from cloudshards.stages.base import one_item_per_sample
 from cloudshards.stages.shuffle import ShuffleIterator
 from cloudshards.stages.state import describe_stage
 
-__all__ = ["connect", "is_reader", "read_again"]
+__all__ = ["connect", "is_reader", "read_again", "snapshot"]
 
 
 def is_reader(source: Any) -> bool:
     """A shard reader: it numbers the samples it delivers and can deliver chosen ones."""
     return hasattr(source, "position") and callable(getattr(source, "select", None))
+
+
+def snapshot(steps: Sequence[Any]) -> list[Any]:
+    """Shallow copies of ``steps`` as they are before this pass invokes them (a stage that
+    cannot be copied is used as it is)."""
+    copies = []
+    for step in steps:
+        try:
+            copies.append(copy.copy(step))
+        except Exception:  # an object that refuses copying: the pass's own is used
+            copies.append(step)
+    return copies
 
 
 def connect(

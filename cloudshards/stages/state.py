@@ -140,6 +140,11 @@ class StageRegistry:
         self.iterators: dict[str, Any] = dict(fixed or {})
         self._saved = saved
 
+    @property
+    def restores(self) -> bool:
+        """Whether this pass restores saved stage states."""
+        return bool(self._saved)
+
     def track(self, it: Any) -> None:
         """Register ``it`` if it is a stage's stateful iterator (and restore it)."""
         key = stateful_key(it)

@@ -228,3 +228,34 @@ def test_with_a_node_cache_the_buffered_samples_come_from_the_cache(
     assert set(fakes.opens(log)) <= {str(p) for p in shards.paths[5:]}
     reference = list(wds.WebDataset(urls, shardshuffle=False).shuffle(10))
     assert keys(head) + keys(rest) == keys(reference)
+
+
+def test_stages_that_count_their_calls_see_the_same_pass_when_read_again(
+    make_shards: Any,
+) -> None:
+    """A shard-level detshuffle counts its epochs by calls: reading the buffer again must not
+    advance it (the shard order of this pass and of the next one would change)."""
+    shards = make_shards(UNEVEN)
+    urls = [str(p) for p in shards.paths]
+
+    def build() -> Any:
+        return wds.DataPipeline(
+            wds.SimpleShardList(urls),
+            wds.detshuffle(8, seed=3),
+            wds.tarfile_to_samples(),
+            wds.shuffle(6, seed=1),
+            wds.to_tuple("__key__"),
+        )
+
+    reference = build()
+    epochs = [list(reference), list(reference)]  # two passes: the shard order changes
+    assert epochs[0] != epochs[1]
+    first = build()
+    it = iter(first)
+    head = [next(it) for _ in range(9)]
+    state = first.state_dict()
+    it.close()  # type: ignore[attr-defined]
+    second = build()
+    second.load_state_dict(state)
+    assert head + list(second) == epochs[0]
+    assert list(second) == epochs[1]  # the next pass follows on

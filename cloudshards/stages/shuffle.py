@@ -167,6 +167,8 @@ class ShuffleIterator:
         self._bufsize = bufsize
         self._initial = min(initial, bufsize)
         self._buffer = _Buffer(rng)
+        if not isinstance(rng, random.Random):  # a user's generator: its state is its own
+            self._buffer.exact, self._buffer.why = False, "its rng is not a random.Random"
         self._it: Iterator[Any] | None = None
         #: The shard reader upstream (set by the pipeline), or None.
         self.reader: Any = None

@@ -259,3 +259,28 @@ def test_stages_that_count_their_calls_see_the_same_pass_when_read_again(
     second.load_state_dict(state)
     assert head + list(second) == epochs[0]
     assert list(second) == epochs[1]  # the next pass follows on
+
+
+class _CountingRng:
+    """An rng that is not a random.Random (webdataset accepts anything with randint)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def randint(self, a: int, b: int) -> int:
+        self.n += 1
+        return a + self.n % (b - a + 1)
+
+
+def test_a_shuffle_with_its_own_kind_of_rng_is_left_out_of_the_state(
+    make_shards: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    shards = make_shards(UNEVEN)
+    ds = wds.WebDataset(shards.spec(), shardshuffle=False).shuffle(5, rng=_CountingRng())
+    it = iter(ds)
+    for _ in range(4):
+        next(it)
+    with caplog.at_level("WARNING", logger="cloudshards.stages.shuffle"):
+        state = ds.state_dict()
+    assert "shuffle" not in state["stages"]
+    assert any("random.Random" in r.getMessage() for r in caplog.records)

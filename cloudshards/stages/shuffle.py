@@ -139,8 +139,8 @@ class _Buffer:
     def __init__(self, rng: random.Random) -> None:
         self.rng = rng
         self.items: list[Any] = []
-        #: Where the reader found each item of ``items`` (same order): (shard, sample).
-        self.places: list[tuple[int, int]] = []
+        #: Where the reader found each item of ``items`` (same order), see :func:`_pack`.
+        self.places: list[int] = []
         self.pulled = 0  # items taken from the source
         self.done = False  # the source is exhausted: only the buffer is left
         self.exact = True
@@ -215,7 +215,7 @@ class ShuffleIterator:
         version, internal, gauss = buffer.rng.getstate()
         return {
             "rng": [version, list(internal), gauss],
-            "buffer": [list(place) for place in buffer.places],
+            "buffer": [list(_unpack(place)) for place in buffer.places],
             "pulled": buffer.pulled,
             "done": buffer.done,
         }
@@ -241,7 +241,7 @@ class ShuffleIterator:
                 f"{missing[:3]}); the shards changed since the checkpoint, or could not be read"
             )
         buffer.items = [items[place] for place in self.pending]
-        buffer.places = list(self.pending)
+        buffer.places = [_pack(*place) for place in self.pending]
         version, internal, gauss = state["rng"]
         buffer.rng.setstate((int(version), tuple(int(x) for x in internal), gauss))
         buffer.pulled = int(state.get("pulled", len(self.pending)))
@@ -257,20 +257,24 @@ def _run(
     position: list[int] | None,
 ) -> Iterator[Any]:
     """:func:`_shuffle` over ``buffer`` (possibly refilled), noting each item's place: the
-    same pulls and picks, so a restored buffer continues the same sequence."""
+    same pulls and picks, so a restored buffer continues the same sequence. A place is the
+    reader's position packed in one int (see :func:`_pack`), cheaper per sample than a tuple."""
     rng = buffer.rng
     items, places = buffer.items, buffer.places
-    last = (-1, -1)
+    where = position if position is not None else [0, 0]
+    last = -1
+    pulled = buffer.pulled
     source = iter(src) if not buffer.done else iter(())
-    while not buffer.done:
+    done = buffer.done
+    while not done:
         pulls = 0
         while True:  # webdataset pulls a second item while the buffer is not full
             try:
                 sample = next(source)
             except StopIteration:
-                buffer.done = True
+                done = buffer.done = True
                 break
-            place = (position[0] - 1, position[1] - 1) if position is not None else last
+            place = where[0] << 32 | where[1]
             if place == last and buffer.exact:
                 # Two items from one sample: a stage in between is not one-to-one.
                 buffer.exact = False
@@ -278,17 +282,18 @@ def _run(
             last = place
             items.append(sample)
             places.append(place)
-            buffer.pulled += 1
             pulls += 1
             if pulls == 2 or len(items) >= bufsize:
                 break
+        pulled += pulls
+        buffer.pulled = pulled
         if pulls and len(items) >= initial:
             yield _take(items, places, rng)
     while items:
         yield _take(items, places, rng)
 
 
-def _take(items: list[Any], places: list[tuple[int, int]], rng: random.Random) -> Any:
+def _take(items: list[Any], places: list[int], rng: random.Random) -> Any:
     """:func:`pick`, keeping ``places`` in step with ``items``."""
     k = rng.randint(0, len(items) - 1)
     sample = items[k]
@@ -297,6 +302,16 @@ def _take(items: list[Any], places: list[tuple[int, int]], rng: random.Random) -
     places[k] = places[-1]
     places.pop()
     return sample
+
+
+def _pack(shard: int, sample: int) -> int:
+    """A (shard, sample) place as :func:`_run` notes it: the reader's position right after
+    delivering it, ``(shard + 1, sample + 1)``, in one int."""
+    return (shard + 1) << 32 | (sample + 1)
+
+
+def _unpack(place: int) -> tuple[int, int]:
+    return (place >> 32) - 1, (place & 0xFFFFFFFF) - 1
 
 
 _WARNED: set[str] = set()

@@ -1,7 +1,10 @@
 """Mixing several datasets: webdataset's ``RoundRobin`` and ``RandomMix``.
 
-Resumption: none yet (a mix keeps no state; its datasets restart). Their configuration (number
-of datasets, proportions) is in a pipeline's state fingerprint.
+Resumption: exact. A running mix (:class:`MixIterator`) saves which sources are still in it,
+whose turn it is or its RNG's state, and each source's position: the source's own
+``state_dict()`` when it has one (a cloudshards pipeline: shuffle buffers included), else the
+number of items taken from it, skipped again on restore. Their configuration (number of
+datasets, proportions) is in a pipeline's state fingerprint.
 """
 
 from __future__ import annotations
@@ -9,7 +12,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import random
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from torch.utils.data import IterableDataset
@@ -17,6 +20,7 @@ from torch.utils.data import IterableDataset
 from cloudshards.stages.base import make_rng
 
 __all__ = [
+    "MixIterator",
     "RandomMix",
     "RoundRobin",
     "random_samples",
@@ -60,11 +64,16 @@ class RoundRobin(IterableDataset):  # type: ignore[type-arg]
         """How many datasets are interleaved, and until when."""
         return {"datasets": _count(self.datasets), "longest": self.longest}
 
-    def __iter__(self) -> Iterator[Any]:
-        sources = [iter(d) for d in self.datasets]
-        if self.longest:
-            return round_robin_longest(*sources)
-        return round_robin_shortest(*sources)
+    def __iter__(self) -> MixIterator:
+        return _start(self, MixIterator(self.datasets, None, self.longest, None))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The running mix's position (see :class:`MixIterator`); ``{}`` before it runs."""
+        return _state_of(self)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s result at the next ``iter()``."""
+        self._restore = dict(state)
 
 
 def random_samples(
@@ -113,10 +122,183 @@ class RandomMix(IterableDataset):  # type: ignore[type-arg]
         probs = None if self.probs is None else [float(p) for p in self.probs]
         return {"datasets": _count(self.datasets), "probs": probs, "longest": self.longest}
 
-    def __iter__(self) -> Iterator[Any]:
-        sources = [iter(d) for d in self.datasets]
-        return random_samples(sources, self.probs, longest=self.longest)
+    def __iter__(self) -> MixIterator:
+        weights = [1.0] * _count_or(self.datasets) if self.probs is None else self.probs
+        rng = make_rng("mix")
+        return _start(self, MixIterator(self.datasets, weights, self.longest, rng))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The running mix's position (see :class:`MixIterator`); ``{}`` before it runs."""
+        return _state_of(self)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s result at the next ``iter()``."""
+        self._restore = dict(state)
 
 
 def _count(datasets: Any) -> int | None:
     return len(datasets) if hasattr(datasets, "__len__") else None
+
+
+def _count_or(datasets: Any) -> int:
+    return len(list(datasets)) if not hasattr(datasets, "__len__") else len(datasets)
+
+
+def _start(mix: Any, it: MixIterator) -> MixIterator:
+    """Hand ``it`` the state ``mix`` was restored with (once), and keep it as the live one."""
+    restore = mix.__dict__.pop("_restore", None)
+    if restore:
+        it.load_state_dict(restore)
+    mix._live = it
+    return it
+
+
+def _state_of(mix: Any) -> dict[str, Any]:
+    live = mix.__dict__.get("_live")
+    return live.state_dict() if live is not None else {}
+
+
+class _Mixing:
+    """What a running mix shares with its generator (which must not refer to the iterator)."""
+
+    __slots__ = ("alive", "rng", "taken", "turn")
+
+    def __init__(self, count: int, rng: random.Random | None) -> None:
+        self.alive = list(range(count))  # the sources still in the mix, in order
+        self.taken = [0] * count  # items taken from each source
+        self.turn = 0  # round robin: the position in ``alive`` of the next source
+        self.rng = rng
+
+
+class MixIterator:
+    """A running ``RoundRobin`` (``weights`` None) or ``RandomMix``, resumable exactly.
+
+    Its state: the sources still in the mix, the round robin's turn or the RNG's state, and
+    for each source its own ``state_dict()`` when it has one (restored with its
+    ``load_state_dict()`` before it is iterated again), else the number of items taken from it
+    (skipped again on restore, which is exact for a source that yields the same items each
+    time).
+    """
+
+    state_key = "mix"
+
+    def __init__(
+        self,
+        datasets: Iterable[Any],
+        weights: Sequence[float] | None,
+        longest: bool,
+        rng: random.Random | None,
+    ) -> None:
+        self._datasets = list(datasets)
+        if weights is not None and len(weights) != len(self._datasets):
+            raise ValueError(f"got {len(weights)} probabilities for {len(self._datasets)} datasets")
+        self._weights = None if weights is None else [float(w) for w in weights]
+        self._longest = longest
+        self._mixing = _Mixing(len(self._datasets), rng)
+        self._restore: Mapping[str, Any] | None = None
+        self._it: Iterator[Any] | None = None
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._it is None:
+            self._it = self._begin()
+        return self._it
+
+    def __next__(self) -> Any:
+        return next(self.__iter__())
+
+    def _begin(self) -> Iterator[Any]:
+        mixing, restore = self._mixing, self._restore or {}
+        saved = restore.get("sources", {})
+        sources: list[Iterator[Any]] = []
+        for number, dataset in enumerate(self._datasets):
+            state = saved.get(str(number))
+            if isinstance(state, Mapping) and callable(getattr(dataset, "load_state_dict", None)):
+                dataset.load_state_dict(state)
+                source = iter(dataset)
+            else:
+                source = iter(dataset)
+                skip = int(state) if isinstance(state, int) else 0
+                source = itertools.islice(source, skip, None) if skip else source
+            sources.append(source)
+        if restore:
+            mixing.alive = [int(i) for i in restore["alive"]]
+            mixing.taken = [int(n) for n in restore["taken"]]
+            mixing.turn = int(restore.get("turn", 0))
+            if mixing.rng is not None and restore.get("rng") is not None:
+                version, internal, gauss = restore["rng"]
+                mixing.rng.setstate((int(version), tuple(int(x) for x in internal), gauss))
+        if self._weights is None:
+            return _robin(sources, self._longest, mixing)
+        return _drawn(sources, self._weights, self._longest, mixing)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"alive": [...], "taken": [...], "turn": i, "rng": ..., "sources": {...}}``;
+        ``{}`` before the first item."""
+        mixing = self._mixing
+        if not any(mixing.taken):
+            return {}
+        sources: dict[str, Any] = {}
+        for number, dataset in enumerate(self._datasets):
+            state_dict = getattr(dataset, "state_dict", None)
+            sources[str(number)] = state_dict() if callable(state_dict) else mixing.taken[number]
+        rng = None
+        if mixing.rng is not None:
+            version, internal, gauss = mixing.rng.getstate()
+            rng = [version, list(internal), gauss]
+        return {
+            "alive": list(mixing.alive),
+            "taken": list(mixing.taken),
+            "turn": mixing.turn,
+            "rng": rng,
+            "sources": sources,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s result (before the first item)."""
+        if self._it is not None:
+            raise RuntimeError("a mix is restored before it starts")
+        self._restore = state
+
+
+def _robin(sources: list[Iterator[Any]], longest: bool, mixing: _Mixing) -> Iterator[Any]:
+    """:func:`round_robin_longest` / :func:`round_robin_shortest` over ``mixing``."""
+    alive, taken = mixing.alive, mixing.taken
+    while alive:
+        mixing.turn %= len(alive)
+        number = alive[mixing.turn]
+        try:
+            sample = next(sources[number])
+        except StopIteration:
+            if not longest:
+                alive.clear()
+                return
+            del alive[mixing.turn]
+            continue
+        taken[number] += 1
+        mixing.turn += 1
+        yield sample
+
+
+def _drawn(
+    sources: list[Iterator[Any]], weights: list[float], longest: bool, mixing: _Mixing
+) -> Iterator[Any]:
+    """:func:`random_samples` over ``mixing``."""
+    rng = mixing.rng
+    assert rng is not None
+    alive, taken = mixing.alive, mixing.taken
+    while alive:
+        live = [weights[number] for number in alive]
+        total = sum(live)
+        cumulative = list(itertools.accumulate(w / total for w in live))
+        position = min(bisect.bisect_left(cumulative, rng.random()), len(alive) - 1)
+        number = alive[position]
+        try:
+            sample = next(sources[number])
+        except StopIteration:
+            if not longest:
+                alive.clear()
+                return
+            del alive[position]
+            continue
+        taken[number] += 1
+        yield sample

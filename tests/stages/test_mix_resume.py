@@ -1,0 +1,101 @@
+"""RandomMix and RoundRobin resume exactly: their state holds which sources are left, the
+turn or the RNG's state, and each source's own state (a cloudshards pipeline, shuffle buffer
+included) or the number of items taken from it."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from test_state import keys
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+import cloudshards as wds
+
+
+def _sources(make_shards: Any, tmp_path: Any) -> tuple[str, str]:
+    first = make_shards([7, 3, 9], directory=tmp_path / "a")
+    second = make_shards([4, 6], directory=tmp_path / "b")
+    return first.spec(), second.spec()
+
+
+def _resume(build: Any, k: int) -> tuple[list[Any], list[Any]]:
+    """(a run, its first k items + what a mix restored at k delivers). A mix's draws are
+    random unless a pipeline seeds them: the restored one must continue that run's."""
+    first = build()
+    it = iter(first)
+    head = [next(it) for _ in range(k)]
+    state = first.state_dict()
+    json.dumps(state)  # plain data
+    rest = list(it)
+    second = build()
+    second.load_state_dict(state)
+    return head + rest, head + list(second)
+
+
+@pytest.mark.parametrize(("longest", "k"), [(False, 1), (False, 8), (True, 5), (True, 20)])
+@pytest.mark.parametrize("seeded", [False, True], ids=["on-its-own", "in-a-pipeline"])
+def test_random_mix_of_pipelines_resumes_exactly(
+    make_shards: Any, tmp_path: Any, k: int, longest: bool, seeded: bool
+) -> None:
+    """On its own a mix draws at random (webdataset's behaviour); in a pipeline its draws
+    follow the pipeline's seed. Either way a restored mix continues the saved run."""
+    a, b = _sources(make_shards, tmp_path)
+
+    def build() -> Any:
+        mix = wds.RandomMix(
+            [
+                wds.WebDataset(a, shardshuffle=True, seed=1).shuffle(5),
+                wds.WebDataset(b, shardshuffle=True, seed=2),
+            ],
+            [0.7, 0.3],
+            longest=longest,
+        )
+        return wds.DataPipeline(mix, wds.to_tuple("__key__")) if seeded else mix
+
+    everything, resumed = _resume(build, k)
+    assert resumed == everything
+    if longest:
+        assert len(everything) == 29
+    if seeded:
+        assert list(build()) == everything  # the same draws every time
+
+
+@pytest.mark.parametrize("k", [1, 4, 7])
+def test_round_robin_of_plain_sources_resumes_by_counting(k: int) -> None:
+    def build() -> Any:
+        return wds.RoundRobin([[1, 2, 3, 4, 5], ["a", "b"], [10, 20, 30]], longest=True)
+
+    everything, resumed = _resume(build, k)
+    assert resumed == everything == [1, "a", 10, 2, "b", 20, 3, 30, 4, 5]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_mix_in_a_stateful_dataloader_resumes_exactly(
+    make_shards: Any, tmp_path: Any, workers: int
+) -> None:
+    a, b = _sources(make_shards, tmp_path)
+
+    def loader() -> StatefulDataLoader:
+        mix = wds.RandomMix(
+            [
+                wds.WebDataset(a, shardshuffle=True, seed=1).shuffle(4),
+                wds.WebDataset(b, shardshuffle=True, seed=2),
+            ],
+            [0.5, 0.5],
+            longest=True,
+        )
+        return StatefulDataLoader(
+            wds.DataPipeline(mix, wds.batched(2)), batch_size=None, num_workers=workers
+        )
+
+    first = loader()
+    it = iter(first)
+    head = [next(it) for _ in range(4)]
+    state = first.state_dict()
+    rest = list(it)
+    assert len(keys(head + rest)) == 29
+    second = loader()
+    second.load_state_dict(state)
+    assert keys(second) == keys(rest)

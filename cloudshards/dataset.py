@@ -95,6 +95,11 @@ class WebDataset(DataPipeline, FluidInterface):
         rank: This process's rank, overriding detection (torch.distributed, then torchrun's
             ``RANK``/``WORLD_SIZE``, then SLURM's ``SLURM_PROCID``/``SLURM_NTASKS``).
         world_size: The number of ranks, overriding detection likewise (give both).
+        replication: Ranks per model-parallel group (tensor or sequence parallel), whose ranks
+            are consecutive: each group's ranks get identical samples in the same order (also
+            shuffled and balanced alike), the groups disjoint ones; the data-parallel rank is
+            ``rank // replication`` of ``world_size // replication``. For groups laid out
+            otherwise, pass the data-parallel ``rank`` and ``world_size`` instead.
         max_member_bytes: Largest tar member accepted (default ``CLOUDSHARDS_MAX_MEMBER_BYTES``
             or 1 GiB); a larger one is a ``ShardFormatError`` before any memory is allocated.
 
@@ -136,8 +141,9 @@ class WebDataset(DataPipeline, FluidInterface):
         allow_external_shards: bool = False,
         rank: int | None = None,
         world_size: int | None = None,
+        replication: int = 1,
     ) -> None:
-        super().__init__(seed=seed, rank=rank, world_size=world_size)
+        super().__init__(seed=seed, rank=rank, world_size=world_size, replication=replication)
         handler = as_handler(handler)
         if mode not in (None, "resampled"):
             raise ConfigError(f"mode={mode!r} is not supported; use resampled=True or None")

@@ -5,6 +5,7 @@ The only reader of torch.distributed, torchrun's and SLURM's variables and DataL
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -100,6 +101,49 @@ def _detect_worker() -> tuple[int, int]:
     if "WORKER" in os.environ and "NUM_WORKERS" in os.environ:
         return _env_int("WORKER", 0), _env_int("NUM_WORKERS", 1)
     return 0, 1
+
+
+def check_ranks(rank: int | None, world_size: int | None) -> tuple[int, int] | None:
+    """A (rank, world_size) given to a pipeline, checked; None when neither is given.
+
+    Raises:
+        ConfigError: Only one of them is given, or the rank is out of range.
+    """
+    if rank is None and world_size is None:
+        return None
+    if rank is None or world_size is None or not 0 <= rank < world_size:
+        from cloudshards.errors import ConfigError
+
+        raise ConfigError(
+            f"rank={rank}, world_size={world_size}: give both, with 0 <= rank < world_size"
+        )
+    return rank, world_size
+
+
+def effective_info(ranks: tuple[int, int] | None, replication: int = 1) -> WorkerInfo:
+    """This process's position as a pipeline sees it: detected, then ``ranks`` (given to the
+    pipeline) instead of the detected ones, then with ``replication`` > 1 the data-parallel
+    position: ranks ``r`` and ``r + 1 ... r + replication - 1`` (``r`` a multiple of it), one
+    model-parallel group, share rank ``r // replication`` of ``world_size // replication``, and
+    so read the same samples in the same order.
+
+    Raises:
+        ConfigError: ``replication`` does not divide the number of ranks.
+    """
+    info = WorkerInfo.detect()
+    if ranks is not None:
+        info = dataclasses.replace(info, rank=ranks[0], world_size=ranks[1])
+    if replication > 1:
+        if info.world_size % replication:
+            from cloudshards.errors import ConfigError
+
+            raise ConfigError(
+                f"replication={replication} must divide the number of ranks ({info.world_size})"
+            )
+        info = dataclasses.replace(
+            info, rank=info.rank // replication, world_size=info.world_size // replication
+        )
+    return info
 
 
 def pytorch_worker_info(group: Any = None) -> tuple[int, int, int, int]:

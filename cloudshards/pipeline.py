@@ -21,7 +21,7 @@ from typing import Any
 from torch.utils.data import DataLoader, IterableDataset
 
 from cloudshards import config
-from cloudshards.dist import WorkerInfo
+from cloudshards.dist import WorkerInfo, check_ranks, effective_info
 from cloudshards.fluid import FluidInterface
 from cloudshards.process import freeze_inherited_objects
 from cloudshards.seeding import default_seed, epoch_context
@@ -65,18 +65,12 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
         seed: int | None = None,
         rank: int | None = None,
         world_size: int | None = None,
+        replication: int = 1,
         **kwargs: Any,
     ) -> None:
         super().__init__()
-        if (rank is None) != (world_size is None) or (
-            rank is not None and world_size is not None and not 0 <= rank < world_size
-        ):
-            from cloudshards.errors import ConfigError
-
-            raise ConfigError(
-                f"rank={rank}, world_size={world_size}: give both, with 0 <= rank < world_size"
-            )
-        self._ranks = None if rank is None or world_size is None else (rank, world_size)
+        self._ranks = check_ranks(rank, world_size)
+        self.replication = int(replication)  # ranks per model-parallel group: same samples
         self.pipeline: list[Any] = []
         self.repetitions = 1
         self.nsamples = -1
@@ -123,7 +117,7 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
         return epoch_context(
             self.seed,
             self._epoch if epoch is None else epoch,
-            ranks=self._ranks,
+            info=effective_info(self._ranks, self.replication),
             seed_given=self._seed_given,
             epoch_set=self._epoch_set,
             stages=self.pipeline,
@@ -276,9 +270,11 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
         state: dict[str, Any] = {"version": STATE_VERSION, "fingerprint": digest}
         state["layout"] = layout
         if live is None:
-            info, epoch, seed, stages = WorkerInfo.detect(), self._epoch, None, {}
+            info = effective_info(self._ranks, self.replication)
+            epoch, seed, stages = self._epoch, None, {}
         else:
-            info, epoch, seed = live.info or WorkerInfo.detect(), live.epoch, live.seed
+            info = live.info or effective_info(self._ranks, self.replication)
+            epoch, seed = live.epoch, live.seed
             stages = live.registry.state_dict()
         state.update(
             epoch=epoch,

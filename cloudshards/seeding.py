@@ -3,7 +3,6 @@ worker) a :class:`~cloudshards.pipeline.DataPipeline` makes current while its st
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -43,7 +42,7 @@ def epoch_context(
     seed: int,
     epoch: int,
     *,
-    ranks: tuple[int, int] | None,
+    info: WorkerInfo,
     seed_given: bool,
     epoch_set: bool,
     stages: Sequence[Any],
@@ -53,14 +52,12 @@ def epoch_context(
     Args:
         seed: The pipeline's base seed.
         epoch: The epoch to run.
-        ranks: (rank, world_size) given to the pipeline, overriding detection.
+        info: This process's position as the pipeline sees it (see
+            :func:`~cloudshards.dist.effective_info`).
         seed_given: The user chose the seed (argument or environment).
         epoch_set: ``set_epoch`` (or a restored state) chose the epoch.
         stages: The pipeline's stages (a shuffling one makes a missing set_epoch worth a warning).
     """
-    info = WorkerInfo.detect()
-    if ranks is not None:
-        info = dataclasses.replace(info, rank=ranks[0], world_size=ranks[1])
     if not epoch_set and info.world_size == 1 and not seed_given:
         # Without set_epoch, non-persistent DataLoader workers get a fresh copy of the
         # dataset each epoch, so their epoch counter never moves. Mixing in the DataLoader's

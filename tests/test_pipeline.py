@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import cloudshards as wds
-from cloudshards.errors import ShardFormatError, ShardOpenError
+from cloudshards.errors import ConfigError, ShardFormatError, ShardOpenError
 
 
 def keys_of(dataset: Any) -> list[str]:
@@ -320,3 +320,25 @@ def test_decode_then_to_tuple_decodes_only_the_kept_fields(make_shards: Any) -> 
     ds = wds.WebDataset(shards.spec(), shardshuffle=False).decode(spy)
     list(ds.map(lambda s: s).to_tuple("cls"))
     assert {".cls", ".bin", ".json"} <= set(decoded)
+
+
+def test_replication_gives_each_model_parallel_group_the_same_samples(
+    make_shards: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """4 ranks in groups of 2 (ranks 0-1 and 2-3): a group's ranks read identical samples in
+    the same order, shuffle buffer included; the two groups read disjoint halves."""
+    shards = make_shards([7, 3, 9, 5, 6])
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    seen = []
+    for rank in range(4):
+        monkeypatch.setenv("RANK", str(rank))
+        ds = wds.WebDataset(shards.spec(), shardshuffle=True, seed=2, replication=2).shuffle(5)
+        ds.set_epoch(1)
+        seen.append([s["__key__"] for s in ds])
+    assert seen[0] == seen[1]
+    assert seen[2] == seen[3]
+    assert not set(seen[0]) & set(seen[2])
+    assert len(seen[0]) == len(seen[2]) == 30 // 2  # balanced between the groups
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(ConfigError, match="replication=3"):
+        next(iter(wds.WebDataset(shards.spec(), replication=3)))

@@ -53,7 +53,24 @@ def round_robin_longest(*sources: Iterator[Any]) -> Iterator[Any]:
         yield sample
 
 
-class RoundRobin(IterableDataset):  # type: ignore[type-arg]
+class _Resumable:
+    """What RoundRobin and RandomMix share: the running mix's state, and a restore."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The running mix's position (see :class:`MixIterator`); ``{}`` before it runs."""
+        live = self.__dict__.get("_live")
+        return live.state_dict() if live is not None else {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s result at the next ``iter()``."""
+        self.__dict__["_restore"] = dict(state)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A running mix (its generator) does not travel to DataLoader workers; a restore does.
+        return {k: v for k, v in self.__dict__.items() if k != "_live"}
+
+
+class RoundRobin(_Resumable, IterableDataset):  # type: ignore[type-arg]
     """Interleave datasets one item at a time (until the shortest ends, or all with ``longest``)."""
 
     def __init__(self, datasets: Sequence[Iterable[Any]], longest: bool = False) -> None:
@@ -66,14 +83,6 @@ class RoundRobin(IterableDataset):  # type: ignore[type-arg]
 
     def __iter__(self) -> MixIterator:
         return _start(self, MixIterator(self.datasets, None, self.longest, None))
-
-    def state_dict(self) -> dict[str, Any]:
-        """The running mix's position (see :class:`MixIterator`); ``{}`` before it runs."""
-        return _state_of(self)
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from :meth:`state_dict`'s result at the next ``iter()``."""
-        self._restore = dict(state)
 
 
 def random_samples(
@@ -104,7 +113,7 @@ def random_samples(
             del weights[i]
 
 
-class RandomMix(IterableDataset):  # type: ignore[type-arg]
+class RandomMix(_Resumable, IterableDataset):  # type: ignore[type-arg]
     """Mix datasets at random in the given proportions."""
 
     def __init__(
@@ -127,14 +136,6 @@ class RandomMix(IterableDataset):  # type: ignore[type-arg]
         rng = make_rng("mix")
         return _start(self, MixIterator(self.datasets, weights, self.longest, rng))
 
-    def state_dict(self) -> dict[str, Any]:
-        """The running mix's position (see :class:`MixIterator`); ``{}`` before it runs."""
-        return _state_of(self)
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from :meth:`state_dict`'s result at the next ``iter()``."""
-        self._restore = dict(state)
-
 
 def _count(datasets: Any) -> int | None:
     return len(datasets) if hasattr(datasets, "__len__") else None
@@ -151,11 +152,6 @@ def _start(mix: Any, it: MixIterator) -> MixIterator:
         it.load_state_dict(restore)
     mix._live = it
     return it
-
-
-def _state_of(mix: Any) -> dict[str, Any]:
-    live = mix.__dict__.get("_live")
-    return live.state_dict() if live is not None else {}
 
 
 class _Mixing:

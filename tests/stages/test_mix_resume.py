@@ -99,3 +99,16 @@ def test_a_mix_in_a_stateful_dataloader_resumes_exactly(
     second = loader()
     second.load_state_dict(state)
     assert keys(second) == keys(rest)
+
+
+def test_a_mix_that_ran_can_still_be_pickled_for_spawned_workers() -> None:
+    import pickle
+
+    mix = wds.RoundRobin([[1, 2, 3], ["a", "b"]])
+    it = iter(mix)
+    next(it)
+    state = mix.state_dict()
+    copy = pickle.loads(pickle.dumps(mix))  # a spawned DataLoader worker gets such a copy
+    assert list(copy) == [1, "a", 2, "b", 3]
+    copy.load_state_dict(state)
+    assert list(copy) == ["a", 2, "b", 3]

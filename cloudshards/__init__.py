@@ -64,7 +64,7 @@ if TYPE_CHECKING:
         write_index,
     )
     from cloudshards.loader import StatefulLoader
-    from cloudshards.mix import RandomMix, RoundRobin
+    from cloudshards.mix import RandomMix, RoundRobin, WeightedMix
     from cloudshards.multishard import MultiShardSample
     from cloudshards.pipeline import DataPipeline, FluidInterface, FluidWrapper
     from cloudshards.shards import (
@@ -156,7 +156,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "load_index",
         "write_index",
     ),
-    "cloudshards.mix": ("RandomMix", "RoundRobin"),
+    "cloudshards.mix": ("RandomMix", "RoundRobin", "WeightedMix"),
     "cloudshards.multishard": ("MultiShardSample",),
     "cloudshards.pipeline": ("DataPipeline", "FluidInterface", "FluidWrapper"),
     "cloudshards.shards": (
@@ -259,6 +259,7 @@ __all__ = [
     "UnsupportedError",
     "WebDataset",
     "WebLoader",
+    "WeightedMix",
     "WorkerInfo",
     "__version__",
     "allow_unsafe_decoders",

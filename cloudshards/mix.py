@@ -23,6 +23,7 @@ __all__ = [
     "MixIterator",
     "RandomMix",
     "RoundRobin",
+    "WeightedMix",
     "random_samples",
     "round_robin_longest",
     "round_robin_shortest",
@@ -137,6 +138,37 @@ class RandomMix(_Resumable, IterableDataset):  # type: ignore[type-arg]
         return _start(self, MixIterator(self.datasets, weights, self.longest, rng))
 
 
+class WeightedMix(_Resumable, IterableDataset):  # type: ignore[type-arg]
+    """Mix datasets in fixed proportions, deterministically: after any number of items, each
+    dataset has given its share of them to within one item (smooth weighted round robin), in
+    the same order on every rank and worker, so that every rank trains on the same mixture.
+    With ``with_epoch(n)`` each rank's epoch is ``n`` items of it. Resumable exactly, like
+    :class:`RandomMix`.
+
+    Args:
+        datasets: The datasets (each a cloudshards pipeline, or any iterable).
+        weights: Their proportions (any positive numbers; normalised).
+        longest: When a dataset runs out, go on with the others in their proportions (default:
+            stop).
+    """
+
+    def __init__(
+        self, datasets: Sequence[Iterable[Any]], weights: Sequence[float], longest: bool = False
+    ) -> None:
+        if not weights or any(float(w) <= 0 for w in weights):
+            raise ValueError(f"weights must be positive numbers, got {list(weights)}")
+        self.datasets = datasets
+        self.weights = [float(w) for w in weights]
+        self.longest = longest
+
+    def stage_config(self) -> dict[str, Any]:
+        """How many datasets are mixed, in which proportions, until when."""
+        return {"datasets": _count(self.datasets), "weights": self.weights, "smooth": True}
+
+    def __iter__(self) -> MixIterator:
+        return _start(self, MixIterator(self.datasets, self.weights, self.longest, None))
+
+
 def _count(datasets: Any) -> int | None:
     return len(datasets) if hasattr(datasets, "__len__") else None
 
@@ -157,17 +189,19 @@ def _start(mix: Any, it: MixIterator) -> MixIterator:
 class _Mixing:
     """What a running mix shares with its generator (which must not refer to the iterator)."""
 
-    __slots__ = ("alive", "rng", "taken", "turn")
+    __slots__ = ("alive", "credits", "rng", "taken", "turn")
 
     def __init__(self, count: int, rng: random.Random | None) -> None:
         self.alive = list(range(count))  # the sources still in the mix, in order
         self.taken = [0] * count  # items taken from each source
         self.turn = 0  # round robin: the position in ``alive`` of the next source
+        self.credits = [0.0] * count  # weighted mix: each source's credit
         self.rng = rng
 
 
 class MixIterator:
-    """A running ``RoundRobin`` (``weights`` None) or ``RandomMix``, resumable exactly.
+    """A running ``RoundRobin`` (``weights`` None), ``WeightedMix`` (weights, no ``rng``) or
+    ``RandomMix``, resumable exactly.
 
     Its state: the sources still in the mix, the round robin's turn or the RNG's state, and
     for each source its own ``state_dict()`` when it has one (restored with its
@@ -220,11 +254,14 @@ class MixIterator:
             mixing.alive = [int(i) for i in restore["alive"]]
             mixing.taken = [int(n) for n in restore["taken"]]
             mixing.turn = int(restore.get("turn", 0))
+            mixing.credits = [float(c) for c in restore.get("credits", mixing.credits)]
             if mixing.rng is not None and restore.get("rng") is not None:
                 version, internal, gauss = restore["rng"]
                 mixing.rng.setstate((int(version), tuple(int(x) for x in internal), gauss))
         if self._weights is None:
             return _robin(sources, self._longest, mixing)
+        if mixing.rng is None:
+            return _smooth(sources, self._weights, self._longest, mixing)
         return _drawn(sources, self._weights, self._longest, mixing)
 
     def state_dict(self) -> dict[str, Any]:
@@ -245,6 +282,7 @@ class MixIterator:
             "alive": list(mixing.alive),
             "taken": list(mixing.taken),
             "turn": mixing.turn,
+            "credits": list(mixing.credits),
             "rng": rng,
             "sources": sources,
         }
@@ -272,6 +310,33 @@ def _robin(sources: list[Iterator[Any]], longest: bool, mixing: _Mixing) -> Iter
             continue
         taken[number] += 1
         mixing.turn += 1
+        yield sample
+
+
+def _smooth(
+    sources: list[Iterator[Any]], weights: list[float], longest: bool, mixing: _Mixing
+) -> Iterator[Any]:
+    """Smooth weighted round robin over ``mixing``: each step every source still in the mix
+    earns its weight, the one with the most credit (the first on a tie) gives the item and pays
+    back the total. Any prefix of the output holds each source's share to within one item."""
+    alive, taken, credits = mixing.alive, mixing.taken, mixing.credits
+    while alive:
+        total = sum(weights[number] for number in alive)
+        for number in alive:
+            credits[number] += weights[number]
+        number = max(alive, key=lambda n: (credits[n], -n))
+        try:
+            sample = next(sources[number])
+        except StopIteration:
+            for other in alive:  # this step gave nothing: undo its credits
+                credits[other] -= weights[other]
+            if not longest:
+                alive.clear()
+                return
+            alive.remove(number)
+            continue
+        credits[number] -= total
+        taken[number] += 1
         yield sample
 
 

@@ -112,3 +112,51 @@ def test_a_mix_that_ran_can_still_be_pickled_for_spawned_workers() -> None:
     assert list(copy) == [1, "a", 2, "b", 3]
     copy.load_state_dict(state)
     assert list(copy) == ["a", 2, "b", 3]
+
+
+def test_a_weighted_mix_keeps_its_proportions_at_every_point() -> None:
+    """0.5 / 0.3 / 0.2 over three sources: after any number of items each source has given its
+    share to within one item, in one fixed order (no randomness: every rank mixes alike)."""
+    sources = [[("a", i) for i in range(1000)], [("b", i) for i in range(1000)]]
+    sources.append([("c", i) for i in range(1000)])
+    mix = list(wds.WeightedMix(sources, [5, 3, 2]))
+    assert len(mix) >= 1000
+    counts = {"a": 0, "b": 0, "c": 0}
+    for n, (name, _) in enumerate(mix, start=1):
+        counts[name] += 1
+        for source, share in (("a", 0.5), ("b", 0.3), ("c", 0.2)):
+            assert abs(counts[source] - share * n) <= 1, (n, counts)
+    assert mix == list(wds.WeightedMix(sources, [0.5, 0.3, 0.2]))  # normalised, deterministic
+    # Each source in its own order.
+    assert [i for name, i in mix if name == "b"] == list(range(counts["b"]))
+
+
+@pytest.mark.parametrize("k", [1, 7, 20])
+def test_a_weighted_mix_in_a_pipeline_resumes_exactly_with_epochs_of_fixed_length(
+    make_shards: Any, tmp_path: Any, k: int
+) -> None:
+    a, b = _sources(make_shards, tmp_path)
+
+    def build() -> Any:
+        mix = wds.WeightedMix(
+            [
+                wds.WebDataset(a, shardshuffle=True, seed=1).shuffle(5),
+                wds.WebDataset(b, shardshuffle=True, seed=2),
+            ],
+            [2, 1],
+            longest=True,
+        )
+        return wds.DataPipeline(mix, wds.to_tuple("__key__")).with_epoch(24)
+
+    everything, resumed = _resume(build, k)
+    assert len(everything) == 24
+    assert resumed == everything
+    assert list(build()) == everything
+
+
+def test_a_weighted_mix_goes_on_with_the_others_when_one_runs_out() -> None:
+    mixed = list(wds.WeightedMix([[1, 2], list("abcdefgh")], [1, 1], longest=True))
+    assert sorted(map(str, mixed)) == sorted(["1", "2", *"abcdefgh"])
+    assert list(wds.WeightedMix([[1, 2], list("abcdefgh")], [1, 1])) == [1, "a", 2, "b"]
+    with pytest.raises(ValueError, match="positive"):
+        wds.WeightedMix([[1]], [0])

@@ -20,6 +20,14 @@ def _sources(make_shards: Any, tmp_path: Any) -> tuple[str, str]:
     return first.spec(), second.spec()
 
 
+def _pipelines(a: str, b: str, buffer: int) -> list[Any]:
+    """The two datasets mixed: the first shuffled through a buffer."""
+    return [
+        wds.WebDataset(a, shardshuffle=True, seed=1).shuffle(buffer),
+        wds.WebDataset(b, shardshuffle=True, seed=2),
+    ]
+
+
 def _resume(build: Any, k: int) -> tuple[list[Any], list[Any]]:
     """(a run, its first k items + what a mix restored at k delivers). A mix's draws are
     random unless a pipeline seeds them: the restored one must continue that run's."""
@@ -45,10 +53,7 @@ def test_random_mix_of_pipelines_resumes_exactly(
 
     def build() -> Any:
         mix = wds.RandomMix(
-            [
-                wds.WebDataset(a, shardshuffle=True, seed=1).shuffle(5),
-                wds.WebDataset(b, shardshuffle=True, seed=2),
-            ],
+            _pipelines(a, b, 5),
             [0.7, 0.3],
             longest=longest,
         )
@@ -79,10 +84,7 @@ def test_a_mix_in_a_stateful_dataloader_resumes_exactly(
 
     def loader() -> StatefulDataLoader:
         mix = wds.RandomMix(
-            [
-                wds.WebDataset(a, shardshuffle=True, seed=1).shuffle(4),
-                wds.WebDataset(b, shardshuffle=True, seed=2),
-            ],
+            _pipelines(a, b, 4),
             [0.5, 0.5],
             longest=True,
         )
@@ -139,10 +141,7 @@ def test_a_weighted_mix_in_a_pipeline_resumes_exactly_with_epochs_of_fixed_lengt
 
     def build() -> Any:
         mix = wds.WeightedMix(
-            [
-                wds.WebDataset(a, shardshuffle=True, seed=1).shuffle(5),
-                wds.WebDataset(b, shardshuffle=True, seed=2),
-            ],
+            _pipelines(a, b, 5),
             [2, 1],
             longest=True,
         )

@@ -6,7 +6,7 @@ their data is never read."""
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from cloudshards.grouping import split_key
@@ -74,13 +74,28 @@ def number_of(
 def skipping(name_filter: NameFilter | None, skip: int) -> NameFilter:
     """A name filter that also drops the members of the first ``skip`` samples (without
     reading their data), keyed exactly as :func:`group_members` keys them."""
-    seen = 0
+    return _by_number(name_filter, lambda number: number >= skip, all_from=skip)
+
+
+def selecting(name_filter: NameFilter | None, wanted: frozenset[int]) -> NameFilter:
+    """A name filter that keeps only the members of the samples numbered in ``wanted`` (from
+    0, keyed exactly as :func:`group_members` keys them): the others' data is not read."""
+    return _by_number(name_filter, wanted.__contains__, all_from=None)
+
+
+def _by_number(
+    name_filter: NameFilter | None, keep: Callable[[int], bool], *, all_from: int | None
+) -> NameFilter:
+    """``name_filter``, also dropping the members of the samples whose number (from 0, in
+    archive order) ``keep`` refuses; from sample ``all_from`` on every sample is kept, without
+    looking at the names any more."""
+    seen = 0  # samples begun
     last: str | None = None
 
-    def skipping(name: str) -> str | None:
+    def by_number(name: str) -> str | None:
         nonlocal seen, last
         mapped = name_filter(name) if name_filter is not None else name
-        if mapped is None or seen > skip:
+        if mapped is None or (all_from is not None and seen > all_from):
             return mapped
         parts = split_key(mapped)
         if parts is None:
@@ -88,28 +103,6 @@ def skipping(name_filter: NameFilter | None, skip: int) -> NameFilter:
         if parts[0] != last:
             last = parts[0]
             seen += 1
-        return None if seen <= skip else mapped
+        return mapped if keep(seen - 1) else None
 
-    return skipping
-
-
-def selecting(name_filter: NameFilter | None, wanted: frozenset[int]) -> NameFilter:
-    """A name filter that keeps only the members of the samples numbered in ``wanted`` (from
-    0, keyed exactly as :func:`group_members` keys them): the others' data is not read."""
-    seen = 0
-    last: str | None = None
-
-    def selecting(name: str) -> str | None:
-        nonlocal seen, last
-        mapped = name_filter(name) if name_filter is not None else name
-        if mapped is None:
-            return None
-        parts = split_key(mapped)
-        if parts is None:
-            return None
-        if parts[0] != last:
-            last = parts[0]
-            seen += 1
-        return mapped if seen - 1 in wanted else None
-
-    return selecting
+    return by_number

@@ -32,26 +32,12 @@ __all__ = [
 
 def round_robin_shortest(*sources: Iterator[Any]) -> Iterator[Any]:
     """Take one item from each source in turn; stop when any source is exhausted."""
-    for i in itertools.count():
-        try:
-            yield next(sources[i % len(sources)])
-        except StopIteration:
-            return
+    yield from _robin(list(sources), False, _Mixing(len(sources), None))
 
 
 def round_robin_longest(*sources: Iterator[Any]) -> Iterator[Any]:
     """Take one item from each source in turn, dropping exhausted sources, until none is left."""
-    remaining = list(sources)
-    i = 0
-    while remaining:
-        i %= len(remaining)
-        try:
-            sample = next(remaining[i])
-        except StopIteration:
-            del remaining[i]
-            continue
-        i += 1
-        yield sample
+    yield from _robin(list(sources), True, _Mixing(len(sources), None))
 
 
 class _Resumable:
@@ -99,19 +85,8 @@ def random_samples(
     weights = [1.0] * len(sources) if probs is None else [float(p) for p in probs]
     if len(weights) != len(sources):
         raise ValueError(f"got {len(weights)} probabilities for {len(sources)} datasets")
-    rng = rng if rng is not None else make_rng("mix")
-    sources = list(sources)
-    while sources:
-        total = sum(weights)
-        cumulative = list(itertools.accumulate(w / total for w in weights))
-        i = min(bisect.bisect_left(cumulative, rng.random()), len(sources) - 1)
-        try:
-            yield next(sources[i])
-        except StopIteration:
-            if not longest:
-                return
-            del sources[i]
-            del weights[i]
+    mixing = _Mixing(len(sources), rng if rng is not None else make_rng("mix"))
+    yield from _drawn(list(sources), weights, longest, mixing)
 
 
 class RandomMix(_Resumable, IterableDataset):  # type: ignore[type-arg]

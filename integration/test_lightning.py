@@ -23,6 +23,7 @@ import cloudshards as wds
 
 SIZES = [3, 40, 11, 7, 29, 5, 16]  # 111 samples: no even split across 2 ranks x 2 workers
 SCRIPT = Path(__file__).with_name("lightning_train.py")
+RESUME_SCRIPT = Path(__file__).with_name("lightning_resume.py")
 TIMEOUT_S = 240
 
 
@@ -35,17 +36,13 @@ def write_shards(root: Path) -> str:
     return str(root / f"shard-{{000000..{len(SIZES) - 1:06d}}}.tar")
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(TIMEOUT_S + 30)
-@pytest.mark.parametrize("workers", [0, 2])
-def test_lightning_ddp_over_uneven_shards_does_not_hang(tmp_path: Path, workers: int) -> None:
-    spec = write_shards(tmp_path)
-    out = tmp_path / "keys"
-    out.mkdir()
+def _lightning(tmp_path: Path, script: Path, *args: str) -> str:
+    """Run a Lightning script in a session of its own; its output. A hang (past TIMEOUT_S)
+    or a failed run fails the test, and every process the run started is killed."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CLOUDSHARDS_", "WDS_"))}
     env["CLOUDSHARDS_COUNTS_DIR"] = str(tmp_path / "counts")
     process = subprocess.Popen(
-        [sys.executable, str(SCRIPT), spec, "2", str(workers), str(out)],
+        [sys.executable, str(script), *args],
         cwd=tmp_path,
         env=env,
         stdout=subprocess.PIPE,
@@ -60,6 +57,17 @@ def test_lightning_ddp_over_uneven_shards_does_not_hang(tmp_path: Path, workers:
         pytest.fail(f"the DDP run hung:\n{output.decode(errors='replace')[-4000:]}")
     text = output.decode(errors="replace")
     assert process.returncode == 0, text[-4000:]
+    return text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(TIMEOUT_S + 30)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_lightning_ddp_over_uneven_shards_does_not_hang(tmp_path: Path, workers: int) -> None:
+    spec = write_shards(tmp_path)
+    out = tmp_path / "keys"
+    out.mkdir()
+    text = _lightning(tmp_path, SCRIPT, spec, "2", str(workers), str(out))
     steps = {int(r): int(n) for r, n in re.findall(r"RANK (\d) steps (\d+)", text)}
     assert set(steps) == {0, 1}, text[-4000:]
     consumers = 2 * max(workers, 1)
@@ -77,31 +85,6 @@ def test_lightning_ddp_over_uneven_shards_does_not_hang(tmp_path: Path, workers:
     assert orders[0] != orders[1]  # reshuffled
 
 
-RESUME_SCRIPT = Path(__file__).with_name("lightning_resume.py")
-
-
-def _lightning(tmp_path: Path, *args: str) -> str:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("CLOUDSHARDS_", "WDS_"))}
-    env["CLOUDSHARDS_COUNTS_DIR"] = str(tmp_path / "counts")
-    process = subprocess.Popen(
-        [sys.executable, str(RESUME_SCRIPT), *args],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        output, _ = process.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"the Lightning run hung:\n{output.decode(errors='replace')[-4000:]}")
-    text = output.decode(errors="replace")
-    assert process.returncode == 0, text[-4000:]
-    return text
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(3 * TIMEOUT_S + 30)
 @pytest.mark.parametrize("stop", ["mid-epoch-0", "mid-epoch-1"])
@@ -112,15 +95,15 @@ def test_lightning_checkpoint_mid_epoch_resumes_exactly(tmp_path: Path, stop: st
     spec = write_shards(tmp_path)
     out = tmp_path / "keys"
     out.mkdir()
-    _lightning(tmp_path, spec, "2", str(out), "full")
+    _lightning(tmp_path, RESUME_SCRIPT, spec, "2", str(out), "full")
     full = [json.loads((out / f"full-rank{rank}.json").read_text()) for rank in (0, 1)]
     per_epoch = len(full[0]) // 2
     assert len(full[0]) == len(full[1]) == 2 * per_epoch
     steps = per_epoch // 2 if stop == "mid-epoch-0" else per_epoch + per_epoch // 2
-    _lightning(tmp_path, spec, "2", str(out), "stop", str(steps))
+    _lightning(tmp_path, RESUME_SCRIPT, spec, "2", str(out), "stop", str(steps))
     checkpoints = sorted((out / "ckpt").glob("*.ckpt"))
     assert len(checkpoints) == 1, checkpoints
-    _lightning(tmp_path, spec, "2", str(out), "resume", str(checkpoints[0]))
+    _lightning(tmp_path, RESUME_SCRIPT, spec, "2", str(out), "resume", str(checkpoints[0]))
     for rank in (0, 1):
         before = json.loads((out / f"stop-rank{rank}.json").read_text())
         after = json.loads((out / f"resume-rank{rank}.json").read_text())

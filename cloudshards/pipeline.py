@@ -161,7 +161,7 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
             if registry is not None:
                 registry.track(source)
                 if isinstance(source, ShuffleIterator) and source.pending:
-                    source.refill(read_again(self.invoke, steps, number, source.pending))
+                    source.refill(*read_again(self.invoke, steps, number, source.pending))
         return iter(source)
 
     def iterator(self, epoch: int | None = None) -> Iterator[Any]:

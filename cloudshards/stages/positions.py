@@ -39,16 +39,18 @@ def positioned(
 
 
 def selected(
-    src: Iterable[dict[str, Any]], select: dict[int, frozenset[int]]
+    src: Iterable[dict[str, Any]], select: dict[int, frozenset[int]], urls: dict[int, str]
 ) -> Iterator[dict[str, Any]]:
     """The shards that hold selected samples, each told which of its samples (counted from
-    its first, before its ``skip``) to deliver; none after the last of them."""
+    its first, before its ``skip``) to deliver; none after the last of them. Their URLs go
+    to ``urls`` by number (for errors)."""
     last = max(select, default=-1)
     for number, shard in enumerate(src):
         if number > last:
             return
         wanted = select.get(number)
         if wanted:
+            urls[number] = shard["url"]
             skip = shard.get("skip", 0)
             yield {
                 **shard,

@@ -137,6 +137,8 @@ class ShardReader(Iterator[Sample]):
         self._position = [0, 0]
         self._resume: tuple[int, int] | None = None
         self._select: dict[int, frozenset[int]] | None = None
+        #: In select mode, the URL of each shard number selected (once it is reached).
+        self.selected_urls: dict[int, str] = {}
         self._it: Iterator[Sample] | None = None
 
     @property
@@ -172,6 +174,7 @@ class ShardReader(Iterator[Sample]):
                 self._resume,
                 self._position,
                 self._select,
+                self.selected_urls,
             )
         return self._it
 
@@ -207,11 +210,15 @@ def _read(
     resume: tuple[int, int] | None,
     position: list[int],
     select: dict[int, frozenset[int]] | None = None,
+    selected_urls: dict[int, str] | None = None,
 ) -> Iterator[Sample]:
     """:class:`ShardReader`'s generator: keeps ``position`` up to date as it delivers."""
     options = options or OpenOptions()
     numbered: deque[tuple[dict[str, Any], int, int]] = deque()
-    source = positioned(src, resume, numbered) if select is None else selected(src, select)
+    if select is None:
+        source = positioned(src, resume, numbered)
+    else:
+        source = selected(src, select, {} if selected_urls is None else selected_urls)
     shards = open_shards(
         source,
         handler=handler,

@@ -61,10 +61,11 @@ def read_again(
     steps: Sequence[Any],
     stop: int,
     places: list[tuple[int, int]],
-) -> dict[tuple[int, int], Any]:
+) -> tuple[dict[tuple[int, int], Any], dict[int, str]]:
     """The items that ``steps[0..stop-1]`` give for the samples at ``places`` (shard number,
-    sample number in this pass), by place: a second chain (built with ``invoke``, in the
-    running epoch's context) whose shard reader delivers only those samples."""
+    sample number in this pass), by place, and the URLs of the shards reached, by number: a
+    second chain (built with ``invoke``, in the running epoch's context) whose shard reader
+    delivers only those samples."""
     wanted = sorted(set(places))
     reader: Any = None
     source = invoke(steps[0])
@@ -76,7 +77,7 @@ def read_again(
             source = invoke(step, source)
     found: dict[tuple[int, int], Any] = {}
     if reader is None:
-        return found
+        return found, {}
     position = reader.position
     iterator = iter(source)
     try:
@@ -86,4 +87,4 @@ def read_again(
         close = getattr(iterator, "close", None)
         if close is not None:
             close()
-    return found
+    return found, reader.selected_urls

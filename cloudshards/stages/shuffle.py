@@ -18,6 +18,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from cloudshards.errors import StateMismatchError
+from cloudshards.redact import redact_url
 from cloudshards.stages.base import PipelineStage, make_rng
 
 __all__ = ["ShuffleIterator", "Shuffler", "detshuffle", "pick", "shuffle"]
@@ -228,17 +229,23 @@ class ShuffleIterator:
         self._restored = state
         self.pending = [(int(shard), int(sample)) for shard, sample in state.get("buffer", [])]
 
-    def refill(self, items: Mapping[tuple[int, int], Any]) -> None:
-        """Put the samples read again (by position) back, in the saved order, with the RNG."""
+    def refill(
+        self, items: Mapping[tuple[int, int], Any], urls: Mapping[int, str] | None = None
+    ) -> None:
+        """Put the samples read again (by position) back, in the saved order, with the RNG;
+        ``urls``: the shards' URLs by number, for the error when some are missing."""
         state = self._restored
         assert state is not None
         buffer = self._buffer
         missing = [place for place in self.pending if place not in items]
         if missing:
+            shard, sample = missing[0]
+            where = redact_url(urls[shard]) if urls and shard in urls else "not in the list"
             raise StateMismatchError(
                 f"cannot restore the shuffle buffer exactly: {len(missing)} of its "
-                f"{len(self.pending)} samples were not found again (shard, sample: "
-                f"{missing[:3]}); the shards changed since the checkpoint, or could not be read"
+                f"{len(self.pending)} samples were not found again, the first sample {sample} "
+                f"of shard {shard} ({where}); the shards changed since the checkpoint, or could "
+                "not be read"
             )
         buffer.items = [items[place] for place in self.pending]
         buffer.places = [_pack(*place) for place in self.pending]

@@ -5,7 +5,10 @@ shuffle, in DataLoader workers, from local files and from a store."""
 
 from __future__ import annotations
 
+import io
 import json
+import tarfile
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,6 +16,7 @@ from test_state import UNEVEN, keys, resume_after
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import cloudshards as wds
+from cloudshards.errors import StateMismatchError
 
 
 @pytest.mark.parametrize("k", [0, 1, 2, 7, 10, 25, 29, 30, 31])
@@ -161,32 +165,44 @@ def test_webdataset_style_pipelines_and_detshuffle(make_shards: Any) -> None:
         assert resumed == everything
 
 
-def test_a_restore_from_a_store_opens_only_the_shards_that_hold_buffered_samples(
-    make_shards: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.fixture
+def store(make_shards: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """8 shards of 20 samples in a store (``slowfile://``) that logs every open."""
     import fakes
 
     fakes.register()
-    log = tmp_path / "opens.log"
-    monkeypatch.setenv(fakes.OPEN_LOG_ENV, str(log))
+    monkeypatch.setenv(fakes.OPEN_LOG_ENV, str(tmp_path / "opens.log"))
     shards = make_shards([20] * 8)
-    urls = [fakes.url_of(p) for p in shards.paths]
+    shards.urls = [fakes.url_of(p) for p in shards.paths]
+    shards.log = tmp_path / "opens.log"
+    return shards
+
+
+def _stop_after(dataset: Any, k: int) -> tuple[list[Any], dict[str, Any]]:
+    """The first ``k`` items of ``dataset`` and its state there; the rest is not read."""
+    it = iter(dataset)
+    head = [next(it) for _ in range(k)]
+    state = dataset.state_dict()
+    it.close()
+    return head, state
+
+
+def test_a_restore_from_a_store_opens_only_the_shards_that_hold_buffered_samples(
+    store: Any,
+) -> None:
+    import fakes
 
     def build() -> Any:
-        return wds.WebDataset(urls, shardshuffle=False).shuffle(10)
+        return wds.WebDataset(store.urls, shardshuffle=False).shuffle(10)
 
     everything = keys(build())
-    first = build()
-    it = iter(first)
-    head = [next(it) for _ in range(75)]
-    state = first.state_dict()
-    it.close()  # type: ignore[attr-defined]
+    head, state = _stop_after(build(), 75)
     held = {shard for shard, _ in state["stages"]["shuffle"]["buffer"]}
-    log.unlink()
+    store.log.unlink()
     second = build()
     second.load_state_dict(state)
     after = list(second)
-    reopened = fakes.opens(log)
+    reopened = fakes.opens(store.log)
     # The shards holding buffered samples (each once), then the one the reader goes on with
     # and those after it; none of the shards before it that hold nothing buffered.
     current = state["stages"]["reader"]["shards"] - 1
@@ -194,40 +210,50 @@ def test_a_restore_from_a_store_opens_only_the_shards_that_hold_buffered_samples
     assert held - {current}  # samples from earlier shards are still buffered
     assert max(held) <= current
     expected = held | set(range(current, 8))
-    assert set(reopened) == {str(shards.paths[n]) for n in expected}
-    assert all(count == 1 for path, count in reopened.items() if path != str(shards.paths[4]))
+    assert set(reopened) == {str(store.paths[n]) for n in expected}
+    assert all(count == 1 for path, count in reopened.items() if path != str(store.paths[4]))
     assert keys(head) + keys(after) == everything
 
 
 def test_with_a_node_cache_the_buffered_samples_come_from_the_cache(
-    make_shards: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+    store: Any, tmp_path: Path
 ) -> None:
     import fakes
 
-    fakes.register()
-    log = tmp_path / "opens.log"
-    monkeypatch.setenv(fakes.OPEN_LOG_ENV, str(log))
-    shards = make_shards([20] * 8)
-    urls = [fakes.url_of(p) for p in shards.paths]
     cache = str(tmp_path / "cache")
 
     def build() -> Any:
-        return wds.WebDataset(urls, shardshuffle=False, cache_dir=cache).shuffle(10)
+        return wds.WebDataset(store.urls, shardshuffle=False, cache_dir=cache).shuffle(10)
 
-    first = build()
-    it = iter(first)
-    head = [next(it) for _ in range(75)]
-    state = first.state_dict()
-    it.close()  # type: ignore[attr-defined]
-    log.unlink()
+    head, state = _stop_after(build(), 75)
+    store.log.unlink()
     second = build()
     second.load_state_dict(state)
     rest = list(second)
     # Shards 0-4 were read (the last one completed when closed): nothing of them comes from
     # the store again, buffered samples included.
-    assert set(fakes.opens(log)) <= {str(p) for p in shards.paths[5:]}
-    reference = list(wds.WebDataset(urls, shardshuffle=False).shuffle(10))
+    assert set(fakes.opens(store.log)) <= {str(p) for p in store.paths[5:]}
+    reference = list(wds.WebDataset(store.urls, shardshuffle=False).shuffle(10))
     assert keys(head) + keys(rest) == keys(reference)
+
+
+def test_a_shard_that_changed_since_the_checkpoint_is_named(store: Any) -> None:
+    """A buffered sample that is not in its shard any more (the shard was rewritten shorter):
+    the restore refuses, naming the shard's URL, instead of filling the buffer with others."""
+
+    def build() -> Any:
+        return wds.WebDataset(store.urls, shardshuffle=False).shuffle(10)
+
+    _, state = _stop_after(build(), 75)
+    held = sorted({shard for shard, _ in state["stages"]["shuffle"]["buffer"]})
+    shorter = store.paths[held[0]]
+    with tarfile.open(shorter, "w", format=tarfile.PAX_FORMAT) as tar:
+        info = tarfile.TarInfo("only_000000.bin")
+        tar.addfile(info, io.BytesIO(b""))
+    second = build()
+    second.load_state_dict(state)
+    with pytest.raises(StateMismatchError, match=f"shard {held[0]} \\(slowfile://.*{shorter.name}"):
+        next(iter(second))
 
 
 def test_stages_that_count_their_calls_see_the_same_pass_when_read_again(

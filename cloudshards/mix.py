@@ -17,7 +17,7 @@ from typing import Any
 
 from torch.utils.data import IterableDataset
 
-from cloudshards.stages.base import make_rng
+from cloudshards.stages.base import make_rng, rng_state, set_rng_state
 
 __all__ = [
     "MixIterator",
@@ -231,8 +231,7 @@ class MixIterator:
             mixing.turn = int(restore.get("turn", 0))
             mixing.credits = [float(c) for c in restore.get("credits", mixing.credits)]
             if mixing.rng is not None and restore.get("rng") is not None:
-                version, internal, gauss = restore["rng"]
-                mixing.rng.setstate((int(version), tuple(int(x) for x in internal), gauss))
+                set_rng_state(mixing.rng, restore["rng"])
         if self._weights is None:
             return _robin(sources, self._longest, mixing)
         if mixing.rng is None:
@@ -249,10 +248,7 @@ class MixIterator:
         for number, dataset in enumerate(self._datasets):
             state_dict = getattr(dataset, "state_dict", None)
             sources[str(number)] = state_dict() if callable(state_dict) else mixing.taken[number]
-        rng = None
-        if mixing.rng is not None:
-            version, internal, gauss = mixing.rng.getstate()
-            rng = [version, list(internal), gauss]
+        rng = None if mixing.rng is None else rng_state(mixing.rng)
         return {
             "alive": list(mixing.alive),
             "taken": list(mixing.taken),

@@ -24,7 +24,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
@@ -45,7 +45,9 @@ __all__ = [
     "one_item_per_sample",
     "per_sample",
     "pipelinefilter",
+    "rng_state",
     "run_in_context",
+    "set_rng_state",
     "stateful_key",
 ]
 
@@ -304,6 +306,18 @@ def make_rng(salt: str) -> random.Random:
         return random.Random(context.stage_seed(salt))
     # Outside a pipeline (a filter called by hand) behave like webdataset: a fresh seed.
     return random.Random(derive_seed(os.getpid(), time.time_ns(), os.urandom(8)))
+
+
+def rng_state(rng: random.Random) -> list[Any]:
+    """``rng``'s state as plain data (JSON), for a stage's ``state_dict``."""
+    version, internal, gauss = rng.getstate()
+    return [version, list(internal), gauss]
+
+
+def set_rng_state(rng: random.Random, state: Sequence[Any]) -> None:
+    """Put ``rng`` back in a state :func:`rng_state` gave."""
+    version, internal, gauss = state
+    rng.setstate((int(version), tuple(int(x) for x in internal), gauss))
 
 
 def run_in_context(context: IterationContext, build: Callable[[], Iterator[Any]]) -> Iterator[Any]:

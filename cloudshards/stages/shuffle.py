@@ -19,7 +19,7 @@ from typing import Any
 
 from cloudshards.errors import StateMismatchError
 from cloudshards.redact import redact_url
-from cloudshards.stages.base import PipelineStage, make_rng
+from cloudshards.stages.base import PipelineStage, make_rng, rng_state, set_rng_state
 
 __all__ = ["ShuffleIterator", "Shuffler", "detshuffle", "pick", "shuffle"]
 
@@ -54,20 +54,7 @@ def _shuffle(
         rng = random.Random(seed)
     elif rng is None:
         rng = make_rng("shuffle")
-    initial = min(initial, bufsize)
-    source = iter(data)
-    buf: list[Any] = []
-    for sample in source:
-        buf.append(sample)
-        if len(buf) < bufsize:
-            try:  # noqa: SIM105 - faster than contextlib.suppress in this per-sample loop
-                buf.append(next(source))
-            except StopIteration:
-                pass
-        if len(buf) >= initial:
-            yield pick(buf, rng)
-    while buf:
-        yield pick(buf, rng)
+    yield from _run(data, bufsize, min(initial, bufsize), _Buffer(rng), None)
 
 
 class Shuffler:
@@ -87,6 +74,8 @@ class Shuffler:
 
     def __call__(self, data: Iterable[Any]) -> ShuffleIterator:
         rng = self.rng
+        if rng is not None and self.seed is not None:
+            raise ValueError("pass either rng or seed to shuffle, not both")
         if rng is None:
             # Drawn now, while the pipeline's context is current, not lazily on first next().
             rng = make_rng("shuffle") if self.seed is None else random.Random(self.seed)
@@ -213,9 +202,8 @@ class ShuffleIterator:
             return {}
         if not buffer.pulled:
             return {}
-        version, internal, gauss = buffer.rng.getstate()
         return {
-            "rng": [version, list(internal), gauss],
+            "rng": rng_state(buffer.rng),
             "buffer": [list(_unpack(place)) for place in buffer.places],
             "pulled": buffer.pulled,
             "done": buffer.done,
@@ -249,8 +237,7 @@ class ShuffleIterator:
             )
         buffer.items = [items[place] for place in self.pending]
         buffer.places = [_pack(*place) for place in self.pending]
-        version, internal, gauss = state["rng"]
-        buffer.rng.setstate((int(version), tuple(int(x) for x in internal), gauss))
+        set_rng_state(buffer.rng, state["rng"])
         buffer.pulled = int(state.get("pulled", len(self.pending)))
         buffer.done = bool(state.get("done", False))
         self.pending = []

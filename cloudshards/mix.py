@@ -108,9 +108,9 @@ class RandomMix(_Resumable, IterableDataset):  # type: ignore[type-arg]
         return {"datasets": _count(self.datasets), "probs": probs, "longest": self.longest}
 
     def __iter__(self) -> MixIterator:
-        weights = [1.0] * _count_or(self.datasets) if self.probs is None else self.probs
-        rng = make_rng("mix")
-        return _start(self, MixIterator(self.datasets, weights, self.longest, rng))
+        datasets = list(self.datasets)
+        weights = [1.0] * len(datasets) if self.probs is None else self.probs
+        return _start(self, MixIterator(datasets, weights, self.longest, make_rng("mix")))
 
 
 class WeightedMix(_Resumable, IterableDataset):  # type: ignore[type-arg]
@@ -146,10 +146,6 @@ class WeightedMix(_Resumable, IterableDataset):  # type: ignore[type-arg]
 
 def _count(datasets: Any) -> int | None:
     return len(datasets) if hasattr(datasets, "__len__") else None
-
-
-def _count_or(datasets: Any) -> int:
-    return len(list(datasets)) if not hasattr(datasets, "__len__") else len(datasets)
 
 
 def _start(mix: Any, it: MixIterator) -> MixIterator:

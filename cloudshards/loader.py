@@ -17,7 +17,10 @@ from typing import Any
 
 import torch.distributed as torch_dist
 
+from cloudshards.dist import effective_info
 from cloudshards.errors import StateMismatchError
+from cloudshards.pipeline import DataPipeline
+from cloudshards.stages.elastic import ELASTIC_KEY
 
 try:
     from torchdata.stateful_dataloader import StatefulDataLoader
@@ -61,7 +64,7 @@ class StatefulLoader(StatefulDataLoader):  # type: ignore[misc]
         #: States before each of the last ``prefetched`` batches was fetched (oldest first).
         self._before: deque[dict[str, Any]] | None = None
 
-    def __iter__(self) -> Any:
+    def _iter_lagging(self) -> Any:
         iterator = super().__iter__()
         if self.prefetched <= 0:
             return iterator
@@ -88,17 +91,61 @@ class StatefulLoader(StatefulDataLoader):  # type: ignore[misc]
         return {RANKS_KEY: gathered, "world_size": world}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        states = list(state_dict[RANKS_KEY]) if RANKS_KEY in state_dict else [state_dict]
+        found = [one for state in states for one in _pipeline_states(state)]
+        layouts = {(int(one["consumer"][1]), int(one["consumer"][3])) for one in found}
+        if layouts and layouts != {self._layout()}:
+            self._restore_elastic(found)
+            return
         if RANKS_KEY in state_dict:
-            states = list(state_dict[RANKS_KEY])
             world = _world_size()
             if len(states) != world:
                 raise StateMismatchError(
                     f"this checkpoint holds the loader states of {len(states)} ranks; this "
-                    f"job has {world}: restore on the same number of ranks"
+                    f"job has {world}, but its datasets' states say the same layout"
                 )
             state_dict = states[torch_dist.get_rank() if world > 1 else 0]
         self._before = None
         super().load_state_dict(dict(state_dict))
+
+    def _layout(self) -> tuple[int, int]:
+        """(ranks, workers per rank) of this loader's dataset as its states name them."""
+        dataset = self.dataset
+        info = effective_info(getattr(dataset, "_ranks", None), getattr(dataset, "replication", 1))
+        return info.world_size, max(1, int(self.num_workers))
+
+    def _restore_elastic(self, states: list[dict[str, Any]]) -> None:
+        """Give the dataset every old consumer's state: each new worker takes its share of
+        what their epoch had left. The loader itself starts afresh."""
+        load = getattr(self.dataset, "load_state_dict", None)
+        if not callable(load):
+            raise StateMismatchError("an elastic restore needs a cloudshards dataset")
+        batch = int(self.batch_size or 1) if not self.drop_last else 1
+        load({ELASTIC_KEY: states, "batch": batch})
+        self._before = None
+        self._elastic_pending = True
+
+    def __iter__(self) -> Any:
+        iterator = self._iter_lagging()
+        if getattr(self, "_elastic_pending", False) and self.num_workers > 0:
+            # The workers have their copy of the dataset (with the restore); the next epoch's
+            # copies must not restore again.
+            self._elastic_pending = False
+            if isinstance(self.dataset, DataPipeline):
+                self.dataset._resume = None
+        return iterator
+
+
+def _pipeline_states(state: Any) -> list[dict[str, Any]]:
+    """Every cloudshards pipeline state inside a loader's state (one per worker; a worker's
+    may sit at any depth of the loader's own format)."""
+    if isinstance(state, Mapping):
+        if "fingerprint" in state and "consumer" in state and "version" in state:
+            return [dict(state)]
+        return [one for value in state.values() for one in _pipeline_states(value)]
+    if isinstance(state, (list, tuple)):
+        return [one for value in state for one in _pipeline_states(value)]
+    return []
 
 
 def _world_size() -> int:

@@ -21,12 +21,13 @@ from typing import Any
 from torch.utils.data import DataLoader, IterableDataset
 
 from cloudshards import config
-from cloudshards.dist import WorkerInfo, check_ranks, effective_info
+from cloudshards.dist import check_ranks, effective_info
 from cloudshards.fluid import FluidInterface
 from cloudshards.process import freeze_inherited_objects
 from cloudshards.seeding import default_seed, epoch_context
-from cloudshards.stages import base
+from cloudshards.stages import base, elastic
 from cloudshards.stages.base import IterationContext, PipelineStage
+from cloudshards.stages.elastic import ELASTIC_KEY, gathered
 from cloudshards.stages.epoch import EpochLimiter
 from cloudshards.stages.rebuffer import connect, is_reader, read_again, snapshot
 from cloudshards.stages.shuffle import ShuffleIterator
@@ -34,10 +35,10 @@ from cloudshards.stages.state import (
     STATE_VERSION,
     LiveEpoch,
     StageRegistry,
+    check_consumer,
     fingerprint,
     legacy_fingerprint,
-    mismatch_message,
-    upgrade,
+    validated,
 )
 
 __all__ = ["DataPipeline", "FluidInterface", "FluidWrapper", "default_seed"]
@@ -141,23 +142,25 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
 
     def iterator1(self) -> Iterator[Any]:
         """Build the iterator chain for one pass over the data."""
-        return self._chain(None)
+        return iter(self._chain(None))
 
-    def _chain(self, registry: StageRegistry | None) -> Iterator[Any]:
-        # The chain of one pass; each stage's stateful iterator goes to the registry.
-        if not self.pipeline:
+    def _chain(self, registry: StageRegistry | None, pipeline: list[Any] | None = None) -> Any:
+        # The chain of one pass (``pipeline``: the stages of an elastic restore's plan);
+        # each stage's stateful iterator goes to the registry.
+        pipeline = self.pipeline if pipeline is None else pipeline
+        if not pipeline:
             raise ValueError("DataPipeline has no source")
         # A restored buffer reads its samples again through copies of the stages taken now
         # (a stage counting its calls, detshuffle, must see this pass's count there too).
-        steps = snapshot(self.pipeline) if registry is not None and registry.restores else []
+        steps = snapshot(pipeline) if registry is not None and registry.restores else []
         source: Any = None
         reader: tuple[int, Any] | None = None
-        for number, step in enumerate(self.pipeline):
+        for number, step in enumerate(pipeline):
             source = self.invoke(step, source) if number else self.invoke(step)
             if is_reader(source):
                 reader = (number, source)
             elif isinstance(source, ShuffleIterator):
-                connect(self.pipeline, source, number, reader)
+                connect(pipeline, source, number, reader)
             if registry is not None:
                 registry.track(source)
                 if isinstance(source, ShuffleIterator) and source.pending:
@@ -173,13 +176,18 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
         resume, self._resume = self._resume, None
         passes = EpochLimiter(self.repetitions, self.nsamples)
         saved: dict[str, Any] | None = None
+        if resume is not None and ELASTIC_KEY in resume and resume["epoch"] != context.epoch:
+            resume = None  # an elastic restore is for its own epoch only
+        pipeline, plan = None, None
         if resume is not None:
-            self._check_consumer(resume, context.info)
+            if ELASTIC_KEY not in resume:
+                check_consumer(resume, context.info)
             context.seed = int(resume["seed"])
             context.resumed = True
-            saved = dict(resume["stages"])
+            pipeline, plan = elastic.restore(self, resume, context)
+            saved = dict(resume.get("stages", {}))
             passes.load_state_dict(saved.pop(passes.state_key, {}))
-        live = LiveEpoch(context.epoch, context.seed, context.info, passes)
+        live = LiveEpoch(context.epoch, context.seed, context.info, passes, plan)
         self._live = live
         custom = type(self).iterator1 is not DataPipeline.iterator1  # a subclass builds it
         limit = passes.limit
@@ -194,8 +202,8 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
                 context.repetition = passes.repetition = repetition
                 # Only the first pass of a restored epoch resumes its stages.
                 registry = live.registry = StageRegistry(saved, {passes.state_key: passes})
-                saved = None
-                build = self.iterator1 if custom else partial(self._chain, registry)
+                build = self.iterator1 if custom else partial(self._chain, registry, pipeline)
+                saved, pipeline = None, None
                 count = 0
                 for sample in base.run_in_context(context, build):
                     count += 1
@@ -282,51 +290,41 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
             consumer=[info.rank, info.world_size, info.worker, info.num_workers],
             stages=stages,
         )
+        if live is not None and live.plan is not None:
+            state["plan"] = live.plan  # this consumer's part of an elastic restore's epoch
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a :meth:`state_dict`: the next ``iter()`` resumes that epoch.
 
-        States of version 1 (saved before stages owned their state) are read too.
+        ``state`` may also be ``{"elastic": [every consumer's state]}``, saved by another
+        number of ranks or DataLoader workers (an elastic restore; :class:`StatefulLoader`
+        makes it from a gathered checkpoint): this process then takes its share of the
+        samples that epoch had left (see :mod:`cloudshards.stages.elastic`). States of version
+        1 (saved before stages owned their state) are read too.
 
         Raises:
             StateMismatchError: The state is from another dataset or configuration (other
                 shards, seed, epoch length, or stage configuration: a shuffle buffer or batch
-                size), or from another rank/worker layout.
+                size), or from another rank/worker layout (outside an elastic restore).
         """
-        from cloudshards.errors import StateMismatchError
 
-        version = state.get("version") if isinstance(state, dict) else None
-        if version == 1:
-            if state.get("fingerprint") != legacy_fingerprint(type(self).__name__, self.pipeline):
-                raise StateMismatchError(mismatch_message(None, []))
-            state = upgrade(state)
-        elif version == STATE_VERSION:
-            digest, layout = self._fingerprint()
-            if state.get("fingerprint") != digest:
-                raise StateMismatchError(mismatch_message(state.get("layout"), layout))
+        def check(one: Any) -> dict[str, Any]:
+            legacy = partial(legacy_fingerprint, type(self).__name__, self.pipeline)
+            return validated(one, self._fingerprint(), legacy)
+
+        if isinstance(state, dict) and ELASTIC_KEY in state:
+            state = {**gathered(state[ELASTIC_KEY], check), "batch": state.get("batch", 1)}
         else:
-            raise StateMismatchError(f"not a cloudshards pipeline state: {state!r:.200}")
+            state = check(state)
         self._epoch = int(state["epoch"])
         self._epoch_set = True
         self._epoch_from_user = True  # a WebLoader around it continues from this epoch
-        if state.get("seed") is None or not state.get("stages"):
+        positions = ("stages", "plan", ELASTIC_KEY)  # a plan: an elastic restore's epoch
+        if state.get("seed") is None or not any(state.get(key) for key in positions):
             self._resume = None
         else:
             self._resume = dict(state)
-
-    @staticmethod
-    def _check_consumer(state: dict[str, Any], info: WorkerInfo) -> None:
-        saved = list(state["consumer"])
-        now = [info.rank, info.world_size, info.worker, info.num_workers]
-        if saved != now:
-            from cloudshards.errors import StateMismatchError
-
-            raise StateMismatchError(
-                f"state saved by rank {saved[0]}/{saved[1]}, worker {saved[2]}/{saved[3]} "
-                f"cannot resume rank {now[0]}/{now[1]}, worker {now[2]}/{now[3]}: restore "
-                "with the same number of ranks and DataLoader workers"
-            )
 
     def __len__(self) -> int:
         if self._length is None:

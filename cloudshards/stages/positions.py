@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from cloudshards.grouping import split_key
+from cloudshards.stages.spans import advanced, nth, spans_of
 from cloudshards.types import NameFilter
 
 __all__ = ["number_of", "positioned", "selected", "selecting", "skipping"]
@@ -30,9 +31,7 @@ def positioned(
         shard = dict(shard)  # a dict of our own: the reader finds it again by identity
         resumed = 0
         if number == skip_shards and skip_samples:
-            shard["skip"] = shard.get("skip", 0) + skip_samples
-            if "take" in shard:
-                shard["take"] = max(0, shard["take"] - skip_samples)
+            shard = advanced(shard, skip_samples)
             resumed = skip_samples
         numbered.append((shard, number, resumed))
         yield shard
@@ -41,9 +40,9 @@ def positioned(
 def selected(
     src: Iterable[dict[str, Any]], select: dict[int, frozenset[int]], urls: dict[int, str]
 ) -> Iterator[dict[str, Any]]:
-    """The shards that hold selected samples, each told which of its samples (counted from
-    its first, before its ``skip``) to deliver; none after the last of them. Their URLs go
-    to ``urls`` by number (for errors)."""
+    """The shards that hold selected samples, each told which of its samples (``select``:
+    counted from the shard's first, see :mod:`~cloudshards.stages.spans`) to deliver; none
+    after the last of them. Their URLs go to ``urls`` by number (for errors)."""
     last = max(select, default=-1)
     for number, shard in enumerate(src):
         if number > last:
@@ -51,10 +50,9 @@ def selected(
         wanted = select.get(number)
         if wanted:
             urls[number] = shard["url"]
-            skip = shard.get("skip", 0)
             yield {
                 **shard,
-                "select": frozenset(skip + sample for sample in wanted),
+                "select": frozenset(nth(spans_of(shard), sorted(wanted))),
                 "select_places": (number, sorted(wanted)),
             }
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from cloudshards.dist import derive_seed
@@ -35,12 +35,14 @@ __all__ = [
     "STATE_VERSION",
     "LiveEpoch",
     "StageRegistry",
+    "check_consumer",
     "describe_stage",
     "fingerprint",
     "legacy_fingerprint",
     "mismatch_message",
     "plain",
     "upgrade",
+    "validated",
 ]
 
 STATE_VERSION = 2
@@ -124,6 +126,42 @@ def upgrade(state: Mapping[str, Any]) -> dict[str, Any]:
     return {**result, "version": STATE_VERSION, "stages": stages}
 
 
+def validated(state: Any, now: tuple[str, list[str]], legacy: Callable[[], str]) -> dict[str, Any]:
+    """``state`` in version 2's shape, checked against this pipeline's fingerprint and layout
+    (``now``; ``legacy()``: its version 1 fingerprint, for an old state).
+
+    Raises:
+        StateMismatchError: Another dataset or configuration, or not a pipeline state.
+    """
+    from cloudshards.errors import StateMismatchError
+
+    version = state.get("version") if isinstance(state, dict) else None
+    if version == 1:
+        if state.get("fingerprint") != legacy():
+            raise StateMismatchError(mismatch_message(None, []))
+        return upgrade(state)
+    if version == STATE_VERSION:
+        if state.get("fingerprint") != now[0]:
+            raise StateMismatchError(mismatch_message(state.get("layout"), now[1]))
+        return dict(state)
+    raise StateMismatchError(f"not a cloudshards pipeline state: {state!r:.200}")
+
+
+def check_consumer(state: Mapping[str, Any], info: Any) -> None:
+    """Refuse a state saved by another rank/worker layout than ``info``'s (a WorkerInfo)."""
+    saved = list(state["consumer"])
+    now = [info.rank, info.world_size, info.worker, info.num_workers]
+    if saved != now:
+        from cloudshards.errors import StateMismatchError
+
+        raise StateMismatchError(
+            f"state saved by rank {saved[0]}/{saved[1]}, worker {saved[2]}/{saved[3]} "
+            f"cannot resume rank {now[0]}/{now[1]}, worker {now[2]}/{now[3]}: restore "
+            "with the same number of ranks and DataLoader workers, or restore every rank's "
+            "state at once (an elastic restore, see docs/distributed.md)"
+        )
+
+
 class StageRegistry:
     """The stateful iterators of one pass over the data, by key, in chain order.
 
@@ -197,12 +235,16 @@ class LiveEpoch:
     the running iterators cannot travel, their states at that moment do.
     """
 
-    __slots__ = ("epoch", "info", "registry", "seed")
+    __slots__ = ("epoch", "info", "plan", "registry", "seed")
 
-    def __init__(self, epoch: int, seed: int | None, info: Any, passes: Any) -> None:
+    def __init__(
+        self, epoch: int, seed: int | None, info: Any, passes: Any, plan: Any = None
+    ) -> None:
         self.epoch = epoch
         self.seed = seed
         self.info = info
+        #: An elastic restore's plan of this epoch (encoded), saved with the state.
+        self.plan = plan
         self.registry: StageRegistry | _Snapshot = StageRegistry(None, {passes.state_key: passes})
 
     def freeze(self) -> None:
@@ -218,7 +260,7 @@ class LiveEpoch:
 
     def __reduce__(self) -> tuple[Any, ...]:
         states = self.registry.state_dict()
-        return (_thawed, (self.epoch, self.seed, self.info, states))
+        return (_thawed, (self.epoch, self.seed, self.info, states, self.plan))
 
 
 class _Snapshot:
@@ -233,8 +275,10 @@ class _Snapshot:
         return dict(self.states)
 
 
-def _thawed(epoch: int, seed: int | None, info: Any, states: dict[str, Any]) -> LiveEpoch:
+def _thawed(
+    epoch: int, seed: int | None, info: Any, states: dict[str, Any], plan: Any = None
+) -> LiveEpoch:
     live = LiveEpoch.__new__(LiveEpoch)
-    live.epoch, live.seed, live.info = epoch, seed, info
+    live.epoch, live.seed, live.info, live.plan = epoch, seed, info, plan
     live.registry = _Snapshot(states)
     return live

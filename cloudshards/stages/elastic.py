@@ -1,0 +1,368 @@
+"""Elastic resume: continue an epoch checkpointed on N ranks x W workers on M ranks x V.
+
+Every consumer (rank x DataLoader worker) of the old world left a state: its position in its
+part of the epoch and the samples in its shuffle buffer. The remaining samples of the epoch
+are, for each old consumer in order, the samples of its part it had not taken from its shard
+reader, plus the ones still in its buffer. Laid end to end they are one sequence; each new
+consumer takes a contiguous run of it (see :func:`share`), so every remaining sample is
+delivered once over the new world. The new consumer's run is its *plan*: a list of pieces,
+each a shard and spans of its sample numbers, read like any part of an epoch (its own shuffle
+buffer shuffles it) and saved in its state, so that a checkpoint taken during the resumed
+epoch restores it again, on the same world or another.
+
+Balance: with ``balance`` (several ranks by default) every new rank gets the same number of
+*batches*. Rank counts differ by one sample when the remainder does not divide; the extra
+sample goes into a worker's last, partial batch (``batch``: the samples per batch, from
+``.batched`` and the loader's ``batch_size``), which keeps batch counts equal. Where no batch
+is partial (batches of one sample, or every worker's count a multiple of the batch), the mode
+decides: ``drop`` leaves those few samples out (fewer than the number of ranks, logged),
+``pad`` repeats a sample on the other ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from cloudshards.dist import WorkerInfo
+from cloudshards.errors import StateMismatchError
+from cloudshards.stages.base import (
+    FilterFunction,
+    IterationContext,
+    iteration_context,
+    run_in_context,
+)
+from cloudshards.stages.batch import _batched
+from cloudshards.stages.rebuffer import is_reader, snapshot
+from cloudshards.stages.spans import Span, as_shard, delivered_from, merged, nth, spans_of
+
+__all__ = [
+    "ELASTIC_KEY",
+    "Piece",
+    "batch_size",
+    "consumer_counts",
+    "decode",
+    "encode",
+    "gathered",
+    "planned",
+    "reader_index",
+    "share",
+]
+
+logger = logging.getLogger("cloudshards.pipeline")
+
+#: The key of a state that holds every old consumer's state (an elastic restore).
+ELASTIC_KEY = "elastic"
+
+#: A piece of a plan: (shard number in the shard list, spans of its sample numbers).
+Piece = tuple[int, list[Span]]
+
+
+def encode(plan: Sequence[Piece]) -> list[list[int]]:
+    """A plan as plain data: ``[shard, start, stop, start, stop...]`` (stop -1: to the end)."""
+    return [
+        [shard, *(n for start, stop in spans for n in (start, -1 if stop is None else stop))]
+        for shard, spans in plan
+    ]
+
+
+def decode(data: Sequence[Sequence[int]]) -> list[Piece]:
+    """:func:`encode`'s plan back."""
+    plan: list[Piece] = []
+    for entry in data:
+        bounds = [int(n) for n in entry[1:]]
+        spans: list[Span] = [
+            (bounds[i], None if bounds[i + 1] < 0 else bounds[i + 1])
+            for i in range(0, len(bounds), 2)
+        ]
+        plan.append((int(entry[0]), spans))
+    return plan
+
+
+def batch_size(steps: Sequence[Any], loader_batch: int) -> int:
+    """Samples per batch the training loop sees: the pipeline's ``.batched`` sizes times the
+    loader's (1 where nothing batches)."""
+    size = max(1, int(loader_batch))
+    for step in steps:
+        if isinstance(step, FilterFunction) and step.f is _batched:
+            size *= int(step.args[0] if step.args else step.kw.get("batchsize", 20))
+    return size
+
+
+def consumer_counts(
+    total: int, ranks: int, workers: int, batch: int, mode: str | None
+) -> tuple[list[int], int]:
+    """Samples for each new consumer (rank-major) out of ``total``, and how many of the
+    ``total`` are left out (< 0: that many repeated). ``mode`` None: as even as possible."""
+    consumers = ranks * workers
+    if mode is None:
+        base, extra = divmod(total, consumers)
+        return [base + (1 if h < extra else 0) for h in range(consumers)], 0
+    per_rank, left = divmod(total, ranks)
+    counts = [per_rank // workers + (1 if w < per_rank % workers else 0) for w in range(workers)]
+    if left and batch > 1 and not any(c % batch for c in counts) and workers > 1 and counts[0]:
+        # Every worker's batches are full: move a sample from worker 0 to worker 1 on every
+        # rank (worker 0 keeps its batch count, worker 1 gains one, on every rank alike).
+        counts[0] -= 1
+        counts[1] += 1
+    partial = [w for w in range(workers) if counts[w] % batch]
+    result = [list(counts) for _ in range(ranks)]
+    if left and partial:
+        for rank in range(left):  # the extra sample fills a partial batch: no new batch
+            result[rank][partial[0]] += 1
+        left = 0
+    elif left and mode == "pad":
+        for rank in range(ranks):
+            result[rank][0] += 1
+        left -= ranks
+    return [count for rank in result for count in rank], left
+
+
+def share(
+    steps: Sequence[Any],
+    invoke: Callable[..., Any],
+    states: Sequence[Mapping[str, Any]],
+    context: IterationContext,
+    split: Any,
+    batch: int,
+) -> list[Piece]:
+    """This consumer's plan of the restored epoch (``context``: its own, with the old run's
+    seed and epoch), from every old consumer's state. ``steps``: the pipeline's stages up to
+    its shard reader (the last one builds it), ``split``: its balancing stage if it has one."""
+    urls = getattr(steps[0], "urls", None)
+    if not isinstance(urls, list) or getattr(steps[0], "nshards", None) is not None:
+        raise StateMismatchError(
+            "an elastic restore needs a fixed list of shards as the first stage (WebDataset's, "
+            "not resampled shards)"
+        )
+    index_of = {url: number for number, url in enumerate(urls)}
+    sequence: list[Piece] = []
+    for state in _by_consumer(states):
+        if "plan" in state:
+            plan = [as_shard(_shard(urls, s), spans) for s, spans in decode(state["plan"])]
+        else:
+            plan = _old_plan(steps, invoke, state, context)
+        sequence.extend(_remaining(plan, state.get("stages", {}), index_of))
+    info = context.info
+    mode = split.mode(context) if split is not None else None
+    open_ended = any(stop is None for _, spans in sequence for _, stop in spans)
+    if open_ended and mode is None:
+        # Counts unknown and not needed (no balance): whole pieces in turn, no counting pass.
+        return sequence[info.global_worker :: info.num_consumers]
+    counts: list[int] | None = list(split.counts()) if open_ended else None
+    sized = [(shard, _closed(spans, counts, shard)) for shard, spans in sequence]
+    total = sum(_length(spans) for _, spans in sized)
+    sizes, left = consumer_counts(total, info.world_size, info.num_workers, batch, mode)
+    if info.global_worker == 0:
+        logger.info(
+            "elastic restore: %d samples of epoch %d remain, for %d ranks x %d workers",
+            total,
+            context.epoch,
+            info.world_size,
+            info.num_workers,
+        )
+        if left:
+            logger.warning(
+                "elastic restore: %d samples %s to keep every rank's batches equal "
+                "(balance=%r; the remainder does not divide by %d ranks)",
+                abs(left),
+                "left out" if left > 0 else "repeated",
+                mode,
+                info.world_size,
+            )
+    return _cut(sized, sizes, info.global_worker)
+
+
+def _by_consumer(states: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The old consumers' states in consumer order; one that saved nothing is at its start."""
+    layouts = {tuple(state["consumer"][1::2]) for state in states}
+    if len(layouts) != 1:
+        raise StateMismatchError(f"the states come from different layouts: {sorted(layouts)}")
+    world, workers = layouts.pop()
+    found: dict[int, Mapping[str, Any]] = {}
+    for state in states:
+        rank, _, worker, _ = (int(n) for n in state["consumer"])
+        number = rank * workers + worker
+        if number in found:
+            raise StateMismatchError(f"two states of rank {rank}, worker {worker}")
+        found[number] = state
+    epoch = next(iter(states))["epoch"]
+    start = {"consumer": None, "epoch": epoch, "stages": {}}
+    result: list[Mapping[str, Any]] = []
+    for number in range(world * workers):
+        rank, worker = divmod(number, workers)
+        result.append(found.get(number) or {**start, "consumer": [rank, world, worker, workers]})
+    return result
+
+
+def _shard(urls: list[str], number: int) -> dict[str, Any]:
+    if not 0 <= number < len(urls):
+        raise StateMismatchError(f"the state names shard {number}; the list has {len(urls)}")
+    return {"url": urls[number], "shard_index": number}
+
+
+def _old_plan(
+    steps: Sequence[Any],
+    invoke: Callable[..., Any],
+    state: Mapping[str, Any],
+    context: IterationContext,
+) -> list[dict[str, Any]]:
+    """The shard dicts an old consumer's reader was given: the stages before the reader, run
+    in that consumer's context (its rank and worker, the saved seed and epoch)."""
+    rank, world, worker, workers = (int(n) for n in state["consumer"])
+    info = WorkerInfo(rank=rank, world_size=world, worker=worker, num_workers=workers)
+    old = IterationContext(seed=context.seed, epoch=context.epoch, info=info)
+
+    def build() -> Any:
+        source = invoke(steps[0])
+        for step in steps[1:-1]:
+            source = invoke(step, source)
+        return iter(source)
+
+    return list(run_in_context(old, build))
+
+
+def _remaining(
+    plan: list[dict[str, Any]], stages: Mapping[str, Any], index_of: Mapping[str, int]
+) -> list[Piece]:
+    """What an old consumer had not delivered: its shuffle buffers' samples and the rest of
+    its plan after its reader's position, as pieces in plan order."""
+    reader = stages.get("reader", {})
+    begun, taken = int(reader.get("shards", 0)), int(reader.get("samples", 0))
+    buffered: dict[int, list[int]] = {}
+    for key, state in stages.items():
+        if key in ("passes", "reader"):
+            continue
+        if key.split(".")[0] != "shuffle" or "buffer" not in state:
+            raise StateMismatchError(
+                f"stage {key!r} holds a position that an elastic restore cannot divide"
+            )
+        for shard, sample in state["buffer"]:
+            buffered.setdefault(int(shard), []).append(int(sample))
+    pieces: list[Piece] = []
+    for number, shard in enumerate(plan):
+        index = index_of.get(shard.get("url", ""))
+        if index is None:
+            raise StateMismatchError("an elastic restore needs shards from the shard list")
+        spans = spans_of(shard)
+        rest = [] if number < begun - 1 else spans
+        if number == begun - 1:
+            rest = delivered_from(spans, taken)
+        kept = [(n, n + 1) for n in nth(spans, sorted(buffered.pop(number, [])))]
+        joined = merged(kept + rest)
+        closed = [span for span in joined if span[1] is not None]
+        if closed:
+            pieces.append((index, closed))
+        if len(closed) < len(joined):
+            pieces.append((index, joined[-1:]))
+    if buffered:
+        raise StateMismatchError("a shuffle buffer names shards this consumer never read")
+    return pieces
+
+
+def _closed(spans: list[Span], counts: list[int] | None, shard: int) -> list[Span]:
+    if counts is None:
+        return spans
+    return [(start, counts[shard] if stop is None else stop) for start, stop in spans]
+
+
+def _length(spans: list[Span]) -> int:
+    return sum(max(0, int(stop) - start) for start, stop in spans if stop is not None)
+
+
+def _cut(sequence: list[Piece], sizes: list[int], consumer: int) -> list[Piece]:
+    """Consumer ``consumer``'s contiguous run of ``sizes[consumer]`` samples of ``sequence``
+    (the runs of the consumers before it come first); where the sequence runs out, the run
+    repeats its own first samples (``pad``)."""
+    start = sum(sizes[:consumer])
+    want = sizes[consumer]
+    run: list[Piece] = []
+    position = 0
+    for shard, spans in sequence:
+        for lo, hi in spans:
+            assert hi is not None
+            begin, end = max(lo, lo + start - position), min(hi, lo + start + want - position)
+            if begin < end:
+                last = run[-1][1][-1] if run and run[-1][0] == shard else None
+                if last is not None and last[1] == begin:
+                    run[-1][1][-1] = (last[0], end)
+                elif last is not None and int(last[1] or 0) < begin:
+                    run[-1][1].append((begin, end))  # spans stay in archive order
+                else:
+                    run.append((shard, [(begin, end)]))
+            position += hi - lo
+    short = want - sum(_length(spans) for _, spans in run)
+    if short > 0:
+        first = run[0] if run else next(((s, p) for s, p in sequence if _length(p)), None)
+        if first is not None:
+            run.append((first[0], [(first[1][0][0], first[1][0][0] + short)]))
+    return run
+
+
+def gathered(states: Sequence[Any], check: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
+    """An elastic restore's resume: every old consumer's state (each checked by ``check``),
+    the epoch they are in and its seed. States of consumers that had not started their epoch
+    (no seed) stand for consumers at its start."""
+    checked = [check(state) for state in states]
+    if not checked:
+        raise StateMismatchError("an elastic restore needs the states of the old consumers")
+    started = [state for state in checked if state.get("seed") is not None]
+    epochs = {int(state["epoch"]) for state in started or checked}
+    seeds = {int(state["seed"]) for state in started}
+    if len(epochs) != 1 or len(seeds) > 1:
+        raise StateMismatchError(
+            f"the states are from different epochs or seeds ({sorted(epochs)}, {sorted(seeds)})"
+        )
+    epoch = epochs.pop()
+    kept = [state for state in checked if state.get("seed") is not None or state["epoch"] == epoch]
+    return {
+        ELASTIC_KEY: kept,
+        "epoch": epoch,
+        "seed": seeds.pop() if seeds else None,
+    }
+
+
+def reader_index(steps: Sequence[Any], invoke: Callable[..., Any], context: Any) -> int:
+    """The number of the stage that builds the shard reader (tried on copies of the stages
+    in a copy of ``context``, and closed unread)."""
+    probe = IterationContext(seed=context.seed, epoch=context.epoch, info=context.info)
+    with iteration_context(probe):
+        source: Any = None
+        for number, step in enumerate(snapshot(steps)):
+            source = invoke(step, source) if number else invoke(step)
+            if is_reader(source):
+                source.close()
+                return number
+    raise StateMismatchError("an elastic restore needs a shard reader in the pipeline")
+
+
+def planned(steps: Sequence[Any], reader: int, plan: Sequence[Piece]) -> list[Any]:
+    """The stages of a restored epoch with a plan: the plan's shard dicts, then the reader and
+    what follows it."""
+    urls = getattr(steps[0], "urls", [])
+    shards = [as_shard(_shard(urls, shard), spans) for shard, spans in plan]
+    return [shards, *steps[reader:]]
+
+
+def restore(pipeline: Any, resume: Mapping[str, Any], context: Any) -> tuple[Any, Any]:
+    """(the stages, the encoded plan) of a restored epoch that has a plan, else (None, None):
+    an elastic restore computes this consumer's plan (:func:`share`), a state saved during
+    such an epoch carries it."""
+    if ELASTIC_KEY not in resume and "plan" not in resume:
+        return None, None
+    steps = pipeline.pipeline
+    if pipeline.repetitions != 1 or pipeline.nsamples > 0:
+        raise StateMismatchError(
+            "an elastic restore needs epochs of one pass over the shards: with_epoch() and "
+            "repeat() epochs cannot be divided over another number of ranks or workers"
+        )
+    reader = reader_index(steps, pipeline.invoke, context)
+    if ELASTIC_KEY in resume:
+        split = next((s for s in steps[:reader] if callable(getattr(s, "counts", None))), None)
+        batch = batch_size(steps[reader:], int(resume.get("batch", 1)))
+        states = resume[ELASTIC_KEY]
+        plan = share(steps[: reader + 1], pipeline.invoke, states, context, split, batch)
+    else:
+        plan = decode(resume["plan"])
+    return planned(steps, reader, plan), encode(plan)

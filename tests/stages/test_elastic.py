@@ -1,0 +1,177 @@
+"""Elastic resume: an epoch checkpointed on N ranks x W DataLoader workers continues on M x V.
+
+The old ranks run here one after another in this process (``rank=``/``world_size=`` given to
+the dataset, as torchrun would detect them); each stops after the same number of batches, as
+ranks in lockstep do, and saves its ``StatefulDataLoader`` state. The new ranks restore every
+old rank's state (gathered, as :class:`cloudshards.StatefulLoader` saves it) and run the rest
+of the epoch. Checked: together the two runs deliver exactly the uninterrupted epoch's samples,
+each once; every new rank gets the same number of batches; the next epoch is the new world's
+normal one. integration/test_distributed.py does the same with torchrun.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+from test_state import keys
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+import cloudshards as wds
+from cloudshards.errors import StateMismatchError
+
+SIZES = [9, 14, 5, 20, 11, 7, 13, 16]  # 95 samples, uneven shards
+
+
+def dataset(spec: str, rank: int, world: int, buffer: int, batch: int, **kw: Any) -> Any:
+    data = wds.WebDataset(spec, shardshuffle=True, seed=7, rank=rank, world_size=world, **kw)
+    data = data.shuffle(buffer) if buffer else data
+    data = data.batched(batch)
+    data.set_epoch(3)
+    return data
+
+
+def run_old_world(
+    spec: str, world: int, workers: int, batches: int, buffer: int, batch: int, **kw: Any
+) -> tuple[list[str], list[str], dict[str, Any]]:
+    """(the uninterrupted epoch's keys, the keys delivered before the checkpoint, the gathered
+    checkpoint) of ``world`` ranks x ``workers`` stopped after ``batches`` batches each."""
+    everything: list[str] = []
+    before: list[str] = []
+    states = []
+    for rank in range(world):
+        data = dataset(spec, rank, world, buffer, batch, **kw)
+        everything += keys(StatefulDataLoader(data, batch_size=None, num_workers=workers))
+        loader = StatefulDataLoader(data, batch_size=None, num_workers=workers)
+        it = iter(loader)
+        before += keys(next(it) for _ in range(batches))
+        states.append(loader.state_dict())
+        del it
+    return everything, before, {"cloudshards_ranks": states, "world_size": world}
+
+
+def run_new_world(
+    spec: str, checkpoint: Any, world: int, workers: int, buffer: int, batch: int, **kw: Any
+) -> list[list[Any]]:
+    """Each new rank's batches after restoring ``checkpoint``."""
+    result = []
+    for rank in range(world):
+        data = dataset(spec, rank, world, buffer, batch, **kw)
+        loader = wds.StatefulLoader(data, batch_size=None, num_workers=workers)
+        loader.load_state_dict(checkpoint)
+        result.append(list(loader))
+    return result
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "buffer"),
+    [
+        ((2, 2), (1, 2), 30),
+        ((2, 2), (3, 1), 30),
+        ((2, 2), (4, 2), 0),
+        ((1, 2), (2, 2), 20),
+        ((3, 1), (2, 2), 40),
+    ],
+    ids=["2x2-1x2", "2x2-3x1", "2x2-4x2", "1x2-2x2", "3x1-2x2"],
+)
+def test_every_remaining_sample_once_with_equal_batches_per_rank(
+    make_shards: Any, old: tuple[int, int], new: tuple[int, int], buffer: int
+) -> None:
+    shards = make_shards(SIZES)
+    everything, before, checkpoint = run_old_world(shards.spec(), *old, 3, buffer, 4)
+    assert not [k for k, n in Counter(everything).items() if n > 1]
+    after = run_new_world(shards.spec(), checkpoint, *new, buffer, 4)
+    delivered = before + [k for batches in after for k in keys(batches)]
+    assert not [k for k, n in Counter(delivered).items() if n > 1], "a sample twice"
+    assert sorted(delivered) == sorted(everything)
+    assert len({len(batches) for batches in after}) == 1, [len(b) for b in after]
+
+
+def test_a_checkpoint_during_the_resumed_epoch_restores_on_the_same_world_and_another(
+    make_shards: Any,
+) -> None:
+    spec = make_shards(SIZES).spec()
+    everything, before, checkpoint = run_old_world(spec, 2, 2, 2, 25, 3)
+    # The new world (3 x 1) stops after 4 batches per rank and saves its states.
+    middle: list[str] = []
+    states = []
+    full = []
+    for rank in range(3):
+        data = dataset(spec, rank, 3, 25, 3)
+        loader = wds.StatefulLoader(data, batch_size=None, num_workers=0)
+        loader.load_state_dict(checkpoint)
+        full.append(keys(loader))
+        loader = wds.StatefulLoader(data, batch_size=None, num_workers=0)
+        loader.load_state_dict(checkpoint)
+        it = iter(loader)
+        middle += keys(next(it) for _ in range(4))
+        states.append(loader.state_dict())
+        assert "plan" in states[-1]["dataset_state"]  # its share travels with its state
+    again = {"cloudshards_ranks": states, "world_size": 3}
+    # Same world: each rank continues its own sequence exactly.
+    for rank in range(3):
+        data = dataset(spec, rank, 3, 25, 3)
+        loader = wds.StatefulLoader(data, batch_size=None, num_workers=0)
+        loader.load_state_dict(states[rank])
+        assert keys(loader) == full[rank][12:]
+    # Another world again (2 x 2): the rest, once.
+    after = run_new_world(spec, again, 2, 2, 25, 3)
+    delivered = before + middle + [k for batches in after for k in keys(batches)]
+    assert sorted(delivered) == sorted(everything)
+
+
+def test_the_next_epoch_is_the_new_worlds_own(make_shards: Any) -> None:
+    spec = make_shards(SIZES).spec()
+    _, _, checkpoint = run_old_world(spec, 2, 2, 3, 10, 4)
+    data = dataset(spec, 0, 1, 10, 4)
+    loader = wds.StatefulLoader(data, batch_size=None, num_workers=2)
+    loader.load_state_dict(checkpoint)
+    list(loader)
+    data.set_epoch(4)
+    fresh = dataset(spec, 0, 1, 10, 4)
+    fresh.set_epoch(4)
+    want = keys(StatefulDataLoader(fresh, batch_size=None, num_workers=2))
+    assert keys(loader) == want
+
+
+def test_a_remainder_that_cannot_divide_is_dropped_or_padded_as_balance_says(
+    make_shards: Any,
+) -> None:
+    # Batches of one sample: an extra sample is always an extra batch, so 3 ranks get
+    # floor(R / 3) each ("drop") or ceil ("pad"), never unequal counts.
+    spec = make_shards(SIZES).spec()
+    for balance in ("drop", "pad"):
+        everything, before, checkpoint = run_old_world(spec, 2, 1, 4, 0, 1, balance=balance)
+        remaining = len(everything) - len(before)
+        assert remaining % 3, "the test needs a remainder"
+        after = run_new_world(spec, checkpoint, 3, 1, 0, 1, balance=balance)
+        counts = {len(batches) for batches in after}
+        assert len(counts) == 1
+        delivered = before + [k for batches in after for k in keys(batches)]
+        if balance == "drop":
+            assert counts == {remaining // 3}
+            assert not [k for k, n in Counter(delivered).items() if n > 1]
+        else:
+            assert counts == {-(-remaining // 3)}
+            assert set(delivered) == set(everything)
+
+
+def test_restores_that_cannot_be_divided_are_refused(make_shards: Any) -> None:
+    spec = make_shards(SIZES).spec()
+    data = wds.WebDataset(spec, seed=1, rank=0, world_size=2).with_epoch(10)
+    loader = StatefulDataLoader(data, batch_size=None, num_workers=0)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    new = wds.StatefulLoader(
+        wds.WebDataset(spec, seed=1, rank=0, world_size=3).with_epoch(10), batch_size=None
+    )
+    new.load_state_dict({"cloudshards_ranks": [state], "world_size": 2})
+    with pytest.raises(StateMismatchError, match="with_epoch"):
+        list(new)
+    other = wds.WebDataset(spec, seed=2, rank=0, world_size=3)
+    with pytest.raises(StateMismatchError, match="different dataset or configuration"):
+        wds.StatefulLoader(other, batch_size=None).load_state_dict(
+            {"cloudshards_ranks": [state], "world_size": 2}
+        )

@@ -15,12 +15,15 @@ Run it on one process, or on several with torchrun::
     torchrun --nnodes=2 --node_rank=0 --nproc_per_node=8 --master_addr=HOST --master_port=29500 \\
         examples/train_epochs.py SHARDS
 
-Resume after a crash with torchdata's ``StatefulDataLoader`` (``pip install torchdata``): it
-asks the dataset in every worker for its ``state_dict()``, so a restored run continues with the
-very next sample::
+Resume after a crash with ``wds.StatefulLoader`` (torchdata's ``StatefulDataLoader``; ``pip
+install 'cloudshards[resume]'``): it asks the dataset in every worker for its ``state_dict()``
+and gathers every rank's into each checkpoint, so a restored run continues with the very next
+sample, on the same number of ranks and workers or on another (an elastic restore: the rest of
+the epoch is divided over the new world, each sample once, every rank the same steps)::
 
     torchrun ... examples/train_epochs.py SHARDS --steps-limit 100 --state ckpt/   # stops
     torchrun ... examples/train_epochs.py SHARDS --resume ckpt/                     # continues
+    torchrun --nproc_per_node=3 ... train_epochs.py SHARDS --resume ckpt/ --workers 1  # elastic
 
 Data: each sample has ``npy`` (a float32 vector of ``--features`` values) and ``cls`` (an int
 label below ``--classes``), e.g. written with ``wds.ShardWriter``::
@@ -77,9 +80,7 @@ def make_dataset(args: argparse.Namespace) -> wds.WebDataset:
 def make_loader(dataset: wds.WebDataset, args: argparse.Namespace) -> Any:
     """A DataLoader over the (already batched) dataset; a stateful one to checkpoint it."""
     if args.state is not None or args.resume is not None:
-        from torchdata.stateful_dataloader import StatefulDataLoader
-
-        return StatefulDataLoader(dataset, batch_size=None, num_workers=args.workers)
+        return wds.StatefulLoader(dataset, batch_size=None, num_workers=args.workers)
     return wds.WebLoader(dataset, batch_size=None, num_workers=args.workers)
 
 
@@ -93,7 +94,11 @@ def main() -> None:
     start_epoch, step, samples, loss = 0, 0, 0, float("nan")
     loader_state = None
     if args.resume is not None:
-        checkpoint = torch.load(args.resume / f"rank{rank}.pt", weights_only=True)
+        # Every rank's file holds every rank's loader state, and DDP keeps the model and the
+        # optimizer identical on all ranks: a new rank of a larger world reads rank 0's.
+        path = args.resume / f"rank{rank}.pt"
+        path = path if path.exists() else args.resume / "rank0.pt"
+        checkpoint = torch.load(path, weights_only=True)
         model.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])
         start_epoch, step, samples = checkpoint["epoch"], checkpoint["step"], checkpoint["samples"]
@@ -118,13 +123,14 @@ def main() -> None:
 
     if args.state is not None:
         args.state.mkdir(parents=True, exist_ok=True)
+        loader_state = loader.state_dict()  # collective: every rank's, gathered
         checkpoint = {
             "epoch": epoch,
             "step": step,
             "samples": samples,
             "model": model.state_dict(),
             "optimizer": optimizer.state_dict(),
-            "loader": loader.state_dict(),  # every worker's dataset.state_dict() inside
+            "loader": loader_state,  # every rank's and worker's dataset.state_dict() inside
         }
         torch.save(checkpoint, args.state / f"rank{rank}.pt")
     log.close()

@@ -15,7 +15,9 @@ summary line; the tests read those back:
   ``DistributedChunkedSampler`` promises it, together the whole dataset;
 - epoch 2's order differs from epoch 1's, and a rerun with the same seed is identical;
 - a run stopped after k steps and resumed from its ``StatefulDataLoader`` state trains on
-  exactly the samples of an uninterrupted run, in the same order;
+  exactly the samples of an uninterrupted run, in the same order; resumed on another world
+  (1 rank x 2 workers, 3 x 1, 2 nodes x 2 ranks x 2 workers: an elastic restore), on every
+  sample of the interrupted epoch exactly once, every new rank the same steps;
 - over S3 (moto) with the node cache: the same samples as from local disk, each shard fetched
   from the store once.
 
@@ -386,6 +388,58 @@ def test_epochs_resume_from_state(runner: Runner, data: Data, buffer: int) -> No
         )
         # Same steps, samples and final loss: the model and optimizer resumed too.
         assert part.result.summaries[rank] == reference.result.summaries[rank]
+
+
+# Elastic restores: (nodes, ranks per node, workers per rank) of the new world.
+ELASTIC_WORLDS = {"1x2": (1, 1, 2), "3x1": (1, 3, 1), "2nodes-2x2": (2, 2, 2)}
+
+
+@pytest.mark.parametrize(
+    ("world", "stop_epoch"), [("1x2", 0), ("3x1", 0), ("2nodes-2x2", 0), ("3x1", 1)]
+)
+def test_epochs_elastic_resume(runner: Runner, data: Data, world: str, stop_epoch: int) -> None:
+    """Stop 2 ranks x 2 workers (``.shuffle(1000)``) mid-epoch 0 (or 1), restore the gathered
+    checkpoint on another world: the epoch's samples are trained on exactly once over the two
+    runs, every new rank takes the same steps (DDP on every rank: no hang), and the epochs
+    after it are the new world's own balanced ones."""
+    nodes, ranks_per_node, workers = ELASTIC_WORLDS[world]
+    shuffle = "--shuffle-buffer=1000"
+    reference = runner.run(
+        EPOCHS_SCRIPT, epochs_args(data, f"--state={runner.root / 'reference-shuffled'}", shuffle)
+    )
+    per_epoch = reference.steps_in(0, 0)
+    stop = stop_epoch * per_epoch + per_epoch // 2
+    state = runner.new_dir("elastic-state")
+    first = runner.run(
+        EPOCHS_SCRIPT,
+        epochs_args(data, shuffle, f"--state={state}", f"--steps-limit={stop}"),
+        log_dir=runner.new_dir("elastic-first"),
+        cached=False,
+    )
+    check_lockstep_epochs(first, range(stop_epoch))
+    args = epochs_args(data, shuffle, f"--resume={state}", f"--workers={workers}")
+    second = runner.run(EPOCHS_SCRIPT, args, nodes=nodes, ranks_per_node=ranks_per_node)
+    check_lockstep_epochs(second, range(stop_epoch, EPOCHS))
+    for epoch in range(stop_epoch):
+        assert first.epoch_keys(epoch) == reference.epoch_keys(epoch)
+    trained = Counter(first.epoch_keys(stop_epoch) + second.epoch_keys(stop_epoch))
+    assert not [k for k, n in trained.items() if n > 1], "a sample trained twice in the epoch"
+    assert set(trained) == set(reference.epoch_keys(stop_epoch)), (
+        f"missing {sorted(set(reference.epoch_keys(stop_epoch)) - set(trained))}"
+    )
+    consumers = second.world_size * workers
+    # The new world's own epochs: balanced ("drop") with several ranks, whole on one.
+    whole = NUM_SAMPLES if second.world_size == 1 else consumers * (NUM_SAMPLES // consumers)
+    for epoch in range(stop_epoch + 1, EPOCHS):
+        seen = second.epoch_keys(epoch)
+        assert len(seen) == len(set(seen)) == whole
+
+
+def check_lockstep_epochs(run: Run, epochs: range) -> None:
+    """Every rank trained the same number of steps in each of ``epochs``."""
+    for epoch in epochs:
+        steps = {rank: run.steps_in(rank, epoch) for rank in range(run.world_size)}
+        assert len(set(steps.values())) == 1, f"epoch {epoch}: steps per rank {steps}"
 
 
 # ------------------------------------------------------------------------------ resampled

@@ -9,13 +9,16 @@ checkpoint (written by rank 0) and restores on every rank with ``trainer.fit(ckp
 
 ``full`` trains 2 epochs; ``stop`` trains STEPS steps and saves a checkpoint there
 (``OUT_DIR/ckpt/``); ``resume`` continues from CHECKPOINT to the end of epoch 2. Each rank
-writes the keys of every step it trained on to ``OUT_DIR/{mode}-rank{r}.json`` and prints
-``RANK r steps n`` at the end.
+writes the keys of every step it trained on to ``OUT_DIR/{mode}-rank{r}.json`` (and each
+step's epoch to ``{mode}-rank{r}-epochs.json``) and prints ``RANK r steps n`` at the end.
+``DEVICES`` in the environment sets the number of ranks (default 2; a resume on another
+number is an elastic restore).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import pytorch_lightning as pl
@@ -30,12 +33,14 @@ class Model(pl.LightningModule):
         self.layer = torch.nn.Linear(8, 4)
         self.out, self.mode = out, mode
         self.trained: list[list[str]] = []
+        self.epochs: list[int] = []
 
     def training_step(
         self, batch: tuple[list[str], torch.Tensor, torch.Tensor], _: int
     ) -> torch.Tensor:
         keys, x, y = batch
         self.trained.append(list(keys))
+        self.epochs.append(self.current_epoch)
         return torch.nn.functional.cross_entropy(self.layer(x), y)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -44,6 +49,8 @@ class Model(pl.LightningModule):
     def on_train_end(self) -> None:
         with open(f"{self.out}/{self.mode}-rank{self.global_rank}.json", "w") as f:
             json.dump(self.trained, f)
+        with open(f"{self.out}/{self.mode}-rank{self.global_rank}-epochs.json", "w") as f:
+            json.dump(self.epochs, f)
         print(f"RANK {self.global_rank} steps {len(self.trained)}", flush=True)
 
 
@@ -79,7 +86,7 @@ def main() -> None:
         )
     trainer = pl.Trainer(
         accelerator="cpu",
-        devices=2,
+        devices=int(os.environ.get("DEVICES", "2")),
         strategy="ddp",
         logger=False,
         enable_checkpointing=mode == "stop",

@@ -36,11 +36,12 @@ def write_shards(root: Path) -> str:
     return str(root / f"shard-{{000000..{len(SIZES) - 1:06d}}}.tar")
 
 
-def _lightning(tmp_path: Path, script: Path, *args: str) -> str:
+def _lightning(tmp_path: Path, script: Path, *args: str, devices: int = 2) -> str:
     """Run a Lightning script in a session of its own; its output. A hang (past TIMEOUT_S)
     or a failed run fails the test, and every process the run started is killed."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CLOUDSHARDS_", "WDS_"))}
     env["CLOUDSHARDS_COUNTS_DIR"] = str(tmp_path / "counts")
+    env["DEVICES"] = str(devices)
     process = subprocess.Popen(
         [sys.executable, str(script), *args],
         cwd=tmp_path,
@@ -109,3 +110,30 @@ def test_lightning_checkpoint_mid_epoch_resumes_exactly(tmp_path: Path, stop: st
         after = json.loads((out / f"resume-rank{rank}.json").read_text())
         assert len(before) == steps
         assert before + after == full[rank], f"rank {rank}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3 * TIMEOUT_S + 30)
+def test_lightning_checkpoint_of_two_ranks_resumes_on_one(tmp_path: Path) -> None:
+    """An elastic restore through Lightning: the checkpoint of 2 ranks x 2 workers, taken
+    mid-epoch 0, restored on 1 rank: every sample of epoch 0 trained on once over both runs,
+    then epoch 1 whole on the one rank."""
+    spec = write_shards(tmp_path)
+    out = tmp_path / "keys"
+    out.mkdir()
+    _lightning(tmp_path, RESUME_SCRIPT, spec, "2", str(out), "full")
+    full = [json.loads((out / f"full-rank{rank}.json").read_text()) for rank in (0, 1)]
+    per_epoch = len(full[0]) // 2
+    epoch0 = [k for rank in (0, 1) for batch in full[rank][:per_epoch] for k in batch]
+    _lightning(tmp_path, RESUME_SCRIPT, spec, "2", str(out), "stop", str(per_epoch // 2))
+    (checkpoint,) = sorted((out / "ckpt").glob("*.ckpt"))
+    _lightning(tmp_path, RESUME_SCRIPT, spec, "2", str(out), "resume", str(checkpoint), devices=1)
+    before = [
+        k for r in (0, 1) for b in json.loads((out / f"stop-rank{r}.json").read_text()) for k in b
+    ]
+    after = json.loads((out / "resume-rank0.json").read_text())
+    epochs = json.loads((out / "resume-rank0-epochs.json").read_text())
+    rest = [k for batch, epoch in zip(after, epochs, strict=True) if epoch == 0 for k in batch]
+    assert sorted(before + rest) == sorted(epoch0)  # each sample of epoch 0 once
+    epoch1 = [k for batch, epoch in zip(after, epochs, strict=True) if epoch == 1 for k in batch]
+    assert sorted(epoch1) == sorted(f"s{s}_{i}" for s, n in enumerate(SIZES) for i in range(n))

@@ -44,9 +44,12 @@ class StatefulLoader(StatefulDataLoader):  # type: ignore[misc]
     Lightning does when it checkpoints (and as a loop does that saves on every rank). With
     ``all_ranks=False`` (or one rank) it is ``StatefulDataLoader``'s own state.
 
-    ``load_state_dict()`` takes either form: a gathered state gives each rank its own part (it
-    must come from the same number of ranks, or :class:`~cloudshards.StateMismatchError` says
-    so); a single rank's state is loaded as it is.
+    ``load_state_dict()`` takes either form: a gathered state gives each rank its own part; a
+    single rank's state is loaded as it is. States saved by another number of ranks or
+    workers restore elastically (``{"cloudshards_ranks": [each rank's state]}``, as
+    ``state_dict()`` gathers them): the dataset in each new worker takes its share of the
+    epoch's remaining samples (see :mod:`cloudshards.stages.elastic`), and the loader starts
+    afresh.
 
     ``prefetched``: how many batches the training loop fetches ahead of the step it trains
     (``state_dict()`` then describes the position after the batches actually trained).

@@ -9,7 +9,6 @@ datasets, proportions) is in a pipeline's state fingerprint.
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import random
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -17,7 +16,13 @@ from typing import Any
 
 from torch.utils.data import IterableDataset
 
-from cloudshards.stages.base import make_rng, rng_state, set_rng_state
+from cloudshards.dist import WorkerInfo
+from cloudshards.mixorder import Mixing, drawn, quota, robin, smooth
+from cloudshards.stages.base import current_context, make_rng, rng_state, set_rng_state
+
+#: Epochs of a dataset per epoch of a mix by counts: pass ``p`` of mix epoch ``e`` sets the
+#: dataset's epoch to ``e * _PASSES + p`` (each pass another order).
+_PASSES = 1024
 
 __all__ = [
     "MixIterator",
@@ -32,12 +37,12 @@ __all__ = [
 
 def round_robin_shortest(*sources: Iterator[Any]) -> Iterator[Any]:
     """Take one item from each source in turn; stop when any source is exhausted."""
-    yield from _robin(list(sources), False, _Mixing(len(sources), None))
+    yield from robin(list(sources), False, Mixing(len(sources), None))
 
 
 def round_robin_longest(*sources: Iterator[Any]) -> Iterator[Any]:
     """Take one item from each source in turn, dropping exhausted sources, until none is left."""
-    yield from _robin(list(sources), True, _Mixing(len(sources), None))
+    yield from robin(list(sources), True, Mixing(len(sources), None))
 
 
 class _Resumable:
@@ -85,8 +90,8 @@ def random_samples(
     weights = [1.0] * len(sources) if probs is None else [float(p) for p in probs]
     if len(weights) != len(sources):
         raise ValueError(f"got {len(weights)} probabilities for {len(sources)} datasets")
-    mixing = _Mixing(len(sources), rng if rng is not None else make_rng("mix"))
-    yield from _drawn(list(sources), weights, longest, mixing)
+    mixing = Mixing(len(sources), rng if rng is not None else make_rng("mix"))
+    yield from drawn(list(sources), weights, longest, mixing)
 
 
 class RandomMix(_Resumable, IterableDataset):  # type: ignore[type-arg]
@@ -117,31 +122,64 @@ class WeightedMix(_Resumable, IterableDataset):  # type: ignore[type-arg]
     """Mix datasets in fixed proportions, deterministically: after any number of items, each
     dataset has given its share of them to within one item (smooth weighted round robin), in
     the same order on every rank and worker, so that every rank trains on the same mixture.
-    With ``with_epoch(n)`` each rank's epoch is ``n`` items of it. Resumable exactly, like
-    :class:`RandomMix`.
+    Resumable exactly, like :class:`RandomMix`.
+
+    By ``weights``, the mix runs until a dataset runs out (or, ``longest``, all do); cut its
+    epochs with ``with_epoch(n)``: each rank's epoch is then ``n`` items of it. By ``counts``,
+    each epoch holds that many samples of each dataset over the whole job: every rank and
+    DataLoader worker takes ``counts[i] // (ranks x workers)`` of dataset ``i`` (the
+    remainder, fewer than ranks x workers, is left out), so epochs are equal everywhere with
+    no ``with_epoch``. A dataset whose epoch gives fewer is read again (its next pass, in
+    another order: upsampling); one that gives more contributes the first of its samples in
+    that epoch's order (a different subset each epoch: subsampling).
+
+    Inside a pipeline the mix sets each dataset's epoch from the pipeline's (its
+    ``set_epoch``), so every dataset reshuffles each epoch and resumes with it.
 
     Args:
         datasets: The datasets (each a cloudshards pipeline, or any iterable).
         weights: Their proportions (any positive numbers; normalised).
         longest: When a dataset runs out, go on with the others in their proportions (default:
-            stop).
+            stop). Weights only.
+        counts: Samples of each dataset per epoch, over all ranks and workers (instead of
+            ``weights``).
     """
 
     def __init__(
-        self, datasets: Sequence[Iterable[Any]], weights: Sequence[float], longest: bool = False
+        self,
+        datasets: Sequence[Iterable[Any]],
+        weights: Sequence[float] | None = None,
+        longest: bool = False,
+        *,
+        counts: Sequence[int] | None = None,
     ) -> None:
-        if not weights or any(float(w) <= 0 for w in weights):
+        if (weights is None) == (counts is None):
+            raise ValueError("give WeightedMix either weights or counts")
+        if counts is not None and (not counts or any(int(n) < 0 for n in counts)):
+            raise ValueError(f"counts must be numbers of samples, got {list(counts)}")
+        if weights is not None and (not weights or any(float(w) <= 0 for w in weights)):
             raise ValueError(f"weights must be positive numbers, got {list(weights)}")
         self.datasets = datasets
-        self.weights = [float(w) for w in weights]
+        self.weights = None if weights is None else [float(w) for w in weights]
+        self.counts = None if counts is None else [int(n) for n in counts]
         self.longest = longest
 
     def stage_config(self) -> dict[str, Any]:
         """How many datasets are mixed, in which proportions, until when."""
-        return {"datasets": _count(self.datasets), "weights": self.weights, "smooth": True}
+        config: dict[str, Any] = {"datasets": _count(self.datasets), "smooth": True}
+        if self.counts is not None:
+            return {**config, "counts": self.counts}
+        return {**config, "weights": self.weights}
 
     def __iter__(self) -> MixIterator:
-        return _start(self, MixIterator(self.datasets, self.weights, self.longest, None))
+        if self.counts is None:
+            it = MixIterator(self.datasets, self.weights, self.longest, None)
+        else:
+            context = current_context()
+            info = context.info if context is not None else WorkerInfo.detect()
+            quotas = [count // info.num_consumers for count in self.counts]
+            it = MixIterator(self.datasets, [float(q) for q in quotas], False, None, quotas)
+        return _start(self, it)
 
 
 def _count(datasets: Any) -> int | None:
@@ -155,19 +193,6 @@ def _start(mix: Any, it: MixIterator) -> MixIterator:
         it.load_state_dict(restore)
     mix._live = it
     return it
-
-
-class _Mixing:
-    """What a running mix shares with its generator (which must not refer to the iterator)."""
-
-    __slots__ = ("alive", "credits", "rng", "taken", "turn")
-
-    def __init__(self, count: int, rng: random.Random | None) -> None:
-        self.alive = list(range(count))  # the sources still in the mix, in order
-        self.taken = [0] * count  # items taken from each source
-        self.turn = 0  # round robin: the position in ``alive`` of the next source
-        self.credits = [0.0] * count  # weighted mix: each source's credit
-        self.rng = rng
 
 
 class MixIterator:
@@ -189,13 +214,17 @@ class MixIterator:
         weights: Sequence[float] | None,
         longest: bool,
         rng: random.Random | None,
+        quotas: Sequence[int] | None = None,
     ) -> None:
         self._datasets = list(datasets)
+        self._quotas = None if quotas is None else list(quotas)
+        context = current_context()
+        self._epoch = None if context is None else context.epoch
         if weights is not None and len(weights) != len(self._datasets):
             raise ValueError(f"got {len(weights)} probabilities for {len(self._datasets)} datasets")
         self._weights = None if weights is None else [float(w) for w in weights]
         self._longest = longest
-        self._mixing = _Mixing(len(self._datasets), rng)
+        self._mixing = Mixing(len(self._datasets), rng)
         self._restore: Mapping[str, Any] | None = None
         self._it: Iterator[Any] | None = None
 
@@ -207,32 +236,38 @@ class MixIterator:
     def __next__(self) -> Any:
         return next(self.__iter__())
 
+    def _open(self, number: int, state: Any = None) -> Iterator[Any]:
+        """Source ``number`` in its current pass: its epoch set from the pipeline's, then its
+        saved state (a pipeline's) or the items to skip (any other iterable) restored."""
+        dataset = self._datasets[number]
+        set_epoch = getattr(dataset, "set_epoch", None)
+        if self._epoch is not None and callable(set_epoch):
+            set_epoch(self._epoch * _PASSES + self._mixing.passes[number])
+        if isinstance(state, Mapping) and callable(getattr(dataset, "load_state_dict", None)):
+            dataset.load_state_dict(state)
+            return iter(dataset)
+        skip = int(state) if isinstance(state, int) else 0
+        return itertools.islice(iter(dataset), skip, None) if skip else iter(dataset)
+
     def _begin(self) -> Iterator[Any]:
         mixing, restore = self._mixing, self._restore or {}
         saved = restore.get("sources", {})
-        sources: list[Iterator[Any]] = []
-        for number, dataset in enumerate(self._datasets):
-            state = saved.get(str(number))
-            if isinstance(state, Mapping) and callable(getattr(dataset, "load_state_dict", None)):
-                dataset.load_state_dict(state)
-                source = iter(dataset)
-            else:
-                source = iter(dataset)
-                skip = int(state) if isinstance(state, int) else 0
-                source = itertools.islice(source, skip, None) if skip else source
-            sources.append(source)
         if restore:
             mixing.alive = [int(i) for i in restore["alive"]]
             mixing.taken = [int(n) for n in restore["taken"]]
             mixing.turn = int(restore.get("turn", 0))
             mixing.credits = [float(c) for c in restore.get("credits", mixing.credits)]
+            mixing.passes = [int(n) for n in restore.get("passes", mixing.passes)]
             if mixing.rng is not None and restore.get("rng") is not None:
                 set_rng_state(mixing.rng, restore["rng"])
+        sources = [self._open(n, saved.get(str(n))) for n in range(len(self._datasets))]
+        if self._quotas is not None:
+            return quota(sources, self._quotas, mixing, self._open)
         if self._weights is None:
-            return _robin(sources, self._longest, mixing)
+            return robin(sources, self._longest, mixing)
         if mixing.rng is None:
-            return _smooth(sources, self._weights, self._longest, mixing)
-        return _drawn(sources, self._weights, self._longest, mixing)
+            return smooth(sources, self._weights, self._longest, mixing)
+        return drawn(sources, self._weights, self._longest, mixing)
 
     def state_dict(self) -> dict[str, Any]:
         """``{"alive": [...], "taken": [...], "turn": i, "rng": ..., "sources": {...}}``;
@@ -250,6 +285,7 @@ class MixIterator:
             "taken": list(mixing.taken),
             "turn": mixing.turn,
             "credits": list(mixing.credits),
+            "passes": list(mixing.passes),
             "rng": rng,
             "sources": sources,
         }
@@ -259,74 +295,3 @@ class MixIterator:
         if self._it is not None:
             raise RuntimeError("a mix is restored before it starts")
         self._restore = state
-
-
-def _robin(sources: list[Iterator[Any]], longest: bool, mixing: _Mixing) -> Iterator[Any]:
-    """:func:`round_robin_longest` / :func:`round_robin_shortest` over ``mixing``."""
-    alive, taken = mixing.alive, mixing.taken
-    while alive:
-        mixing.turn %= len(alive)
-        number = alive[mixing.turn]
-        try:
-            sample = next(sources[number])
-        except StopIteration:
-            if not longest:
-                alive.clear()
-                return
-            del alive[mixing.turn]
-            continue
-        taken[number] += 1
-        mixing.turn += 1
-        yield sample
-
-
-def _smooth(
-    sources: list[Iterator[Any]], weights: list[float], longest: bool, mixing: _Mixing
-) -> Iterator[Any]:
-    """Smooth weighted round robin over ``mixing``: each step every source still in the mix
-    earns its weight, the one with the most credit (the first on a tie) gives the item and pays
-    back the total. Any prefix of the output holds each source's share to within one item."""
-    alive, taken, credits = mixing.alive, mixing.taken, mixing.credits
-    while alive:
-        total = sum(weights[number] for number in alive)
-        for number in alive:
-            credits[number] += weights[number]
-        number = max(alive, key=lambda n: (credits[n], -n))
-        try:
-            sample = next(sources[number])
-        except StopIteration:
-            for other in alive:  # this step gave nothing: undo its credits
-                credits[other] -= weights[other]
-            if not longest:
-                alive.clear()
-                return
-            alive.remove(number)
-            continue
-        credits[number] -= total
-        taken[number] += 1
-        yield sample
-
-
-def _drawn(
-    sources: list[Iterator[Any]], weights: list[float], longest: bool, mixing: _Mixing
-) -> Iterator[Any]:
-    """:func:`random_samples` over ``mixing``."""
-    rng = mixing.rng
-    assert rng is not None
-    alive, taken = mixing.alive, mixing.taken
-    while alive:
-        live = [weights[number] for number in alive]
-        total = sum(live)
-        cumulative = list(itertools.accumulate(w / total for w in live))
-        position = min(bisect.bisect_left(cumulative, rng.random()), len(alive) - 1)
-        number = alive[position]
-        try:
-            sample = next(sources[number])
-        except StopIteration:
-            if not longest:
-                alive.clear()
-                return
-            del alive[position]
-            continue
-        taken[number] += 1
-        yield sample

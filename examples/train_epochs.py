@@ -58,26 +58,38 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--shuffle-buffer", type=int, default=0, help="sample shuffle buffer")
     parser.add_argument("--state", type=Path, help="save a checkpoint to DIR/rankN.pt at the end")
     parser.add_argument("--resume", type=Path, help="continue from the checkpoint in DIR")
+    parser.add_argument(
+        "--mix-counts",
+        help="mix datasets: DATA is comma-separated shard specs, this their samples per epoch "
+        "(comma-separated, over all ranks), e.g. 5000,3000,2000",
+    )
     return parser.parse_args()
 
 
-def make_dataset(args: argparse.Namespace) -> wds.WebDataset:
+def shards(spec: str, args: argparse.Namespace, seed: int) -> wds.WebDataset:
     dataset = wds.WebDataset(
-        args.data,
+        spec,
         shardshuffle=True,  # a new shard order every epoch, the same on every rank
-        seed=args.seed,
+        seed=seed,
         balance=args.balance,  # equal samples per rank x worker: no DDP hang, no duplicate
         cache_dir=args.cache_dir,
     )
-    return (
-        dataset.shuffle(args.shuffle_buffer)  # no-op with 0; resume is exact either way
-        .decode()
-        .to_tuple("__key__", "npy", "cls")
-        .batched(args.batch_size)  # batch in the worker: one pickle per batch, not per sample
-    )
+    return dataset.shuffle(args.shuffle_buffer)  # no-op with 0; resume is exact either way
 
 
-def make_loader(dataset: wds.WebDataset, args: argparse.Namespace) -> Any:
+def make_dataset(args: argparse.Namespace) -> Any:
+    # decode, pick the fields, batch in the worker (one pickle per batch, not per sample)
+    tail = [wds.decode(), wds.to_tuple("__key__", "npy", "cls"), wds.batched(args.batch_size)]
+    if args.mix_counts is None:
+        return shards(args.data, args, args.seed).compose(*tail)
+    # Each epoch exactly these many samples of each dataset, in a fixed interleaving; every
+    # rank and worker takes its equal share of each count.
+    counts = [int(n) for n in args.mix_counts.split(",")]
+    sources = [shards(spec, args, args.seed + n) for n, spec in enumerate(args.data.split(","))]
+    return wds.DataPipeline(wds.WeightedMix(sources, counts=counts), *tail, seed=args.seed)
+
+
+def make_loader(dataset: Any, args: argparse.Namespace) -> Any:
     """A DataLoader over the (already batched) dataset; a stateful one to checkpoint it."""
     if args.state is not None or args.resume is not None:
         return wds.StatefulLoader(dataset, batch_size=None, num_workers=args.workers)

@@ -442,6 +442,64 @@ def check_lockstep_epochs(run: Run, epochs: range) -> None:
         assert len(set(steps.values())) == 1, f"epoch {epoch}: steps per rank {steps}"
 
 
+# Three datasets mixed 0.5 / 0.3 / 0.2 by per-epoch counts (of 200): 25 / 15 / 10 samples per
+# rank x worker with 2 x 2; dataset 1 has 40 samples (10 per worker: read again to give 15).
+MIX_SIZES = ((30, 25, 45), (20, 20), (17, 23, 10))
+MIX_COUNTS = (100, 60, 40)
+
+
+@pytest.fixture(scope="module")
+def mix_specs(tmp_path_factory: pytest.TempPathFactory) -> str:
+    root = tmp_path_factory.mktemp("mix-data")
+    specs = []
+    for number, sizes in enumerate(MIX_SIZES):
+        directory = root / f"d{number}"
+        directory.mkdir()
+        rng = np.random.default_rng(number)
+        for shard, size in enumerate(sizes):
+            with tarfile.open(directory / f"train-{shard:06d}.tar", "w") as tar:
+                for index in range(size):
+                    features = io.BytesIO()
+                    np.save(features, rng.standard_normal(FEATURES).astype(np.float32))
+                    label = str(index % CLASSES).encode()
+                    for ext, payload in (("npy", features.getvalue()), ("cls", label)):
+                        info = tarfile.TarInfo(f"d{number}-{sample_key(shard, index)}.{ext}")
+                        info.size = len(payload)
+                        tar.addfile(info, io.BytesIO(payload))
+        specs.append(f"{directory}/train-{{000000..{len(sizes) - 1:06d}}}.tar")
+    return ",".join(specs)
+
+
+def test_mix_by_counts_keeps_its_proportions_and_resumes_exactly(
+    runner: Runner, mix_specs: str
+) -> None:
+    """``WeightedMix(..., counts=[100, 60, 40])`` of three datasets, 2 ranks x 2 workers,
+    shuffle buffers in each: every epoch, every rank trains on exactly 50 / 30 / 20 of them,
+    in lockstep, reshuffled per epoch; stopped mid-epoch 0 and mid-epoch 1 and resumed, the
+    run trains on exactly the uninterrupted run's batches."""
+    mix = ["--mix-counts=" + ",".join(map(str, MIX_COUNTS)), "--shuffle-buffer=20"]
+    args = [*common_args(mix_specs), *mix]
+    reference = runner.run(EPOCHS_SCRIPT, [*args, f"--state={runner.new_dir('mix-reference')}"])
+    check_lockstep(reference)
+    for rank in range(reference.world_size):
+        for epoch in range(EPOCHS):
+            sources = Counter(key.split("-")[0] for key in reference.keys(rank, epoch))
+            assert sources == {"d0": 50, "d1": 30, "d2": 20}, f"rank {rank}, epoch {epoch}"
+    check_new_order_each_epoch(reference)
+    per_epoch = reference.steps_in(0, 0)
+    log_dir = runner.new_dir("mix-resumed")
+    previous: Path | None = None
+    for stop in (per_epoch // 2, per_epoch + per_epoch // 2 + 1, None):
+        state = runner.new_dir("mix-state")
+        extra = [f"--state={state}"]
+        extra += [f"--resume={previous}"] if previous is not None else []
+        extra += [f"--steps-limit={stop}"] if stop is not None else []
+        part = runner.run(EPOCHS_SCRIPT, [*args, *extra], log_dir=log_dir, cached=False)
+        previous = state
+    for rank in range(reference.world_size):
+        assert part.steps[rank] == reference.steps[rank], f"rank {rank}"
+
+
 # ------------------------------------------------------------------------------ resampled
 
 

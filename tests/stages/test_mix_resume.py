@@ -159,3 +159,57 @@ def test_a_weighted_mix_goes_on_with_the_others_when_one_runs_out() -> None:
     assert list(wds.WeightedMix([[1, 2], list("abcdefgh")], [1, 1])) == [1, "a", 2, "b"]
     with pytest.raises(ValueError, match="positive"):
         wds.WeightedMix([[1]], [0])
+
+
+def _by_counts(make_shards: Any, tmp_path: Any, counts: list[int]) -> Any:
+    """Three datasets (40, 12 and 30 samples) mixed by per-epoch counts in a pipeline."""
+    specs = [
+        make_shards(sizes, directory=tmp_path / name).spec()
+        for name, sizes in (("a", [10, 10, 10, 10]), ("b", [6, 6]), ("c", [15, 15]))
+    ]
+    datasets = [
+        wds.WebDataset(spec, shardshuffle=True, seed=n).shuffle(8) for n, spec in enumerate(specs)
+    ]
+    return wds.DataPipeline(wds.WeightedMix(datasets, counts=counts), wds.batched(3), seed=4)
+
+
+def _source(path: str) -> str:
+    return path.split("/")[-2]  # the dataset's directory: a, b or c
+
+
+def test_a_mix_by_counts_takes_exactly_those_counts_each_epoch_and_resumes_exactly(
+    make_shards: Any, tmp_path: Any
+) -> None:
+    # Per worker (2): 15 of a (of its 20: a subset), 9 of b (of its 6: read again), 6 of c.
+    mix = _by_counts(make_shards, tmp_path, [30, 18, 12])
+    epochs = []
+    for epoch in (0, 1):
+        mix.set_epoch(epoch)
+        batches = list(StatefulDataLoader(mix, batch_size=None, num_workers=2))
+        local = [_source(path) for batch in batches for path in batch["__local_path__"]]
+        assert {s: local.count(s) for s in "abc"} == {"a": 30, "b": 18, "c": 12}
+        # Any prefix of a worker's items holds each dataset's share to within one item.
+        worker = local[:3] + local[6:9] + local[12:15]  # the first batches of worker 0
+        for n in range(1, len(worker) + 1):
+            for s, share in zip("abc", (0.5, 0.3, 0.2), strict=True):
+                assert abs(worker[:n].count(s) - share * n) <= 1
+        epochs.append(keys(batches))
+    assert epochs[0] != epochs[1]  # every dataset reshuffles with the pipeline's epoch
+    mix.set_epoch(1)
+    loader = StatefulDataLoader(mix, batch_size=None, num_workers=2)
+    it = iter(loader)
+    head = [next(it) for _ in range(15)]  # mid-epoch, b in its second pass on worker 0
+    state = loader.state_dict()
+    json.dumps(state)
+    del it
+    again = _by_counts(make_shards, tmp_path, [30, 18, 12])
+    restored = StatefulDataLoader(again, batch_size=None, num_workers=2)
+    restored.load_state_dict(state)
+    assert keys(head) + keys(restored) == epochs[1]
+
+
+def test_mix_arguments_are_checked() -> None:
+    with pytest.raises(ValueError, match="either weights or counts"):
+        wds.WeightedMix([[1], [2]], [1, 1], counts=[1, 1])
+    with pytest.raises(ValueError, match="counts must be"):
+        wds.WeightedMix([[1], [2]], counts=[1, -1])

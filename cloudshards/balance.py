@@ -231,6 +231,7 @@ def assign_samples(
     consumer: int,
     num_consumers: int,
     mode: str,
+    limit: int | None = None,
 ) -> Iterator[dict[str, Any]]:
     """This consumer's part of one epoch: shard dicts with ``skip``/``take`` sample counts.
 
@@ -241,9 +242,11 @@ def assign_samples(
         num_consumers: Ranks x workers.
         mode: ``"drop"`` (``T // C`` each) or ``"pad"`` (``ceil(T / C)`` each, the consumers
             one short repeating their first sample).
+        limit: Use only the first ``limit`` samples of the epoch's sequence (subsampling).
     """
     order = list(shards)
     total = sum(counts[shard["shard_index"]] for shard in order)
+    total = total if limit is None else min(total, max(0, limit))
     base, extra = divmod(total, num_consumers)
     start = consumer * base + min(consumer, extra)
     own = base + (1 if consumer < extra else 0)

@@ -90,6 +90,12 @@ class WebDataset(DataPipeline, FluidInterface):
             its URL or a ``DatasetIndex``), a mapping URL -> count, or a list in shard order.
             Default: the index next to the shards if there is one, else counted once per
             node and remembered (``CLOUDSHARDS_COUNTS_DIR``, default ``~/.cache/cloudshards``).
+        subsample: Use this fraction of each epoch's samples (0 < f <= 1): the first
+            ``int(f * T)`` of the epoch's sample sequence (the shards in the epoch's order, so
+            with ``shardshuffle`` a different subset of shards each epoch), split across ranks
+            and workers as balanced epochs are; only those shards are read. Needs sample
+            counts (``sample_counts`` or one counting pass per node).
+        limit: Use at most this many samples of each epoch (over all ranks), as ``subsample``.
         allow_external_shards: Accept a ``sample_counts`` index file (or the one next to the
             shards) that lists shards outside its own location; only for an index you trust.
         rank: This process's rank, overriding detection (torch.distributed, then torchrun's
@@ -139,6 +145,8 @@ class WebDataset(DataPipeline, FluidInterface):
         balance: str | None = "auto",
         sample_counts: Any = None,
         allow_external_shards: bool = False,
+        subsample: float | None = None,
+        limit: int | None = None,
         rank: int | None = None,
         world_size: int | None = None,
         replication: int = 1,
@@ -174,6 +182,17 @@ class WebDataset(DataPipeline, FluidInterface):
         custom_split = any(
             s not in (None, *_DEFAULT_SPLITTERS) for s in (nodesplitter, workersplitter)
         )
+        if subsample is not None and not 0 < subsample <= 1:
+            raise ConfigError(f"subsample={subsample!r}: a fraction of the samples, 0 < f <= 1")
+        if limit is not None and limit < 0:
+            raise ConfigError(f"limit={limit!r}: a number of samples")
+        subsets = subsample is not None or limit is not None
+        if subsets and (resampled or custom_split or multi or balance is None):
+            raise ConfigError(
+                "subsample/limit take a run of the epoch's samples, split as balanced epochs "
+                "are: not with resampled=True (use with_epoch), a dataset spec, a custom "
+                "nodesplitter/workersplitter or balance=None"
+            )
         if balance in BALANCE_MODES and (resampled or custom_split or multi):
             raise ConfigError(
                 f"balance={balance!r} splits the epoch's samples itself: it cannot be combined "
@@ -209,6 +228,8 @@ class WebDataset(DataPipeline, FluidInterface):
                     None if custom_split and balance == "auto" else balance,
                     sample_counts,
                     _Counter(source.urls, options, self.fetch, self.cache, allow_external_shards),
+                    subsample,
+                    limit,
                 )
             )
         self.append(

@@ -98,8 +98,12 @@ class _Split:
         balance: str | None,
         sample_counts: Any,
         counter: Callable[[Any], list[int]],
+        subsample: float | None = None,
+        limit: int | None = None,
     ) -> None:
         self.urls = urls
+        #: (fraction, count) of the epoch's samples to use, or None (see :meth:`limit`).
+        self.sample_limit = None if subsample is None and limit is None else [subsample, limit]
         self.nodesplitter = nodesplitter
         self.workersplitter = workersplitter
         self.balance = balance
@@ -110,9 +114,20 @@ class _Split:
     def mode(self, context: IterationContext | None) -> str | None:
         if self.balance != "auto":
             return self.balance
+        if self.sample_limit is not None:
+            return "drop"  # a subsample is a run of the epoch's sample sequence: counted
         if context is None or context.bounded or context.info.world_size < 2:
             return None
         return "drop"
+
+    def limit(self, total: int) -> int | None:
+        """Samples of the epoch to use (``subsample``'s fraction of ``total``, at most
+        ``limit``), or None for all."""
+        if self.sample_limit is None:
+            return None
+        fraction, count = self.sample_limit
+        result = total if fraction is None else int(fraction * total)
+        return result if count is None else min(result, int(count))
 
     def counts(self) -> list[int]:
         if self._counts is None:
@@ -131,6 +146,7 @@ class _Split:
                 consumer=info.global_worker,
                 num_consumers=info.num_consumers,
                 mode=mode,
+                limit=self.limit(sum(counts)),
             )
         if len(self.urls) < info.num_consumers and self.nodesplitter is not None:
             logger.warning(

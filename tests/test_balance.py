@@ -524,3 +524,59 @@ def test_padding_repeats_the_consumers_own_first_sample() -> None:
     shards = [{"url": "u0", "shard_index": 0}, {"url": "u1", "shard_index": 1}]
     segments = list(assign_samples(shards, {0: 0, 1: 1}, consumer=2, num_consumers=3, mode="pad"))
     assert segments == [{"url": "u1", "shard_index": 1, "skip": 0, "take": 1, "pad": True}]
+
+
+def test_limit_and_subsample_take_a_balanced_run_of_each_epoch(make_shards: Any) -> None:
+    shards = make_shards([9, 14, 5, 20, 11, 7, 13, 16])  # 95 samples
+    per_rank = {}
+    for rank in (0, 1):
+        data = wds.WebDataset(
+            shards.spec(), shardshuffle=True, seed=3, limit=41, rank=rank, world_size=2
+        )
+        data.set_epoch(0)
+        per_rank[rank] = keys_of(data)
+    both = per_rank[0] + per_rank[1]
+    assert len(per_rank[0]) == len(per_rank[1]) == 20  # 41 // 2 each
+    assert len(set(both)) == 40
+    assert set(both) <= set(shards.keys)
+    data = wds.WebDataset(shards.spec(), shardshuffle=True, seed=3, subsample=0.25)
+    epochs = []
+    for epoch in (0, 1):
+        data.set_epoch(epoch)
+        epochs.append(keys_of(data))
+        assert len(epochs[-1]) == len(set(epochs[-1])) == int(0.25 * 95)
+    assert set(epochs[0]) != set(epochs[1])  # another subset each epoch
+    again = wds.WebDataset(shards.spec(), shardshuffle=True, seed=3, subsample=0.25)
+    again.set_epoch(1)
+    assert keys_of(again) == epochs[1]  # deterministic for (seed, epoch)
+
+
+def test_a_limited_epoch_resumes_exactly(make_shards: Any) -> None:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    shards = make_shards([9, 14, 5, 20, 11, 7, 13, 16])
+
+    def build() -> Any:
+        data = wds.WebDataset(shards.spec(), shardshuffle=True, seed=3, limit=50).shuffle(10)
+        data.set_epoch(2)
+        return StatefulDataLoader(data, batch_size=None, num_workers=2)
+
+    everything = keys_of(build())
+    loader = build()
+    it = iter(loader)
+    head = [next(it)["__key__"] for _ in range(17)]
+    state = loader.state_dict()
+    del it
+    restored = build()
+    restored.load_state_dict(state)
+    assert head + keys_of(restored) == everything
+    assert len(everything) == 50
+
+
+def test_subsample_and_limit_are_checked(make_shards: Any) -> None:
+    spec = make_shards([3, 3]).spec()
+    for kw in ({"subsample": 0}, {"subsample": 1.5}, {"limit": -1}):
+        with pytest.raises(ConfigError, match=r"subsample|limit"):
+            wds.WebDataset(spec, **kw)
+    with pytest.raises(ConfigError, match="resampled"):
+        wds.WebDataset(spec, resampled=True, limit=3)

@@ -83,6 +83,9 @@ def describe_stage(stage: Any) -> list[Any]:
     balance = getattr(stage, "balance", None)
     if isinstance(balance, str):
         result.append({"balance": balance})
+    limit = getattr(stage, "sample_limit", None)
+    if limit is not None:  # only when set: the fingerprints of earlier states stay
+        result.append({"sample_limit": plain(limit)})
     return result
 
 

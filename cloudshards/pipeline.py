@@ -292,6 +292,10 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
         )
         if live is not None and live.plan is not None:
             state["plan"] = live.plan  # this consumer's part of an elastic restore's epoch
+        if seed is None and self._resume is not None:  # a restore not started yet: keep it
+            pending = self._resume
+            keep = (ELASTIC_KEY, "batch") if ELASTIC_KEY in pending else ("stages", "plan")
+            state.update({key: pending[key] for key in (*keep, "seed") if key in pending})
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -139,10 +139,14 @@ def share(
     index_of = {url: number for number, url in enumerate(urls)}
     sequence: list[Piece] = []
     for state in _by_consumer(states):
-        if "plan" in state:
+        if ELASTIC_KEY in state:  # its own elastic restore had not started: its share of it
+            then, batch_then = _of(state, context), int(state.get("batch", 1))
+            pieces = share(steps, invoke, state[ELASTIC_KEY], then, split, batch_then)
+            plan = [as_shard(_shard(urls, s), spans) for s, spans in pieces]
+        elif "plan" in state:
             plan = [as_shard(_shard(urls, s), spans) for s, spans in decode(state["plan"])]
         else:
-            plan = _old_plan(steps, invoke, state, context)
+            plan = _old_plan(steps, invoke, _of(state, context))
         sequence.extend(_remaining(plan, state.get("stages", {}), index_of))
     info = context.info
     mode = split.mode(context) if split is not None else None
@@ -202,17 +206,19 @@ def _shard(urls: list[str], number: int) -> dict[str, Any]:
     return {"url": urls[number], "shard_index": number}
 
 
-def _old_plan(
-    steps: Sequence[Any],
-    invoke: Callable[..., Any],
-    state: Mapping[str, Any],
-    context: IterationContext,
-) -> list[dict[str, Any]]:
-    """The shard dicts an old consumer's reader was given: the stages before the reader, run
-    in that consumer's context (its rank and worker, the saved seed and epoch)."""
+def _of(state: Mapping[str, Any], context: IterationContext) -> IterationContext:
+    """The context of the old consumer that saved ``state``: its rank and worker, the
+    restored epoch and seed."""
     rank, world, worker, workers = (int(n) for n in state["consumer"])
     info = WorkerInfo(rank=rank, world_size=world, worker=worker, num_workers=workers)
-    old = IterationContext(seed=context.seed, epoch=context.epoch, info=info)
+    return IterationContext(seed=context.seed, epoch=context.epoch, info=info)
+
+
+def _old_plan(
+    steps: Sequence[Any], invoke: Callable[..., Any], old: IterationContext
+) -> list[dict[str, Any]]:
+    """The shard dicts an old consumer's reader was given: the stages before the reader, run
+    in that consumer's context (``old``)."""
 
     def build() -> Any:
         source = invoke(steps[0])

@@ -175,3 +175,26 @@ def test_restores_that_cannot_be_divided_are_refused(make_shards: Any) -> None:
         wds.StatefulLoader(other, batch_size=None).load_state_dict(
             {"cloudshards_ranks": [state], "world_size": 2}
         )
+
+
+def test_a_checkpoint_before_every_new_worker_delivered_keeps_their_shares(
+    make_shards: Any,
+) -> None:
+    # Right after the elastic restore only worker 0 has delivered: worker 1's state is its
+    # pending restore, which must restore its share again (same world) or be divided (another).
+    spec = make_shards(SIZES).spec()
+    everything, before, checkpoint = run_old_world(spec, 2, 2, 3, 20, 4)
+    data = dataset(spec, 0, 1, 20, 4)
+    loader = wds.StatefulLoader(data, batch_size=None, num_workers=2)
+    loader.load_state_dict(checkpoint)
+    it = iter(loader)
+    middle = keys([next(it)])
+    state = loader.state_dict()
+    del it
+    again = wds.StatefulLoader(dataset(spec, 0, 1, 20, 4), batch_size=None, num_workers=2)
+    again.load_state_dict(state)
+    assert sorted(before + middle + keys(again)) == sorted(everything)
+    after = run_new_world(spec, state, 3, 1, 20, 4)
+    delivered = before + middle + [k for batches in after for k in keys(batches)]
+    assert sorted(delivered) == sorted(everything)
+    assert len({len(batches) for batches in after}) == 1

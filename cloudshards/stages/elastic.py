@@ -130,12 +130,7 @@ def share(
     """This consumer's plan of the restored epoch (``context``: its own, with the old run's
     seed and epoch), from every old consumer's state. ``steps``: the pipeline's stages up to
     its shard reader (the last one builds it), ``split``: its balancing stage if it has one."""
-    urls = getattr(steps[0], "urls", None)
-    if not isinstance(urls, list) or getattr(steps[0], "nshards", None) is not None:
-        raise StateMismatchError(
-            "an elastic restore needs a fixed list of shards as the first stage (WebDataset's, "
-            "not resampled shards)"
-        )
+    urls = steps[0].urls
     index_of = {url: number for number, url in enumerate(urls)}
     sequence: list[Piece] = []
     for state in _by_consumer(states):
@@ -362,6 +357,12 @@ def restore(pipeline: Any, resume: Mapping[str, Any], context: Any) -> tuple[Any
         raise StateMismatchError(
             "an elastic restore needs epochs of one pass over the shards: with_epoch() and "
             "repeat() epochs cannot be divided over another number of ranks or workers"
+        )
+    if not isinstance(getattr(steps[0], "urls", None), list) or hasattr(steps[0], "nshards"):
+        raise StateMismatchError(
+            "an elastic restore divides the rest of an epoch of one list of shards; this "
+            f"pipeline starts with {type(steps[0]).__name__} (a mix of datasets, resampled "
+            "shards...): restore it on the same number of ranks and DataLoader workers"
         )
     reader = reader_index(steps, pipeline.invoke, context)
     if ELASTIC_KEY in resume:

@@ -198,3 +198,21 @@ def test_a_checkpoint_before_every_new_worker_delivered_keeps_their_shares(
     delivered = before + middle + [k for batches in after for k in keys(batches)]
     assert sorted(delivered) == sorted(everything)
     assert len({len(batches) for batches in after}) == 1
+
+
+def test_a_mix_restores_on_the_same_world_only(make_shards: Any, tmp_path: Any) -> None:
+    specs = [make_shards([6, 6], directory=tmp_path / name).spec() for name in "ab"]
+
+    def mix(rank: int, world: int) -> Any:
+        sources = [wds.WebDataset(s, seed=1, rank=rank, world_size=world) for s in specs]
+        mixed = wds.WeightedMix(sources, counts=[8, 4])
+        return wds.DataPipeline(mixed, seed=1, rank=rank, world_size=world)
+
+    loader = StatefulDataLoader(mix(0, 2), batch_size=None, num_workers=0)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    restored = wds.StatefulLoader(mix(0, 1), batch_size=None)
+    restored.load_state_dict({"cloudshards_ranks": [state], "world_size": 2})
+    with pytest.raises(StateMismatchError, match="starts with WeightedMix"):
+        list(restored)

@@ -7,7 +7,10 @@ its epoch; its ``state_dict()`` is taken there. Then, in the same process:
   samples are read again by position (the shards that hold them are opened, only their
   members read) before the epoch goes on;
 - **start over**: a new pipeline without the state, read up to the same point (what reaching
-  the same position costs without an exact restore); its first sample's time too.
+  the same position costs without an exact restore); its first sample's time too;
+- **elastic**: the same state restored on 2 ranks (``load_state_dict({"elastic": [state]})``,
+  sample counts known as with an index): rank 0's first sample (its share starts with the
+  buffered samples); both ranks together must deliver the rest of the epoch once.
 
 Local files, and http:// through nginx behind the project's cloud simulator (30 ms before
 each request, 25 MB/s per connection): seconds to the first sample, and behind the simulator
@@ -45,8 +48,11 @@ import cloudshards as wds  # noqa: E402
 SEED = 11
 
 
-def build(urls: list[str], buffer: int) -> Any:
-    return wds.WebDataset(urls, shardshuffle=True, seed=SEED).shuffle(buffer)
+def build(urls: list[str], buffer: int, rank: int = 0, world: int = 1, counts: Any = None) -> Any:
+    """The pipeline (as rank ``rank`` of ``world``; ``counts``: samples per shard, known)."""
+    return wds.WebDataset(
+        urls, shardshuffle=True, seed=SEED, rank=rank, world_size=world, sample_counts=counts
+    ).shuffle(buffer)
 
 
 def keys_of(items: Any) -> list[str]:
@@ -109,6 +115,23 @@ def measure(
     rest = [first["__key__"], *keys_of(it)]
     if head + rest != everything:
         problems.append(f"the restored run differs from the uninterrupted one ({buffered=})")
+
+    # Elastic: the same checkpoint restored on 2 ranks (sample counts known, as with an
+    # index): rank 0's first sample, and both ranks together must deliver the rest once.
+    counts = [len(everything) // len(urls)] * len(urls)
+    elastic = [build(urls, buffer, rank, 2, counts) for rank in (0, 1)]
+    for dataset in elastic:
+        dataset.load_state_dict({"elastic": [state]})
+    if sim is not None:
+        sim.reset_stats()
+    seconds, first, it = timed_first(lambda: elastic[0])
+    figures["elastic_s"] = seconds
+    if sim is not None:
+        stats = sim.stats()
+        figures |= {"elastic_gets": stats.gets, "elastic_mb": stats.bytes_sent / 1e6}
+    rest = [first["__key__"], *keys_of(it), *keys_of(elastic[1])]
+    if sorted(head + rest) != sorted(everything):
+        problems.append("the elastic restore on 2 ranks did not deliver the rest once")
 
     if sim is not None:
         sim.reset_stats()
@@ -183,16 +206,20 @@ def main() -> int:
                         med("start_over_gets"),
                         med("start_over_mb"),
                         med("fresh_first_s"),
+                        med("elastic_s"),
+                        med("elastic_gets"),
+                        med("elastic_mb"),
                     ]
                 )
     finally:
         shutil.rmtree(work, ignore_errors=True)
     header = ["setup", "buffered", "restore s", "GETs", "MB", "start over s", "GETs", "MB"]
     print()
-    print(format_table([*header, "fresh 1st s"], rows))
+    print(format_table([*header, "fresh 1st s", "elastic s", "GETs", "MB"], rows))
     print(
         "\nrestore: load_state_dict to the first sample; start over: a new epoch read up to the"
-        " checkpoint;\nfresh 1st s: a new epoch's first sample. GETs/MB: what the store served."
+        " checkpoint;\nfresh 1st s: a new epoch's first sample; elastic: the checkpoint restored"
+        " on 2 ranks,\nrank 0's first sample. GETs/MB: what the store served."
     )
     if problems:
         print("\nPROBLEMS:\n  - " + "\n  - ".join(problems))

@@ -187,6 +187,7 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
             pipeline, plan = elastic.restore(self, resume, context)
             saved = dict(resume.get("stages", {}))
             passes.load_state_dict(saved.pop(passes.state_key, {}))
+            passes.nsamples = (plan or {}).get("limit", passes.nsamples)
         live = LiveEpoch(context.epoch, context.seed, context.info, passes, plan)
         self._live = live
         custom = type(self).iterator1 is not DataPipeline.iterator1  # a subclass builds it
@@ -291,10 +292,10 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
             stages=stages,
         )
         if live is not None and live.plan is not None:
-            state["plan"] = live.plan  # this consumer's part of an elastic restore's epoch
+            state.update(live.plan)  # this consumer's part of an elastic restore's epoch
         if seed is None and self._resume is not None:  # a restore not started yet: keep it
             pending = self._resume
-            keep = (ELASTIC_KEY, "batch") if ELASTIC_KEY in pending else ("stages", "plan")
+            keep = (ELASTIC_KEY, "batch") if ELASTIC_KEY in pending else elastic.KEPT
             state.update({key: pending[key] for key in (*keep, "seed") if key in pending})
         return state
 
@@ -324,7 +325,7 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
         self._epoch = int(state["epoch"])
         self._epoch_set = True
         self._epoch_from_user = True  # a WebLoader around it continues from this epoch
-        positions = ("stages", "plan", ELASTIC_KEY)  # a plan: an elastic restore's epoch
+        positions = (*elastic.KEPT, ELASTIC_KEY)  # plan, limit: an elastic restore's epoch
         if state.get("seed") is None or not any(state.get(key) for key in positions):
             self._resume = None
         else:

@@ -28,23 +28,24 @@ from typing import Any
 from cloudshards.dist import WorkerInfo
 from cloudshards.errors import StateMismatchError
 from cloudshards.stages.base import (
-    FilterFunction,
     IterationContext,
     iteration_context,
     run_in_context,
 )
-from cloudshards.stages.batch import _batched
+from cloudshards.stages.division import Piece, batch_size, closed, consumer_counts, cut, length
 from cloudshards.stages.rebuffer import is_reader, snapshot
 from cloudshards.stages.spans import Span, as_shard, delivered_from, merged, nth, spans_of
 
 __all__ = [
     "ELASTIC_KEY",
+    "KEPT",
     "Piece",
     "batch_size",
     "consumer_counts",
     "decode",
     "encode",
     "gathered",
+    "items_share",
     "planned",
     "reader_index",
     "share",
@@ -55,8 +56,8 @@ logger = logging.getLogger("cloudshards.pipeline")
 #: The key of a state that holds every old consumer's state (an elastic restore).
 ELASTIC_KEY = "elastic"
 
-#: A piece of a plan: (shard number in the shard list, spans of its sample numbers).
-Piece = tuple[int, list[Span]]
+#: What a consumer's state holds of an elastic restore's epoch: its plan, or its items.
+KEPT = ("stages", "plan", "limit")
 
 
 def encode(plan: Sequence[Piece]) -> list[list[int]]:
@@ -78,45 +79,6 @@ def decode(data: Sequence[Sequence[int]]) -> list[Piece]:
         ]
         plan.append((int(entry[0]), spans))
     return plan
-
-
-def batch_size(steps: Sequence[Any], loader_batch: int) -> int:
-    """Samples per batch the training loop sees: the pipeline's ``.batched`` sizes times the
-    loader's (1 where nothing batches)."""
-    size = max(1, int(loader_batch))
-    for step in steps:
-        if isinstance(step, FilterFunction) and step.f is _batched:
-            size *= int(step.args[0] if step.args else step.kw.get("batchsize", 20))
-    return size
-
-
-def consumer_counts(
-    total: int, ranks: int, workers: int, batch: int, mode: str | None
-) -> tuple[list[int], int]:
-    """Samples for each new consumer (rank-major) out of ``total``, and how many of the
-    ``total`` are left out (< 0: that many repeated). ``mode`` None: as even as possible."""
-    consumers = ranks * workers
-    if mode is None:
-        base, extra = divmod(total, consumers)
-        return [base + (1 if h < extra else 0) for h in range(consumers)], 0
-    per_rank, left = divmod(total, ranks)
-    counts = [per_rank // workers + (1 if w < per_rank % workers else 0) for w in range(workers)]
-    if left and batch > 1 and not any(c % batch for c in counts) and workers > 1 and counts[0]:
-        # Every worker's batches are full: move a sample from worker 0 to worker 1 on every
-        # rank (worker 0 keeps its batch count, worker 1 gains one, on every rank alike).
-        counts[0] -= 1
-        counts[1] += 1
-    partial = [w for w in range(workers) if counts[w] % batch]
-    result = [list(counts) for _ in range(ranks)]
-    if left and partial:
-        for rank in range(left):  # the extra sample fills a partial batch: no new batch
-            result[rank][partial[0]] += 1
-        left = 0
-    elif left and mode == "pad":
-        for rank in range(ranks):
-            result[rank][0] += 1
-        left -= ranks
-    return [count for rank in result for count in rank], left
 
 
 def share(
@@ -150,8 +112,8 @@ def share(
         # Counts unknown and not needed (no balance): whole pieces in turn, no counting pass.
         return sequence[info.global_worker :: info.num_consumers]
     counts: list[int] | None = list(split.counts()) if open_ended else None
-    sized = [(shard, _closed(spans, counts, shard)) for shard, spans in sequence]
-    total = sum(_length(spans) for _, spans in sized)
+    sized = [(shard, closed(spans, counts, shard)) for shard, spans in sequence]
+    total = sum(length(spans) for _, spans in sized)
     sizes, left = consumer_counts(total, info.world_size, info.num_workers, batch, mode)
     if info.global_worker == 0:
         logger.info(
@@ -170,7 +132,7 @@ def share(
                 mode,
                 info.world_size,
             )
-    return _cut(sized, sizes, info.global_worker)
+    return cut(sized, sizes, info.global_worker)
 
 
 def _by_consumer(states: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
@@ -262,45 +224,6 @@ def _remaining(
     return pieces
 
 
-def _closed(spans: list[Span], counts: list[int] | None, shard: int) -> list[Span]:
-    if counts is None:
-        return spans
-    return [(start, counts[shard] if stop is None else stop) for start, stop in spans]
-
-
-def _length(spans: list[Span]) -> int:
-    return sum(max(0, int(stop) - start) for start, stop in spans if stop is not None)
-
-
-def _cut(sequence: list[Piece], sizes: list[int], consumer: int) -> list[Piece]:
-    """Consumer ``consumer``'s contiguous run of ``sizes[consumer]`` samples of ``sequence``
-    (the runs of the consumers before it come first); where the sequence runs out, the run
-    repeats its own first samples (``pad``)."""
-    start = sum(sizes[:consumer])
-    want = sizes[consumer]
-    run: list[Piece] = []
-    position = 0
-    for shard, spans in sequence:
-        for lo, hi in spans:
-            assert hi is not None
-            begin, end = max(lo, lo + start - position), min(hi, lo + start + want - position)
-            if begin < end:
-                last = run[-1][1][-1] if run and run[-1][0] == shard else None
-                if last is not None and last[1] == begin:
-                    run[-1][1][-1] = (last[0], end)
-                elif last is not None and int(last[1] or 0) < begin:
-                    run[-1][1].append((begin, end))  # spans stay in archive order
-                else:
-                    run.append((shard, [(begin, end)]))
-            position += hi - lo
-    short = want - sum(_length(spans) for _, spans in run)
-    if short > 0:
-        first = run[0] if run else next(((s, p) for s, p in sequence if _length(p)), None)
-        if first is not None:
-            run.append((first[0], [(first[1][0][0], first[1][0][0] + short)]))
-    return run
-
-
 def gathered(states: Sequence[Any], check: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
     """An elastic restore's resume: every old consumer's state (each checked by ``check``),
     the epoch they are in and its seed. States of consumers that had not started their epoch
@@ -347,16 +270,22 @@ def planned(steps: Sequence[Any], reader: int, plan: Sequence[Piece]) -> list[An
 
 
 def restore(pipeline: Any, resume: Mapping[str, Any], context: Any) -> tuple[Any, Any]:
-    """(the stages, the encoded plan) of a restored epoch that has a plan, else (None, None):
-    an elastic restore computes this consumer's plan (:func:`share`), a state saved during
-    such an epoch carries it."""
-    if ELASTIC_KEY not in resume and "plan" not in resume:
+    """(the stages, this consumer's elastic part of its state) of a restored epoch: an elastic
+    restore computes them (a plan, :func:`share`; or for a ``with_epoch`` epoch, its number of
+    items, :func:`items_share`), a state saved during such an epoch carries them; (None, None)
+    for any other restore."""
+    if not any(key in resume for key in (ELASTIC_KEY, *KEPT[1:])):
         return None, None
+    if "limit" in resume:
+        return None, {"limit": int(resume["limit"])}
     steps = pipeline.pipeline
-    if pipeline.repetitions != 1 or pipeline.nsamples > 0:
+    if ELASTIC_KEY in resume and pipeline.nsamples > 0:
+        batch = int(resume.get("batch", 1))
+        return None, {"limit": items_share(pipeline.nsamples, resume[ELASTIC_KEY], context, batch)}
+    if pipeline.repetitions != 1:
         raise StateMismatchError(
-            "an elastic restore needs epochs of one pass over the shards: with_epoch() and "
-            "repeat() epochs cannot be divided over another number of ranks or workers"
+            "an elastic restore needs epochs of one pass over the shards, or of with_epoch(n) "
+            "items: repeat() epochs cannot be divided over another number of ranks or workers"
         )
     if not isinstance(getattr(steps[0], "urls", None), list) or hasattr(steps[0], "nshards"):
         raise StateMismatchError(
@@ -372,4 +301,29 @@ def restore(pipeline: Any, resume: Mapping[str, Any], context: Any) -> tuple[Any
         plan = share(steps[: reader + 1], pipeline.invoke, states, context, split, batch)
     else:
         plan = decode(resume["plan"])
-    return planned(steps, reader, plan), encode(plan)
+    return planned(steps, reader, plan), {"plan": encode(plan)}
+
+
+def items_share(
+    nsamples: int, states: Sequence[Mapping[str, Any]], context: Any, batch: int
+) -> int:
+    """This consumer's number of items of a restored ``with_epoch(nsamples)`` epoch: the
+    items the old consumers had left, divided so that every rank gets the same number of
+    batches (a remainder that cannot go into partial batches is rounded up: the stream has
+    more). What they are is this consumer's own stream of that epoch (fresh draws with
+    resampled shards)."""
+    total = 0
+    for state in _by_consumer(states):
+        epoch_items = nsamples
+        if "limit" in state:
+            epoch_items = int(state["limit"])
+        elif ELASTIC_KEY in state:
+            then = _of(state, context)
+            epoch_items = items_share(
+                nsamples, state[ELASTIC_KEY], then, int(state.get("batch", 1))
+            )
+        yielded = int(state.get("stages", {}).get("passes", {}).get("yielded", 0))
+        total += max(0, epoch_items - yielded)
+    info = context.info
+    sizes, _ = consumer_counts(total, info.world_size, info.num_workers, batch, "pad")
+    return int(sizes[info.global_worker])

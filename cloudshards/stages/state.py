@@ -246,7 +246,8 @@ class LiveEpoch:
         self.epoch = epoch
         self.seed = seed
         self.info = info
-        #: An elastic restore's plan of this epoch (encoded), saved with the state.
+        #: An elastic restore's part of this consumer's state (``{"plan": ...}`` or
+        #: ``{"limit": n}``), saved with it.
         self.plan = plan
         self.registry: StageRegistry | _Snapshot = StageRegistry(None, {passes.state_key: passes})
 

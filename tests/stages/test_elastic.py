@@ -157,18 +157,51 @@ def test_a_remainder_that_cannot_divide_is_dropped_or_padded_as_balance_says(
             assert set(delivered) == set(everything)
 
 
+def test_with_epoch_epochs_divide_their_remaining_items(make_shards: Any) -> None:
+    # 2 ranks x 2 workers of with_epoch(24) items (batches of 4 in the loader) stop after 5
+    # batches per rank: 96 - 40 = 56 items left, 3 new ranks x 1 worker: 19, 19, 18 would
+    # need partial batches (19 = 4 x 4 + 3): every rank gets 5 batches, 56 items in all.
+    spec = make_shards(SIZES).spec()
+
+    def build(rank: int, world: int) -> Any:
+        data = wds.WebDataset(spec, resampled=True, seed=1, rank=rank, world_size=world)
+        data = data.with_epoch(24)
+        data.set_epoch(2)
+        return data
+
+    states = []
+    for rank in range(2):
+        loader = wds.StatefulLoader(build(rank, 2), batch_size=4, num_workers=2)
+        it = iter(loader)
+        [next(it) for _ in range(5)]
+        states.append(loader.state_dict())
+        del it
+    counts = []
+    loaders = []
+    for rank in range(3):
+        data = build(rank, 3)
+        loader = wds.StatefulLoader(data, batch_size=4, num_workers=1)
+        loader.load_state_dict({"cloudshards_ranks": states, "world_size": 2})
+        batches = list(loader)
+        counts.append((len(batches), sum(len(b["__key__"]) for b in batches)))
+        loaders.append((data, loader))
+    assert [n for n, _ in counts] == [5, 5, 5]
+    assert sum(items for _, items in counts) == 96 - 40
+    data, loader = loaders[0]
+    data.set_epoch(3)
+    assert len(list(loader)) == 24 // 4  # the next epoch: the new world's own with_epoch(24)
+
+
 def test_restores_that_cannot_be_divided_are_refused(make_shards: Any) -> None:
     spec = make_shards(SIZES).spec()
-    data = wds.WebDataset(spec, seed=1, rank=0, world_size=2).with_epoch(10)
+    data = wds.WebDataset(spec, seed=1, rank=0, world_size=2).repeat(2)
     loader = StatefulDataLoader(data, batch_size=None, num_workers=0)
     it = iter(loader)
     next(it)
     state = loader.state_dict()
-    new = wds.StatefulLoader(
-        wds.WebDataset(spec, seed=1, rank=0, world_size=3).with_epoch(10), batch_size=None
-    )
+    new = wds.StatefulLoader(wds.WebDataset(spec, seed=1, rank=0, world_size=3).repeat(2))
     new.load_state_dict({"cloudshards_ranks": [state], "world_size": 2})
-    with pytest.raises(StateMismatchError, match="with_epoch"):
+    with pytest.raises(StateMismatchError, match="repeat"):
         list(new)
     other = wds.WebDataset(spec, seed=2, rank=0, world_size=3)
     with pytest.raises(StateMismatchError, match="different dataset or configuration"):

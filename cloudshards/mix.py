@@ -17,6 +17,8 @@ from typing import Any
 from torch.utils.data import IterableDataset
 
 from cloudshards.dist import WorkerInfo
+from cloudshards.errors import StateMismatchError
+from cloudshards.mixelastic import elastic_restore
 from cloudshards.mixorder import Mixing, drawn, quota, robin, smooth
 from cloudshards.stages.base import current_context, make_rng, rng_state, set_rng_state
 
@@ -171,14 +173,31 @@ class WeightedMix(_Resumable, IterableDataset):  # type: ignore[type-arg]
             return {**config, "counts": self.counts}
         return {**config, "weights": self.weights}
 
+    def restore_elastic(
+        self, old: Sequence[Mapping[str, Any]], layout: tuple[int, int], batch: int
+    ) -> None:
+        """At the next ``iter()``, continue an epoch saved by another number of ranks or
+        workers (every old consumer's mix state, and their (ranks, workers)); see
+        :mod:`cloudshards.mixelastic`."""
+        if self.counts is None:
+            raise StateMismatchError(
+                "a mix by weights has no end of epoch to divide: give it with_epoch(n), or "
+                "mix by counts, to restore it on another number of ranks or workers"
+            )
+        self.__dict__["_elastic"] = (list(old), layout, batch)
+
     def __iter__(self) -> MixIterator:
         if self.counts is None:
-            it = MixIterator(self.datasets, self.weights, self.longest, None)
-        else:
-            context = current_context()
-            info = context.info if context is not None else WorkerInfo.detect()
-            quotas = [count // info.num_consumers for count in self.counts]
-            it = MixIterator(self.datasets, [float(q) for q in quotas], False, None, quotas)
+            return _start(self, MixIterator(self.datasets, self.weights, self.longest, None))
+        context = current_context()
+        info = context.info if context is not None else WorkerInfo.detect()
+        quotas = [count // info.num_consumers for count in self.counts]
+        elastic = self.__dict__.pop("_elastic", None)
+        if elastic is not None:
+            old, layout, batch = elastic
+            quotas, restore = elastic_restore(self.counts, old, layout, info, batch)
+            self.__dict__["_restore"] = restore
+        it = MixIterator(self.datasets, [float(q) for q in quotas], False, None, quotas)
         return _start(self, it)
 
 
@@ -258,6 +277,9 @@ class MixIterator:
             mixing.turn = int(restore.get("turn", 0))
             mixing.credits = [float(c) for c in restore.get("credits", mixing.credits)]
             mixing.passes = [int(n) for n in restore.get("passes", mixing.passes)]
+            if restore.get("quotas") is not None:  # an elastic restore's share
+                self._quotas = [int(n) for n in restore["quotas"]]
+                self._weights = [float(n) for n in self._quotas]
             if mixing.rng is not None and restore.get("rng") is not None:
                 set_rng_state(mixing.rng, restore["rng"])
         sources = [self._open(n, saved.get(str(n))) for n in range(len(self._datasets))]
@@ -286,6 +308,7 @@ class MixIterator:
             "turn": mixing.turn,
             "credits": list(mixing.credits),
             "passes": list(mixing.passes),
+            "quotas": self._quotas,
             "rng": rng,
             "sources": sources,
         }

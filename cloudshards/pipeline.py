@@ -295,7 +295,7 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
             state.update(live.plan)  # this consumer's part of an elastic restore's epoch
         if seed is None and self._resume is not None:  # a restore not started yet: keep it
             pending = self._resume
-            keep = (ELASTIC_KEY, "batch") if ELASTIC_KEY in pending else elastic.KEPT
+            keep = elastic.PENDING if ELASTIC_KEY in pending else elastic.KEPT
             state.update({key: pending[key] for key in (*keep, "seed") if key in pending})
         return state
 
@@ -319,7 +319,8 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
             return validated(one, self._fingerprint(), legacy)
 
         if isinstance(state, dict) and ELASTIC_KEY in state:
-            state = {**gathered(state[ELASTIC_KEY], check), "batch": state.get("batch", 1)}
+            extra = {key: state[key] for key in elastic.PENDING[1:] if key in state}
+            state = {**gathered(state[ELASTIC_KEY], check), **extra}
         else:
             state = check(state)
         self._epoch = int(state["epoch"])

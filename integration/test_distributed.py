@@ -500,6 +500,31 @@ def test_mix_by_counts_keeps_its_proportions_and_resumes_exactly(
         assert part.steps[rank] == reference.steps[rank], f"rank {rank}"
 
 
+def test_mix_by_counts_restores_on_another_world(runner: Runner, mix_specs: str) -> None:
+    """The same mix stopped on 2 ranks x 2 workers mid-epoch 0 and restored on 3 x 1: the
+    epoch holds each dataset's count (less at most 2 left out to keep the ranks' batches
+    equal), no sample of a dataset twice unless it is upsampled (d1), the ranks in lockstep."""
+    mix = ["--mix-counts=" + ",".join(map(str, MIX_COUNTS)), "--shuffle-buffer=20"]
+    args = [*common_args(mix_specs), *mix]
+    state = runner.new_dir("mix-elastic-state")
+    first = runner.run(
+        EPOCHS_SCRIPT,
+        [*args, f"--state={state}", "--steps-limit=7"],
+        log_dir=runner.new_dir("mix-elastic-first"),
+        cached=False,
+    )
+    second = runner.run(
+        EPOCHS_SCRIPT, [*args, f"--resume={state}", "--workers=1"], ranks_per_node=3
+    )
+    check_lockstep_epochs(second, range(EPOCHS))
+    trained = first.epoch_keys(0) + second.epoch_keys(0)
+    for name, count in zip(("d0", "d1", "d2"), MIX_COUNTS, strict=True):
+        keys = [key for key in trained if key.startswith(name + "-")]
+        assert count - 2 <= len(keys) <= count, (name, len(keys))
+        if name != "d1":
+            assert len(keys) == len(set(keys)), f"{name}: a sample twice in the epoch"
+
+
 # ------------------------------------------------------------------------------ resampled
 
 

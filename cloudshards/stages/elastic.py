@@ -39,6 +39,7 @@ from cloudshards.stages.spans import Span, as_shard, delivered_from, merged, nth
 __all__ = [
     "ELASTIC_KEY",
     "KEPT",
+    "PENDING",
     "Piece",
     "batch_size",
     "consumer_counts",
@@ -58,6 +59,8 @@ ELASTIC_KEY = "elastic"
 
 #: What a consumer's state holds of an elastic restore's epoch: its plan, or its items.
 KEPT = ("stages", "plan", "limit")
+#: What an elastic restore not started yet keeps of its bundle in a consumer's state.
+PENDING = (ELASTIC_KEY, "batch", "sizes")
 
 
 def encode(plan: Sequence[Piece]) -> list[list[int]]:
@@ -84,21 +87,21 @@ def decode(data: Sequence[Sequence[int]]) -> list[Piece]:
 def share(
     steps: Sequence[Any],
     invoke: Callable[..., Any],
-    states: Sequence[Mapping[str, Any]],
+    bundle: Mapping[str, Any],
     context: IterationContext,
     split: Any,
-    batch: int,
 ) -> list[Piece]:
     """This consumer's plan of the restored epoch (``context``: its own, with the old run's
-    seed and epoch), from every old consumer's state. ``steps``: the pipeline's stages up to
-    its shard reader (the last one builds it), ``split``: its balancing stage if it has one."""
+    seed and epoch), from every old consumer's state (``bundle["elastic"]``; ``"batch"``: the
+    samples per batch of the loop; ``"sizes"``: the least each new consumer must get, as a
+    mix asks of its datasets). ``steps``: the pipeline's stages up to its shard reader (the
+    last one builds it), ``split``: its balancing stage if it has one."""
     urls = steps[0].urls
     index_of = {url: number for number, url in enumerate(urls)}
     sequence: list[Piece] = []
-    for state in _by_consumer(states):
+    for state in _by_consumer(bundle[ELASTIC_KEY]):
         if ELASTIC_KEY in state:  # its own elastic restore had not started: its share of it
-            then, batch_then = _of(state, context), int(state.get("batch", 1))
-            pieces = share(steps, invoke, state[ELASTIC_KEY], then, split, batch_then)
+            pieces = share(steps, invoke, state, _of(state, context), split)
             plan = [as_shard(_shard(urls, s), spans) for s, spans in pieces]
         elif "plan" in state:
             plan = [as_shard(_shard(urls, s), spans) for s, spans in decode(state["plan"])]
@@ -107,14 +110,19 @@ def share(
         sequence.extend(_remaining(plan, state.get("stages", {}), index_of))
     info = context.info
     mode = split.mode(context) if split is not None else None
+    least = bundle.get("sizes")
     open_ended = any(stop is None for _, spans in sequence for _, stop in spans)
-    if open_ended and mode is None:
+    if open_ended and mode is None and least is None:
         # Counts unknown and not needed (no balance): whole pieces in turn, no counting pass.
         return sequence[info.global_worker :: info.num_consumers]
     counts: list[int] | None = list(split.counts()) if open_ended else None
     sized = [(shard, closed(spans, counts, shard)) for shard, spans in sequence]
     total = sum(length(spans) for _, spans in sized)
+    batch = int(bundle.get("batch", 1))
     sizes, left = consumer_counts(total, info.world_size, info.num_workers, batch, mode)
+    if least is not None and total >= sum(least):  # each its least, the rest evenly
+        spread, _ = consumer_counts(total - sum(least), info.world_size, info.num_workers, 1, None)
+        sizes, left = [int(n) + extra for n, extra in zip(least, spread, strict=True)], 0
     if info.global_worker == 0:
         logger.info(
             "elastic restore: %d samples of epoch %d remain, for %d ranks x %d workers",
@@ -282,6 +290,13 @@ def restore(pipeline: Any, resume: Mapping[str, Any], context: Any) -> tuple[Any
     if ELASTIC_KEY in resume and pipeline.nsamples > 0:
         batch = int(resume.get("batch", 1))
         return None, {"limit": items_share(pipeline.nsamples, resume[ELASTIC_KEY], context, batch)}
+    if ELASTIC_KEY in resume and callable(getattr(steps[0], "restore_elastic", None)):
+        # A mix: it divides what its datasets had left (cloudshards.mixelastic).
+        old = _by_consumer(resume[ELASTIC_KEY])
+        layout = (int(old[0]["consumer"][1]), int(old[0]["consumer"][3]))
+        batch = batch_size(steps[1:], int(resume.get("batch", 1)))
+        steps[0].restore_elastic([s.get("stages", {}).get("mix", {}) for s in old], layout, batch)
+        return None, {}
     if pipeline.repetitions != 1:
         raise StateMismatchError(
             "an elastic restore needs epochs of one pass over the shards, or of with_epoch(n) "
@@ -296,9 +311,8 @@ def restore(pipeline: Any, resume: Mapping[str, Any], context: Any) -> tuple[Any
     reader = reader_index(steps, pipeline.invoke, context)
     if ELASTIC_KEY in resume:
         split = next((s for s in steps[:reader] if callable(getattr(s, "counts", None))), None)
-        batch = batch_size(steps[reader:], int(resume.get("batch", 1)))
-        states = resume[ELASTIC_KEY]
-        plan = share(steps[: reader + 1], pipeline.invoke, states, context, split, batch)
+        bundle = {**resume, "batch": batch_size(steps[reader:], int(resume.get("batch", 1)))}
+        plan = share(steps[: reader + 1], pipeline.invoke, bundle, context, split)
     else:
         plan = decode(resume["plan"])
     return planned(steps, reader, plan), {"plan": encode(plan)}

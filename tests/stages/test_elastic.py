@@ -233,19 +233,57 @@ def test_a_checkpoint_before_every_new_worker_delivered_keeps_their_shares(
     assert len({len(batches) for batches in after}) == 1
 
 
-def test_a_mix_restores_on_the_same_world_only(make_shards: Any, tmp_path: Any) -> None:
-    specs = [make_shards([6, 6], directory=tmp_path / name).spec() for name in "ab"]
+def test_a_mix_by_counts_divides_what_each_dataset_had_left(
+    make_shards: Any, tmp_path: Any
+) -> None:
+    # Three datasets (60, 40 and 48 samples), 40/24/16 of them per epoch over 2 ranks x 2
+    # workers (10/6/4 each), stopped after 2 batches of 4 per rank; restored on 3 ranks x 1.
+    sizes = {"a": [15, 15, 15, 15], "b": [10, 10, 10, 10], "c": [12, 12, 12, 12]}
+    specs = {n: make_shards(s, directory=tmp_path / n).spec() for n, s in sizes.items()}
 
     def mix(rank: int, world: int) -> Any:
-        sources = [wds.WebDataset(s, seed=1, rank=rank, world_size=world) for s in specs]
-        mixed = wds.WeightedMix(sources, counts=[8, 4])
-        return wds.DataPipeline(mixed, seed=1, rank=rank, world_size=world)
+        sources = [
+            wds.WebDataset(
+                specs[n], shardshuffle=True, seed=i, rank=rank, world_size=world
+            ).shuffle(5)
+            for i, n in enumerate("abc")
+        ]
+        mixed = wds.WeightedMix(sources, counts=[40, 24, 16])
+        data = wds.DataPipeline(mixed, wds.batched(4), seed=1, rank=rank, world_size=world)
+        data.set_epoch(1)
+        return data
 
-    loader = StatefulDataLoader(mix(0, 2), batch_size=None, num_workers=0)
-    it = iter(loader)
-    next(it)
-    state = loader.state_dict()
-    restored = wds.StatefulLoader(mix(0, 1), batch_size=None)
-    restored.load_state_dict({"cloudshards_ranks": [state], "world_size": 2})
-    with pytest.raises(StateMismatchError, match="starts with WeightedMix"):
-        list(restored)
+    before: list[str] = []
+    states = []
+    for rank in range(2):
+        loader = wds.StatefulLoader(mix(rank, 2), batch_size=None, num_workers=2)
+        it = iter(loader)
+        before += [name for _ in range(2) for name in _names(next(it))]
+        states.append(loader.state_dict())
+        del it
+    after = []
+    batches = []
+    for rank in range(3):
+        loader = wds.StatefulLoader(mix(rank, 3), batch_size=None, num_workers=1)
+        loader.load_state_dict({"cloudshards_ranks": states, "world_size": 2})
+        got = list(loader)
+        batches.append(len(got))
+        after.append([name for batch in got for name in _names(batch)])
+    # 64 left for 3 ranks: 22, 21, 21 samples, the extra one in a partial batch: 6 batches each.
+    assert batches == [6, 6, 6]
+    assert sorted(len(paths) for paths in after) == [21, 21, 22]
+    every = before + [p for paths in after for p in paths]
+    for name, count in zip("abc", (40, 24, 16), strict=True):
+        got = [p for p in every if p.startswith(name + ":")]
+        assert len(got) == count, name  # the epoch's count of each dataset, exactly
+        assert len(set(got)) == len(got), name  # none read twice (no dataset upsampled)
+    for paths in after:  # each rank's part keeps the mixture
+        shares = [sum(p.startswith(n + ":") for p in paths) for n in "abc"]
+        for share, weight in zip(shares, (0.5, 0.3, 0.2), strict=True):
+            assert abs(share - weight * len(paths)) <= 2, shares
+
+
+def _names(batch: Any) -> list[str]:
+    """``dataset:key`` of each sample of a batch (the dataset: its shards' directory)."""
+    paths, keys = batch["__local_path__"], batch["__key__"]
+    return [f"{p.split('/')[-2]}:{k}" for p, k in zip(paths, keys, strict=True)]

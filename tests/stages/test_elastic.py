@@ -287,3 +287,24 @@ def _names(batch: Any) -> list[str]:
     """``dataset:key`` of each sample of a batch (the dataset: its shards' directory)."""
     paths, keys = batch["__local_path__"], batch["__key__"]
     return [f"{p.split('/')[-2]}:{k}" for p, k in zip(paths, keys, strict=True)]
+
+
+def test_a_mix_by_weights_needs_an_epoch_length_to_divide(make_shards: Any) -> None:
+    spec = make_shards([6, 6]).spec()
+
+    def mix(rank: int, world: int, kind: Any) -> Any:
+        sources = [wds.WebDataset(spec, seed=n, rank=rank, world_size=world) for n in (1, 2)]
+        return wds.DataPipeline(kind(sources), seed=1, rank=rank, world_size=world)
+
+    for kind, error in (
+        (lambda s: wds.WeightedMix(s, [1, 1]), "with_epoch"),
+        (lambda s: wds.RandomMix(s, [1, 1]), "starts with RandomMix"),
+    ):
+        loader = StatefulDataLoader(mix(0, 2, kind), batch_size=None)
+        it = iter(loader)
+        next(it)
+        state = loader.state_dict()
+        restored = wds.StatefulLoader(mix(0, 1, kind), batch_size=None)
+        restored.load_state_dict({"cloudshards_ranks": [state], "world_size": 2})
+        with pytest.raises(StateMismatchError, match=error):
+            list(restored)

@@ -390,16 +390,22 @@ def test_epochs_resume_from_state(runner: Runner, data: Data, buffer: int) -> No
         assert part.result.summaries[rank] == reference.result.summaries[rank]
 
 
-# Elastic restores: (nodes, ranks per node, workers per rank) of the new world.
-ELASTIC_WORLDS = {"1x2": (1, 1, 2), "3x1": (1, 3, 1), "2nodes-2x2": (2, 2, 2)}
+# Restores on other worlds: (nodes, ranks per node, workers per rank). "2nodes-1x2" is the
+# same world as the checkpoint's (2 ranks x 2 workers), started as 2 static-rendezvous nodes.
+ELASTIC_WORLDS = {
+    "1x2": (1, 1, 2),
+    "3x1": (1, 3, 1),
+    "2nodes-2x2": (2, 2, 2),
+    "2nodes-1x2": (2, 1, 2),
+}
 
 
-@pytest.mark.parametrize(
-    ("world", "stop_epoch"), [("1x2", 0), ("3x1", 0), ("2nodes-2x2", 0), ("3x1", 1)]
-)
+@pytest.mark.parametrize("stop_epoch", [0, 1])
+@pytest.mark.parametrize("world", sorted(ELASTIC_WORLDS))
 def test_epochs_elastic_resume(runner: Runner, data: Data, world: str, stop_epoch: int) -> None:
     """Stop 2 ranks x 2 workers (``.shuffle(1000)``) mid-epoch 0 (or 1), restore the gathered
-    checkpoint on another world: the epoch's samples are trained on exactly once over the two
+    checkpoint on another world (or the same one, as 2 nodes: then exactly the uninterrupted
+    run's steps): the epoch's samples are trained on exactly once over the two
     runs, every new rank takes the same steps (DDP on every rank: no hang), and the epochs
     after it are the new world's own balanced ones."""
     nodes, ranks_per_node, workers = ELASTIC_WORLDS[world]
@@ -427,6 +433,9 @@ def test_epochs_elastic_resume(runner: Runner, data: Data, world: str, stop_epoc
     assert set(trained) == set(reference.epoch_keys(stop_epoch)), (
         f"missing {sorted(set(reference.epoch_keys(stop_epoch)) - set(trained))}"
     )
+    if (second.world_size, workers) == (2, WORKERS):  # the same world: the same sequence
+        for rank in range(2):
+            assert first.steps[rank] + second.steps[rank] == reference.steps[rank]
     consumers = second.world_size * workers
     # The new world's own epochs: balanced ("drop") with several ranks, whole on one.
     whole = NUM_SAMPLES if second.world_size == 1 else consumers * (NUM_SAMPLES // consumers)

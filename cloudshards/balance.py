@@ -32,6 +32,7 @@ from cloudshards.cache import ShardCache
 from cloudshards.errors import ConfigError, ShardOpenError
 from cloudshards.grouping import is_meta_name, split_key
 from cloudshards.redact import redact_url
+from cloudshards.shardmeta import counts_from_metadata
 from cloudshards.source import FetchOptions, OpenOptions, open_source
 from cloudshards.tar import iter_members
 from cloudshards.urls import protocol_of
@@ -146,7 +147,9 @@ def resolve_sample_counts(
 
     From ``counts`` (a mapping by URL or a list in order) when given; else from ``index`` (a
     :class:`DatasetIndex` or its URL); else from this node's counts file; else from an index
-    at the default place next to the shards; else by counting once. What the last two find
+    at the default place next to the shards; else from metadata dataset tools write beside
+    shards (``sizes.json``, timm's ``_info.json``, img2dataset's ``*_stats.json``: see
+    :mod:`cloudshards.shardmeta`); else by counting once. What the last three find
     is saved in the counts file, under a lock, so the other processes on the node wait and
     reuse it instead of asking the store again. An index file must list its shards inside its
     own location unless ``allow_external_shards`` (see :func:`~cloudshards.load_index`).
@@ -185,6 +188,8 @@ def resolve_sample_counts(
         found = _from_index(
             urls, None, options.storage_options, quiet=True, allow_external=allow_external_shards
         )
+        if found is None:  # what dataset tools write beside shards (cloudshards.shardmeta)
+            found = counts_from_metadata(urls, options.storage_options)
         if found is not None:
             _write_counts(path, dict(zip(keys, found, strict=True)))
             return found

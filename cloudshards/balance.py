@@ -84,13 +84,6 @@ def count_shard_samples(
     return count
 
 
-def _counts_dir() -> Path:
-    configured = config.env_str("COUNTS_DIR")
-    if configured:
-        return Path(configured)
-    return Path(os.path.expanduser("~")) / ".cache" / "cloudshards" / "counts"
-
-
 def _url_key(url: str) -> str:
     # Hashed: a signed URL's query string must never land in a file.
     key = url
@@ -171,7 +164,7 @@ def resolve_sample_counts(
         )
         assert explicit is not None
         return explicit
-    directory = _counts_dir()
+    directory = config.counts_dir()
     directory.mkdir(parents=True, exist_ok=True)
     keys = [_url_key(url) for url in urls]
     path = directory / (hashlib.blake2b("\n".join(keys).encode(), digest_size=16).hexdigest())

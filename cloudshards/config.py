@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 from typing import overload
 
 from cloudshards.errors import ConfigError
@@ -143,3 +144,10 @@ def webdataset_var(name: str, default: str | None = None) -> str | None:
     if not name.startswith("WDS_") and name not in _WEBDATASET_VARS:
         raise ValueError(f"{name} is not an environment variable of webdataset's")
     return os.environ.get(name, default)
+
+
+def counts_dir() -> Path:
+    """Where a node keeps what its processes share (sample counts, listings):
+    ``CLOUDSHARDS_COUNTS_DIR``, else ``~/.cache/cloudshards/counts``."""
+    configured = env_str("COUNTS_DIR")
+    return Path(configured) if configured else Path.home() / ".cache" / "cloudshards" / "counts"

@@ -20,6 +20,7 @@ from fsspec.registry import known_implementations
 
 from cloudshards import config
 from cloudshards.errors import ConfigError
+from cloudshards.listing import shared_listing
 from cloudshards.process import PerProcess
 from cloudshards.redact import install_log_redaction, raise_redacted, redact_text, redact_url
 
@@ -88,6 +89,10 @@ def _has_glob(url: str) -> bool:
 
 
 def _glob(url: str, storage_options: Mapping[str, Any] | None) -> list[str]:
+    return shared_listing(url, storage_options, lambda: _list(url, storage_options))
+
+
+def _list(url: str, storage_options: Mapping[str, Any] | None) -> list[str]:
     fs, path = resolve(url, storage_options)
     try:
         matches = sorted(fs.glob(path))

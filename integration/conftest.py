@@ -338,3 +338,9 @@ def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from cloudshards.source import adapt
 
     adapt.forget()  # part sizes measured by earlier tests
+    from cloudshards.source import budget
+
+    # The node's request slots and shared backoff: a directory of the test's own, so that a
+    # throttling test does not make the next ones wait.
+    monkeypatch.setenv("CLOUDSHARDS_NODE_DIR", str(tmp_path / "node"))
+    budget.forget()

@@ -26,6 +26,7 @@ __all__ = [
     "IOStats",
     "RangeIgnoredError",
     "is_retryable",
+    "is_throttled",
     "process_stats",
     "retry",
 ]
@@ -131,6 +132,21 @@ def is_retryable(exc: BaseException) -> bool:
     return not any(marker in text for marker in _AUTH_OR_CLIENT)
 
 
+_THROTTLED = ("SlowDown", "Throttl", "TooManyRequests", "Too Many Requests", "RequestLimitExceeded")
+
+
+def is_throttled(exc: BaseException) -> bool:
+    """True for a store asking to slow down: 429, 503, SlowDown, throttling."""
+    cause = exc.__cause__ if isinstance(exc, ShardOpenError) else None
+    if cause is not None:
+        return is_throttled(cause)
+    status = getattr(exc, "status", None) or getattr(exc, "code", None)
+    if status in (429, 503):
+        return True
+    text = f"{type(exc).__name__} {exc}"
+    return any(marker in text for marker in _THROTTLED) or " 503" in text or " 429" in text
+
+
 def retry(
     call: Callable[[], T],
     *,
@@ -169,6 +185,10 @@ def retry(
                     )
                 raise_redacted(error, exc)
             delay = _jitter.uniform(0, min(options.max_backoff_s, options.backoff_s * 2**attempt))
+            if is_throttled(exc):  # the whole node slows down, not just this request
+                from cloudshards.source.budget import node_budget
+
+                node_budget().back_off(delay)
             attempt += 1
             if stats is not None:
                 stats.add(retries=1)

@@ -16,6 +16,7 @@ from typing import IO, Any, Protocol
 
 from cloudshards.redact import raise_redacted
 from cloudshards.source import adapt
+from cloudshards.source.budget import node_budget
 from cloudshards.source.objstore import s3_object
 from cloudshards.source.options import FetchOptions, OpenOptions
 from cloudshards.source.remote import fsspec_object
@@ -142,13 +143,14 @@ def fetch_range(
     fetch = getattr(source, "cat_range_view", None) if view else None
 
     def call() -> bytes | memoryview:
-        stats.add(requests=1)
-        began = time.perf_counter()
-        data: bytes | memoryview
-        if fetch is not None:
-            data = fetch(start, end)
-        else:
-            data = source.cat_range(start, end, timeout=options.stall_timeout_s)
+        with node_budget().slot():  # one of the node's requests in flight
+            stats.add(requests=1)
+            began = time.perf_counter()
+            data: bytes | memoryview
+            if fetch is not None:
+                data = fetch(start, end)
+            else:
+                data = source.cat_range(start, end, timeout=options.stall_timeout_s)
         _answered(source, stats, len(data), began)
         if len(data) == expected:
             return data
@@ -185,9 +187,10 @@ def fetch_first(
     cat_first = getattr(source, "cat_first")  # noqa: B009 - a member of some transports only
 
     def call() -> tuple[bytes, dict[str, Any]]:
-        stats.add(requests=1)
-        began = time.perf_counter()
-        data, details = cat_first(end, on_details)
+        with node_budget().slot():
+            stats.add(requests=1)
+            began = time.perf_counter()
+            data, details = cat_first(end, on_details)
         _answered(source, stats, len(data), began)
         size = details.get("size")
         if size is None or len(data) in (min(end, int(size)), int(size)):

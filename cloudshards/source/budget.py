@@ -1,0 +1,183 @@
+"""Requests in flight and throttling backoff shared by every process on a node.
+
+Each DataLoader worker keeps its own shards' ranged GETs in flight (``concurrency`` per shard,
+``prefetch`` shards ahead): 8 ranks x 8 workers would hold thousands of connections, far past
+what a NIC needs and enough to trip a store's request-rate limits, and each worker would back
+off from a 503 SlowDown on its own while the others kept hammering. Here:
+
+- **Slots.** A request holds one of ``CLOUDSHARDS_NODE_REQUESTS`` slots (default 128) while it
+  is in flight, shared by every process of the user on the machine. A slot is an advisory
+  lock (``flock``) on a small file in a node-local directory, so a process that dies frees
+  its slots with it. Written by hand: no library offers a semaphore that independent
+  processes (torchrun's ranks, their forked workers) can share without a common parent.
+- **Shared backoff.** A throttling answer (503 SlowDown, 429) makes the whole node wait: its
+  delay is written to a file there, and every request first waits until that time.
+
+The directory is ``CLOUDSHARDS_NODE_DIR``, else ``/dev/shm/cloudshards-<uid>`` (memory, local
+to the node; a home directory can be a network file system shared by nodes), else the
+temporary directory. ``CLOUDSHARDS_NODE_REQUESTS=0`` turns both off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import random
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from cloudshards import config
+from cloudshards.process import PerProcess
+
+__all__ = ["NodeBudget", "forget", "node_budget"]
+
+logger = logging.getLogger("cloudshards.fetch")
+
+#: Default requests in flight per node: a 100 Gbit/s NIC at ~100 MB/s per connection.
+DEFAULT_NODE_REQUESTS = 128
+
+#: First and longest pause between tries for a free slot.
+_POLL_S, _MAX_POLL_S = 0.001, 0.05
+
+
+class NodeBudget:
+    """This process's handle on the node's request slots and shared backoff."""
+
+    def __init__(self, directory: Path, slots: int) -> None:
+        self.directory = directory
+        self.slots = slots
+        self._lock = threading.Lock()
+        self._held: set[int] = set()  # slots this process's threads hold now
+        self._files: dict[int, int] = {}  # slot -> this process's descriptor for it
+        self._backoff_path = directory / "backoff"
+        self._backoff_seen = (-1, 0.0)  # (mtime_ns, until) last read
+        self._rng = random.Random()
+        self.waited_s = 0.0  # time spent waiting for slots or the backoff
+
+    @contextlib.contextmanager
+    def slot(self) -> Iterator[None]:
+        """Hold one of the node's slots (waiting for one, and for the node's backoff)."""
+        if self.slots <= 0:
+            yield
+            return
+        self.wait_backoff()
+        number = self._acquire()
+        try:
+            yield
+        finally:
+            with self._lock:
+                with contextlib.suppress(OSError):
+                    fcntl.flock(self._files[number], fcntl.LOCK_UN)
+                self._held.discard(number)
+
+    def _acquire(self) -> int:
+        began = time.monotonic()
+        pause = _POLL_S
+        while True:
+            with self._lock:
+                start = self._rng.randrange(self.slots)
+                for step in range(self.slots):
+                    number = (start + step) % self.slots
+                    if number in self._held:
+                        continue
+                    if self._try(number):
+                        self._held.add(number)
+                        if pause > _POLL_S:
+                            self.waited_s += time.monotonic() - began
+                        return number
+            time.sleep(pause)
+            pause = min(_MAX_POLL_S, pause * 2)
+
+    def _try(self, number: int) -> bool:
+        fd = self._files.get(number)
+        if fd is None:
+            path = self.directory / f"slot-{number}"
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            self._files[number] = fd
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        return True
+
+    def wait_backoff(self) -> None:
+        """Sleep until the node's shared backoff (if any) has passed."""
+        if self.slots <= 0:
+            return
+        until = self._until()
+        delay = until - time.time()
+        if delay > 0:
+            self.waited_s += delay
+            time.sleep(delay)
+
+    def _until(self) -> float:
+        try:
+            mtime = os.stat(self._backoff_path).st_mtime_ns
+        except OSError:
+            return 0.0
+        if mtime != self._backoff_seen[0]:
+            with contextlib.suppress(OSError, ValueError):
+                self._backoff_seen = (mtime, float(self._backoff_path.read_text() or 0))
+        return self._backoff_seen[1]
+
+    def back_off(self, delay: float) -> None:
+        """The store throttled us: make the whole node wait ``delay`` seconds from now."""
+        if self.slots <= 0:
+            return
+        until = time.time() + delay
+        with contextlib.suppress(OSError), open(self.directory / "backoff.lock", "a") as lock:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+            if until > self._until():
+                temp = self.directory / f".backoff-{os.getpid()}-{threading.get_ident()}"
+                temp.write_text(repr(until))
+                os.replace(temp, self._backoff_path)
+                logger.warning("the store throttles requests: this node waits %.2fs", delay)
+
+
+def _directory() -> Path:
+    configured = config.env_str("NODE_DIR")
+    if configured:
+        return Path(configured)
+    # A shared directory: _make checks that the one found is ours alone before using it.
+    shm = Path("/dev/shm")  # noqa: S108
+    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+    return base / f"cloudshards-{os.getuid()}"
+
+
+def _make() -> NodeBudget:
+    slots = config.env_int("NODE_REQUESTS", DEFAULT_NODE_REQUESTS)
+    directory = _directory()
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        found = os.lstat(directory)
+        if not os.path.isdir(directory) or os.path.islink(directory):
+            raise OSError("not a directory")
+        if found.st_uid != os.getuid() or found.st_mode & 0o022:
+            # Someone else's (or writable by others): their files could jam our requests.
+            raise OSError("owned by another user or writable by others")
+    except OSError as exc:
+        logger.warning("no node request budget (cannot use %s: %s)", directory, exc)
+        slots = 0
+    return NodeBudget(directory, slots)
+
+
+_budget: PerProcess[NodeBudget] = PerProcess(_make)
+
+
+def node_budget() -> NodeBudget:
+    """This process's handle on its node's budget (a forked child makes its own)."""
+    return _budget.get()
+
+
+def forget() -> None:
+    """Drop this process's handle (the next request reads the settings again)."""
+    budget = _budget.pop()
+    if budget is not None:
+        for fd in budget._files.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)

@@ -1,0 +1,127 @@
+"""The node's request budget: slots held by requests in flight, shared by threads and by
+separate processes, and one throttling backoff for the whole node."""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from cloudshards.source import budget
+from cloudshards.source.options import FetchOptions
+from cloudshards.source.retries import retry
+
+HOLD_S = 0.15
+
+
+def _hold(log: Path, count: int) -> None:
+    """Hold a slot ``count`` times in threads of this process, logging (start, end)."""
+
+    def one() -> None:
+        with budget.node_budget().slot():
+            start = time.monotonic()
+            time.sleep(HOLD_S)
+            with open(log, "a") as out:
+                out.write(json.dumps([start, time.monotonic()]) + "\n")
+
+    threads = [threading.Thread(target=one) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+def _most_at_once(log: Path) -> int:
+    events = []
+    for line in log.read_text().splitlines():
+        start, end = json.loads(line)
+        events += [(start, 1), (end, -1)]
+    most = now = 0
+    for _, change in sorted(events, key=lambda e: (e[0], e[1])):
+        now += change
+        most = max(most, now)
+    return most
+
+
+def test_slots_bound_requests_in_flight_across_threads_and_processes(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("CLOUDSHARDS_NODE_REQUESTS", "3")
+    budget.forget()
+    log = tmp_path / "held.jsonl"
+    context = multiprocessing.get_context("spawn")  # an independent process, as a rank is
+    other = context.Process(target=_child, args=(str(log), dict(os.environ)))
+    other.start()
+    _hold(log, 4)
+    other.join(30)
+    assert other.exitcode == 0
+    assert len(log.read_text().splitlines()) == 8
+    assert _most_at_once(log) == 3  # never more than the node's 3, and all 3 used
+
+
+def _child(log: str, env: dict[str, str]) -> None:
+    os.environ.update(env)
+    _hold(Path(log), 4)
+
+
+def test_a_throttled_request_makes_the_whole_node_wait(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    budget.forget()
+    calls = []
+
+    def call() -> str:
+        calls.append(time.monotonic())
+        if len(calls) == 1:
+            raise ConnectionError("503 SlowDown: Please reduce your request rate.")
+        return "ok"
+
+    options = FetchOptions(retries=2, backoff_s=0.4, max_backoff_s=0.4)
+    caplog.set_level(logging.WARNING, logger="cloudshards.fetch")
+    before = time.time()
+    assert retry(call, url="s3://b/k", offset=0, options=options) == "ok"
+    assert "this node waits" in caplog.text
+    until = float((Path(os.environ["CLOUDSHARDS_NODE_DIR"]) / "backoff").read_text())
+    assert before < until <= before + 0.4 + 0.05  # the retry's own delay, published
+    # An ordinary failure (a reset connection) is this request's business only.
+    calls.clear()
+    budget.forget()
+    (Path(os.environ["CLOUDSHARDS_NODE_DIR"]) / "backoff").unlink()
+
+    def reset() -> str:
+        calls.append(time.monotonic())
+        if len(calls) == 1:
+            raise ConnectionResetError("connection reset by peer")
+        return "ok"
+
+    assert retry(reset, url="s3://b/k", offset=0, options=options) == "ok"
+    assert not (Path(os.environ["CLOUDSHARDS_NODE_DIR"]) / "backoff").exists()
+
+
+def test_every_process_of_the_node_waits_out_a_backoff() -> None:
+    budget.forget()
+    budget.node_budget().back_off(0.5)  # one process was told to slow down
+    budget.forget()  # another process of the node: a handle of its own
+    began = time.monotonic()
+    with budget.node_budget().slot():
+        waited = time.monotonic() - began
+    assert 0.4 <= waited < 2.0
+
+
+def test_a_directory_others_can_write_is_not_used(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setenv("CLOUDSHARDS_NODE_DIR", str(shared))
+    budget.forget()
+    with caplog.at_level(logging.WARNING, logger="cloudshards.fetch"):
+        assert budget.node_budget().slots == 0
+    assert "writable by others" in caplog.text

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import copy
 import dataclasses
@@ -30,6 +31,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -72,6 +74,7 @@ class SimConfig:
     stall_s: float = 30.0
     ignore_range: bool = False  # drop Range/If-Range: upstream answers 200 + the whole body
     match: str = ""  # regex on path?query: faults only hit requests it matches ("" = all)
+    rate_limit_rps: float = 0.0  # GETs admitted per second (a sliding second); the rest: 503
 
     def replace(self, **knobs: Any) -> SimConfig:
         """Return a copy with ``knobs`` changed; ValueError for an unknown or invalid knob."""
@@ -116,6 +119,8 @@ class SimStats:
     ranges_ignored: int = 0  # Range headers dropped by ignore_range
     upstream_errors: int = 0  # upstream unreachable (502) or its body broke mid-way
     client_disconnects: int = 0  # the client went away before the body was sent
+    throttled: int = 0  # GETs answered 503 SlowDown by the rate limit
+    gets_in_flight_max: int = 0  # most GETs being answered at once
 
     @property
     def faults(self) -> int:
@@ -165,6 +170,8 @@ class CloudSim:
         self._config = SimConfig().replace(**knobs)
         self._stats = SimStats()
         self._seq = {"fail": 0, "cut": 0, "stall": 0}
+        self._admitted: collections.deque[float] = collections.deque()  # rate limit's second
+        self._gets_in_flight = 0
         self._lock = threading.Lock()
         self._rng = random.Random(seed)
         self._url: str | None = None
@@ -314,6 +321,15 @@ class CloudSim:
                 cfg.cut_all or (cfg.cut_every_n > 0 and self._next("cut", cfg.cut_every_n))
             )
             stall = get and cfg.stall_every_n > 0 and self._next("stall", cfg.stall_every_n)
+            if method == "GET" and cfg.rate_limit_rps > 0 and not fail:
+                now, admitted = time.monotonic(), self._admitted
+                while admitted and admitted[0] <= now - 1.0:
+                    admitted.popleft()
+                if len(admitted) >= cfg.rate_limit_rps:
+                    st.throttled += 1
+                    fail, cut, stall = True, False, False
+                else:
+                    admitted.append(now)
             return fail, cut, stall, st.requests
 
     def _sent(self, response: _R) -> _R:
@@ -324,6 +340,19 @@ class CloudSim:
         return response
 
     async def _proxy(self, request: web.Request) -> web.StreamResponse:
+        if request.method != "GET":
+            return await self._answer(request)
+        with self._lock:
+            self._gets_in_flight += 1
+            most = max(self._stats.gets_in_flight_max, self._gets_in_flight)
+            self._stats.gets_in_flight_max = most
+        try:
+            return await self._answer(request)
+        finally:
+            with self._lock:
+                self._gets_in_flight -= 1
+
+    async def _answer(self, request: web.Request) -> web.StreamResponse:
         cfg = self._config
         fail, cut, stall, seq = self._admit(request, cfg)
         delay = cfg.latency_s + (self._rng.uniform(0.0, cfg.jitter_s) if cfg.jitter_s else 0.0)

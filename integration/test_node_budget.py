@@ -21,6 +21,7 @@ from cloudsim_fixtures import cloudsim_process_factory  # noqa: F401 - the fixtu
 from servers import NginxServer
 
 READER = Path(__file__).with_name("node_budget_reader.py")
+REPO = Path(__file__).resolve().parents[1]
 SHARDS, SAMPLES, PAYLOAD = 16, 40, 16 << 10
 BUDGET = 6
 

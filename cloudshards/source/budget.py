@@ -11,7 +11,10 @@ off from a 503 SlowDown on its own while the others kept hammering. Here:
   its slots with it. Written by hand: no library offers a semaphore that independent
   processes (torchrun's ranks, their forked workers) can share without a common parent.
 - **Shared backoff.** A throttling answer (503 SlowDown, 429) makes the whole node wait: its
-  delay is written to a file there, and every request first waits until that time.
+  delay is written to a file there, and every request first waits until that time. It also
+  halves the slots the node's requests may use; each round of successful requests gives one
+  back (additive increase, multiplicative decrease, as TCP does), so the node settles near
+  what the store accepts.
 
 The directory is ``CLOUDSHARDS_NODE_DIR``, else ``/dev/shm/cloudshards-<uid>`` (memory, local
 to the node; a home directory can be a network file system shared by nodes), else the
@@ -22,13 +25,14 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import logging
 import os
 import random
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from cloudshards import config
@@ -44,6 +48,14 @@ DEFAULT_NODE_REQUESTS = 128
 #: First and longest pause between tries for a free slot.
 _POLL_S, _MAX_POLL_S = 0.001, 0.05
 
+#: Successful requests (at least) per slot given back after a throttling cut.
+_ROUND = 8
+
+#: Seconds without a throttling or a recovery after which a cut lapses.
+_STALE_S = 60.0
+
+_STATE_KEYS = ("until", "limit", "cut", "changed")
+
 
 class NodeBudget:
     """This process's handle on the node's request slots and shared backoff."""
@@ -54,8 +66,9 @@ class NodeBudget:
         self._lock = threading.Lock()
         self._held: set[int] = set()  # slots this process's threads hold now
         self._files: dict[int, int] = {}  # slot -> this process's descriptor for it
-        self._backoff_path = directory / "backoff"
-        self._backoff_seen = (-1, 0.0)  # (mtime_ns, until) last read
+        self._state_path = directory / "state"  # the shared backoff and limit, as JSON
+        self._seen: tuple[int, dict[str, float]] = (-1, self._start())
+        self._successes = 0
         self._rng = random.Random()
         self.waited_s = 0.0  # time spent waiting for slots or the backoff
 
@@ -74,15 +87,17 @@ class NodeBudget:
                 with contextlib.suppress(OSError):
                     fcntl.flock(self._files[number], fcntl.LOCK_UN)
                 self._held.discard(number)
+        self._succeeded()  # (not reached when the request raised)
 
     def _acquire(self) -> int:
         began = time.monotonic()
         pause = _POLL_S
         while True:
+            limit = self.limit()
             with self._lock:
-                start = self._rng.randrange(self.slots)
-                for step in range(self.slots):
-                    number = (start + step) % self.slots
+                start = self._rng.randrange(limit)
+                for step in range(limit):
+                    number = (start + step) % limit
                     if number in self._held:
                         continue
                     if self._try(number):
@@ -109,34 +124,80 @@ class NodeBudget:
         """Sleep until the node's shared backoff (if any) has passed."""
         if self.slots <= 0:
             return
-        until = self._until()
-        delay = until - time.time()
+        delay = self._shared()["until"] - time.time()
         if delay > 0:
             self.waited_s += delay
             time.sleep(delay)
 
-    def _until(self) -> float:
+    def limit(self) -> int:
+        """The slots requests may use now: all of them, or fewer after the store throttled
+        (halved at each throttling, one more back after each round of successes; the cut
+        lapses after ``_STALE_S`` without news, so a new job starts at full speed)."""
+        shared = self._shared()
+        if time.time() - shared["changed"] > _STALE_S:
+            return self.slots
+        return max(1, min(self.slots, int(shared["limit"])))
+
+    def _shared(self) -> dict[str, float]:
+        """The node's shared state (re-read when its file changed)."""
         try:
-            mtime = os.stat(self._backoff_path).st_mtime_ns
+            mtime = os.stat(self._state_path).st_mtime_ns
         except OSError:
-            return 0.0
-        if mtime != self._backoff_seen[0]:
-            with contextlib.suppress(OSError, ValueError):
-                self._backoff_seen = (mtime, float(self._backoff_path.read_text() or 0))
-        return self._backoff_seen[1]
+            return self._start()
+        if mtime != self._seen[0]:
+            with contextlib.suppress(OSError, ValueError, TypeError):
+                data = json.loads(self._state_path.read_text())
+                self._seen = (mtime, {key: float(data[key]) for key in _STATE_KEYS})
+        return self._seen[1]
+
+    def _start(self) -> dict[str, float]:
+        return {"until": 0.0, "limit": float(self.slots), "cut": 0.0, "changed": 0.0}
+
+    def _update(self, change: Callable[[dict[str, float]], bool]) -> None:
+        """Change the node's shared state under its lock (``change`` says if it did)."""
+        with contextlib.suppress(OSError), open(self.directory / "state.lock", "a") as lock:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+            state = dict(self._shared())
+            if not change(state):
+                return
+            state["changed"] = time.time()
+            temp = self.directory / f".state-{os.getpid()}-{threading.get_ident()}"
+            temp.write_text(json.dumps(state))
+            os.replace(temp, self._state_path)
+
+    def _succeeded(self) -> None:
+        self._successes += 1
+        limit = self.limit()
+        if limit >= self.slots or self._successes < max(_ROUND, limit):
+            return
+        self._successes = 0
+
+        def grow(state: dict[str, float]) -> bool:
+            state["limit"] = min(float(self.slots), max(1.0, state["limit"]) + 1)
+            return True
+
+        self._update(grow)
 
     def back_off(self, delay: float) -> None:
-        """The store throttled us: make the whole node wait ``delay`` seconds from now."""
+        """The store throttled us: make the whole node wait ``delay`` seconds from now, and
+        halve the slots it may use (once per ``delay``: a burst of 503s halves it once)."""
         if self.slots <= 0:
             return
-        until = time.time() + delay
-        with contextlib.suppress(OSError), open(self.directory / "backoff.lock", "a") as lock:
-            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
-            if until > self._until():
-                temp = self.directory / f".backoff-{os.getpid()}-{threading.get_ident()}"
-                temp.write_text(repr(until))
-                os.replace(temp, self._backoff_path)
-                logger.warning("the store throttles requests: this node waits %.2fs", delay)
+        now = time.time()
+
+        def throttle(state: dict[str, float]) -> bool:
+            state["until"] = max(state["until"], now + delay)
+            if now - state["cut"] > delay:
+                state["limit"] = max(1.0, float(self.limit() // 2))
+                state["cut"] = now
+            return True
+
+        self._update(throttle)
+        logger.warning(
+            "the store throttles requests: this node waits %.2fs and keeps %d requests in flight",
+            delay,
+            self.limit(),
+        )
 
 
 def _directory() -> Path:

@@ -87,12 +87,13 @@ def test_a_throttled_request_makes_the_whole_node_wait(
     before = time.time()
     assert retry(call, url="s3://b/k", offset=0, options=options) == "ok"
     assert "this node waits" in caplog.text
-    until = float((Path(os.environ["CLOUDSHARDS_NODE_DIR"]) / "backoff").read_text())
+    state = json.loads((Path(os.environ["CLOUDSHARDS_NODE_DIR"]) / "state").read_text())
+    until = state["until"]
     assert before < until <= before + 0.4 + 0.05  # the retry's own delay, published
     # An ordinary failure (a reset connection) is this request's business only.
     calls.clear()
     budget.forget()
-    (Path(os.environ["CLOUDSHARDS_NODE_DIR"]) / "backoff").unlink()
+    (Path(os.environ["CLOUDSHARDS_NODE_DIR"]) / "state").unlink()
 
     def reset() -> str:
         calls.append(time.monotonic())
@@ -101,7 +102,7 @@ def test_a_throttled_request_makes_the_whole_node_wait(
         return "ok"
 
     assert retry(reset, url="s3://b/k", offset=0, options=options) == "ok"
-    assert not (Path(os.environ["CLOUDSHARDS_NODE_DIR"]) / "backoff").exists()
+    assert not (Path(os.environ["CLOUDSHARDS_NODE_DIR"]) / "state").exists()
 
 
 def test_every_process_of_the_node_waits_out_a_backoff() -> None:
@@ -125,3 +126,24 @@ def test_a_directory_others_can_write_is_not_used(
     with caplog.at_level(logging.WARNING, logger="cloudshards.fetch"):
         assert budget.node_budget().slots == 0
     assert "writable by others" in caplog.text
+
+
+def test_throttling_halves_the_node_limit_and_successes_give_it_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("CLOUDSHARDS_NODE_REQUESTS", "16")
+    budget.forget()
+    node = budget.node_budget()
+    assert node.limit() == 16
+    node.back_off(0.01)
+    assert node.limit() == 8
+    node.back_off(0.01)  # the same burst (within its delay): not halved again
+    assert node.limit() == 8
+    time.sleep(0.02)
+    node.back_off(0.01)
+    assert node.limit() == 4
+    time.sleep(0.02)
+    for _ in range(8 * 4):  # rounds of successes: one slot back per round
+        with node.slot():
+            pass
+    assert 5 <= node.limit() <= 8

@@ -41,7 +41,11 @@ __all__ = [
     "BALANCE_MODES",
     "assign_samples",
     "count_shard_samples",
+    "counts_file",
+    "observe",
+    "observed",
     "resolve_sample_counts",
+    "save_counts",
 ]
 
 logger = logging.getLogger(__name__)
@@ -135,8 +139,10 @@ def resolve_sample_counts(
     fetch: FetchOptions | None = None,
     cache: ShardCache | None = None,
     allow_external_shards: bool = False,
-) -> list[int]:
-    """Samples per shard, in ``urls`` order.
+    count: bool = True,
+) -> list[int] | None:
+    """Samples per shard, in ``urls`` order (None when ``count`` is False and only a counting
+    pass would give them).
 
     From ``counts`` (a mapping by URL or a list in order) when given; else from ``index`` (a
     :class:`DatasetIndex` or its URL); else from this node's counts file; else from an index
@@ -164,10 +170,7 @@ def resolve_sample_counts(
         )
         assert explicit is not None
         return explicit
-    directory = config.counts_dir()
-    directory.mkdir(parents=True, exist_ok=True)
-    keys = [_url_key(url) for url in urls]
-    path = directory / (hashlib.blake2b("\n".join(keys).encode(), digest_size=16).hexdigest())
+    path, keys = counts_file(urls)
     # The node's counts file first: every DataLoader worker of every epoch asks, and a local
     # read is free where probing the store for an index is a request (or two) each time.
     saved = _read_counts(path)
@@ -186,6 +189,9 @@ def resolve_sample_counts(
         if found is not None:
             _write_counts(path, dict(zip(keys, found, strict=True)))
             return found
+        if not count:
+            return None
+        directory = path.parent
         where = "through the node cache" if cache is not None else "once"
         logger.warning(
             "counting the samples of %d shards %s to balance ranks (saved in %s); "
@@ -202,6 +208,44 @@ def resolve_sample_counts(
             )
         _write_counts(path, dict(zip(keys, result, strict=True)))
         return result
+
+
+def counts_file(urls: Sequence[str]) -> tuple[Path, list[str]]:
+    """This node's counts file for ``urls`` and the key of each URL in it (hashed: a signed
+    URL's query string never lands in a file)."""
+    directory = config.counts_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    keys = [_url_key(url) for url in urls]
+    name = hashlib.blake2b("\n".join(keys).encode(), digest_size=16).hexdigest()
+    return directory / name, keys
+
+
+def observe(path: str, key: str, count: int) -> None:
+    """Note that the shard with ``key`` held ``count`` samples (read whole in an epoch without
+    counts): one line appended to ``path`` (appends of a line are atomic: no lock)."""
+    try:
+        with open(path, "a") as handle:
+            handle.write(f"{key}\t{count}\n")
+    except OSError as exc:
+        logger.debug("cannot note a shard's count in %s: %s", path, exc)
+
+
+def observed(path: Path) -> dict[str, int]:
+    """The counts noted in ``path`` by :func:`observe`."""
+    result: dict[str, int] = {}
+    with contextlib.suppress(OSError):
+        for line in path.read_text().splitlines():
+            key, _, count = line.partition("\t")
+            if count.isdigit():
+                result[key] = int(count)
+    return result
+
+
+def save_counts(path: Path, counts: Mapping[str, int]) -> None:
+    """Add ``counts`` (by key) to the counts file at ``path``, under its lock."""
+    with open(str(path) + ".lock", "a+b") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        _write_counts(path, {**(_read_counts(path) or {}), **counts})
 
 
 def _read_counts(path: Path) -> dict[str, int] | None:

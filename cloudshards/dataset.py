@@ -10,7 +10,7 @@ multi-node runs, and fluent methods return new pipelines instead of modifying th
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, cast
 
 from torch.utils.data import DataLoader, default_convert
@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, default_convert
 from cloudshards import config
 from cloudshards.balance import BALANCE_MODES
 from cloudshards.cache import ShardCache
+from cloudshards.countfree import CountFree
 from cloudshards.datasetstages import _Counter, _EmptyCheck, _ShardReader, _Split
 from cloudshards.errors import ConfigError
 from cloudshards.handlers import as_handler, reraise_exception
@@ -300,6 +301,17 @@ class WebLoader(DataPipeline, FluidInterface):
             # default_convert, ~5 us a sample for a batch of bytes; convert_batch gives the same.
             kw.setdefault("collate_fn", convert_batch)
         super().__init__(DataLoader(*args, **kw))
+        self._count_free = CountFree()
+
+    def __iter__(self) -> Iterator[Any]:
+        batches = super().__iter__()  # (hands the dataset its epoch; starts nothing yet)
+        loader = self.pipeline[0]
+        dataset = loader.dataset
+        single = self.repetitions == 1 and self.nsamples <= 0  # one pass of the loader
+        free = single and isinstance(dataset, DataPipeline)
+        if free and self._count_free.begin(dataset, loader.num_workers):
+            return self._count_free.run(batches, dataset)  # an epoch without counts
+        return batches
 
 
 #: Types default_convert hands back as they are.

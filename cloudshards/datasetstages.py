@@ -10,7 +10,7 @@ import logging
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from cloudshards.balance import assign_samples, resolve_sample_counts
+from cloudshards.balance import assign_samples, counts_file, resolve_sample_counts
 from cloudshards.cache import ShardCache
 from cloudshards.dist import WorkerInfo
 from cloudshards.grouping import make_name_filter
@@ -68,7 +68,8 @@ class _Counter:
         self.cache = cache
         self.allow_external_shards = allow_external_shards
 
-    def __call__(self, counts: Any) -> list[int]:
+    def __call__(self, counts: Any, count: bool = True) -> list[int] | None:
+        """Samples per shard (None when ``count`` is False and only counting would tell)."""
         is_index = isinstance(counts, str) or hasattr(counts, "shards")
         return resolve_sample_counts(
             self.urls,
@@ -78,6 +79,7 @@ class _Counter:
             fetch=self.fetch,
             cache=self.cache,
             allow_external_shards=self.allow_external_shards,
+            count=count,
         )
 
 
@@ -97,7 +99,7 @@ class _Split:
         workersplitter: Callable[..., Any] | None,
         balance: str | None,
         sample_counts: Any,
-        counter: Callable[[Any], list[int]],
+        counter: Callable[..., list[int] | None],
         subsample: float | None = None,
         limit: int | None = None,
     ) -> None:
@@ -132,12 +134,24 @@ class _Split:
     def counts(self) -> list[int]:
         if self._counts is None:
             self._counts = self._counter(self.sample_counts)
+        assert self._counts is not None
+        return self._counts
+
+    def known_counts(self) -> list[int] | None:
+        """The samples per shard if something other than a counting pass tells them (an
+        index, metadata, this node's counts file), else None."""
+        if self._counts is None:
+            self._counts = self._counter(self.sample_counts, False)
         return self._counts
 
     def __call__(self, src: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
         context = current_context()
         mode = self.mode(context)
         info = context.info if context is not None else WorkerInfo.detect()
+        if mode is not None and context is not None and context.count_free:
+            # An epoch without counts (cloudshards.countfree): whole shards per rank and
+            # worker, each read whole noting its count; the loader ends the epoch for all.
+            return _noting(_split(src, self.nodesplitter, self.workersplitter), self.urls)
         if mode is not None:
             counts = self.counts()
             return assign_samples(
@@ -158,11 +172,24 @@ class _Split:
                 info.world_size,
                 info.num_workers,
             )
-        stream: Iterable[dict[str, Any]] = src
-        for splitter in (self.nodesplitter, self.workersplitter):
-            if splitter is not None:
-                stream = splitter(stream)
-        return iter(stream)
+        return _split(src, self.nodesplitter, self.workersplitter)
+
+
+def _split(src: Iterable[Any], *splitters: Callable[..., Any] | None) -> Iterator[Any]:
+    stream: Iterable[Any] = src
+    for splitter in splitters:
+        if splitter is not None:
+            stream = splitter(stream)
+    return iter(stream)
+
+
+def _noting(shards: Iterator[dict[str, Any]], urls: list[str]) -> Iterator[dict[str, Any]]:
+    """``shards``, each told where to note its count once read whole (see
+    :func:`~cloudshards.balance.observe`)."""
+    path, keys = counts_file(urls)
+    where = str(path) + ".seen"
+    for shard in shards:
+        yield {**shard, "observe": (where, keys[shard["shard_index"]])}
 
 
 class _ShardReader:

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch.distributed as torch_dist
 
+from cloudshards.countfree import CountFree
 from cloudshards.dist import effective_info
 from cloudshards.errors import StateMismatchError
 from cloudshards.pipeline import DataPipeline
@@ -62,6 +63,7 @@ class StatefulLoader(StatefulDataLoader):  # type: ignore[misc]
         self, *args: Any, all_ranks: bool = True, prefetched: int = 0, **kwargs: Any
     ) -> None:
         super().__init__(*args, **kwargs)
+        self._count_free = CountFree()
         self.all_ranks = all_ranks
         self.prefetched = prefetched
         #: States before each of the last ``prefetched`` batches was fetched (oldest first).
@@ -96,6 +98,7 @@ class StatefulLoader(StatefulDataLoader):  # type: ignore[misc]
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         states = list(state_dict[RANKS_KEY]) if RANKS_KEY in state_dict else [state_dict]
         found = [one for state in states for one in _pipeline_states(state)]
+        self._count_free.restored = any(one.get("count_free") for one in found)
         layouts = {(int(one["consumer"][1]), int(one["consumer"][3])) for one in found}
         if layouts and layouts != {self._layout()}:
             self._restore_elastic(found)
@@ -129,14 +132,19 @@ class StatefulLoader(StatefulDataLoader):  # type: ignore[misc]
         self._elastic_pending = True
 
     def __iter__(self) -> Any:
+        # Before the workers start: an epoch without sample counts (cloudshards.countfree).
+        dataset = self.dataset
+        free = isinstance(dataset, DataPipeline) and self._count_free.begin(
+            dataset, self.num_workers
+        )
         iterator = self._iter_lagging()
         if getattr(self, "_elastic_pending", False) and self.num_workers > 0:
             # The workers have their copy of the dataset (with the restore); the next epoch's
             # copies must not restore again.
             self._elastic_pending = False
-            if isinstance(self.dataset, DataPipeline):
-                self.dataset._resume = None
-        return iterator
+            if isinstance(dataset, DataPipeline):
+                dataset._resume = None
+        return self._count_free.run(iterator, dataset) if free else iterator
 
 
 def _pipeline_states(state: Any) -> list[dict[str, Any]]:

@@ -36,8 +36,8 @@ from cloudshards.stages.state import (
     LiveEpoch,
     StageRegistry,
     check_consumer,
-    fingerprint,
     legacy_fingerprint,
+    pipeline_fingerprint,
     validated,
 )
 
@@ -115,7 +115,7 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
         return self._epoch
 
     def _context(self, epoch: int | None = None) -> IterationContext:
-        return epoch_context(
+        context = epoch_context(
             self.seed,
             self._epoch if epoch is None else epoch,
             info=effective_info(self._ranks, self.replication),
@@ -123,6 +123,9 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
             epoch_set=self._epoch_set,
             stages=self.pipeline,
         )
+        # An epoch without sample counts, that a loader ends for every rank at once.
+        context.count_free = self.__dict__.get("_count_free") == context.epoch
+        return context
 
     # --- iteration ---------------------------------------------------------------------------
 
@@ -246,21 +249,8 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
     # --- state ---------------------------------------------------------------------------------
 
     def _fingerprint(self) -> tuple[str, list[str]]:
-        """What a state must match: the pipeline's seed and epoch limits, and each stage's
-        class and configuration (``stage_config()``); with the layout (a short hash per
-        stage) that says which one differs."""
-        key = (tuple(map(id, self.pipeline)), self.seed, self.repetitions, self.nsamples)
-        cached = self.__dict__.get("_fingerprint_cache")
-        if cached is not None and cached[0] == key:
-            return cached[1]  # type: ignore[no-any-return]
-        head = {
-            "pipeline": type(self).__name__,
-            "seed": self.seed,
-            "passes": EpochLimiter(self.repetitions, self.nsamples).stage_config(),
-        }
-        result = fingerprint(head, self.pipeline)
-        self.__dict__["_fingerprint_cache"] = (key, result)
-        return result
+        """What a state must match (see :func:`~cloudshards.stages.state.pipeline_fingerprint`)."""
+        return pipeline_fingerprint(self)
 
     def state_dict(self) -> dict[str, Any]:
         """Where this process's stream is: the epoch, its effective seed, and each stateful
@@ -293,6 +283,8 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
         )
         if live is not None and live.plan is not None:
             state.update(live.plan)  # this consumer's part of an elastic restore's epoch
+        if self.__dict__.get("_count_free") == epoch:
+            state["count_free"] = True  # its restore is one too (cloudshards.countfree)
         if seed is None and self._resume is not None:  # a restore not started yet: keep it
             pending = self._resume
             keep = elastic.PENDING if ELASTIC_KEY in pending else elastic.KEPT
@@ -326,6 +318,7 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
         self._epoch = int(state["epoch"])
         self._epoch_set = True
         self._epoch_from_user = True  # a WebLoader around it continues from this epoch
+        self.__dict__["_count_free"] = self._epoch if state.get("count_free") else None
         positions = (*elastic.KEPT, ELASTIC_KEY)  # plan, limit: an elastic restore's epoch
         if state.get("seed") is None or not any(state.get(key) for key in positions):
             self._resume = None

@@ -41,12 +41,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
+from cloudsim_fixtures import cloudsim_process_factory  # noqa: F401 - the fixture
 from torchrun_util import TorchrunResult, is_running, torchrun
 
 import cloudshards as wds
 
 if TYPE_CHECKING:
-    from servers import S3Server
+    from servers import NginxServer, S3Server
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 EPOCHS_SCRIPT = EXAMPLES / "train_epochs.py"
@@ -532,6 +533,81 @@ def test_mix_by_counts_restores_on_another_world(runner: Runner, mix_specs: str)
         assert count - 2 <= len(keys) <= count, (name, len(keys))
         if name != "d1":
             assert len(keys) == len(set(keys)), f"{name}: a sample twice in the epoch"
+
+
+# Remote shards and no sample counts anywhere: 32 shards x 15 samples, uniform.
+COUNT_FREE_SHARDS, COUNT_FREE_SAMPLES = 32, 15
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_epochs_without_counts_read_no_counting_pass(
+    runner: Runner, http_server: NginxServer, cloudsim_process: Any, layout: str
+) -> None:
+    """Balanced epochs over HTTP with no index, no metadata and no counts on the node: no rank
+    reads the dataset to count it; the ranks end epoch 0 together (count-free), noting each
+    shard's count as they read it, and epoch 1 is balanced by those counts. The store serves
+    the dataset about once per epoch (a counting pass would add it once per node)."""
+    root = http_server.root / f"count-free-{layout}"
+    root.mkdir(parents=True)
+    sizes = [0] * COUNT_FREE_SHARDS
+    rng = np.random.default_rng(7)
+    for shard in range(COUNT_FREE_SHARDS):
+        with tarfile.open(root / f"train-{shard:06d}.tar", "w") as tar:
+            for index in range(COUNT_FREE_SAMPLES):
+                for ext, payload in _sample(rng, shard, index):
+                    info = tarfile.TarInfo(f"{sample_key(shard, index)}.{ext}")
+                    info.size = len(payload)
+                    tar.addfile(info, io.BytesIO(payload))
+        sizes[shard] = (root / f"train-{shard:06d}.tar").stat().st_size
+    sim = cloudsim_process(http_server.base_url)
+    spec = f"{sim.url}/{root.name}/train-{{000000..{COUNT_FREE_SHARDS - 1:06d}}}.tar"
+    counts = runner.new_dir("count-free-counts")
+    run = runner.run(
+        EPOCHS_SCRIPT,
+        common_args(spec),
+        nodes=LAYOUTS[layout],
+        env={"CLOUDSHARDS_COUNTS_DIR": str(counts)},
+        cached=False,
+    )
+    check_lockstep(run)
+    output = "".join(node.stdout + node.stderr for node in run.result.nodes)
+    assert "counting the samples" not in output
+    total = COUNT_FREE_SHARDS * COUNT_FREE_SAMPLES
+    for epoch in range(EPOCHS):
+        seen = run.epoch_keys(epoch)
+        assert len(seen) == len(set(seen)), f"epoch {epoch}: a sample twice"
+    consumers = run.world_size * WORKERS
+    # Epoch 1 is balanced by the counts noted in epoch 0: T // C per rank x worker.
+    assert len(run.epoch_keys(1)) == consumers * (total // consumers)
+    # Epoch 0 (count-free, uniform shards split evenly) delivers everything.
+    assert len(run.epoch_keys(0)) == total
+    served = sim.stats().bytes_sent
+    assert served <= 1.1 * EPOCHS * sum(sizes), (served, sum(sizes))
+    if layout != "2x2":
+        return
+
+    # Stopped mid-epoch 0 (count-free) and resumed from StatefulLoader's state: the same
+    # steps as an uninterrupted run, in epoch 0 and in epoch 1 (balanced by the counts noted).
+    def launch(*extra: str, counts: Path, log_dir: Path | None = None) -> Run:
+        env = {"CLOUDSHARDS_COUNTS_DIR": str(counts)}
+        args = [*common_args(spec), *extra]
+        return runner.run(EPOCHS_SCRIPT, args, env=env, cached=False, log_dir=log_dir)
+
+    reference = launch(f"--state={runner.new_dir('cf-ref')}", counts=runner.new_dir("cf-c1"))
+    counts = runner.new_dir("cf-c2")
+    log_dir = runner.new_dir("cf-resumed")
+    state = runner.new_dir("cf-state")
+    stop = reference.steps_in(0, 0) // 2
+    launch(f"--state={state}", f"--steps-limit={stop}", counts=counts, log_dir=log_dir)
+    resumed = launch(f"--resume={state}", counts=counts, log_dir=log_dir)
+    for rank in range(resumed.world_size):
+        assert resumed.steps[rank] == reference.steps[rank], f"rank {rank}"
+
+
+def _sample(rng: Any, shard: int, index: int) -> list[tuple[str, bytes]]:
+    features = io.BytesIO()
+    np.save(features, rng.standard_normal(FEATURES).astype(np.float32))
+    return [("npy", features.getvalue()), ("cls", str((shard + index) % CLASSES).encode())]
 
 
 # ------------------------------------------------------------------------------ resampled

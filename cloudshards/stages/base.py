@@ -265,6 +265,8 @@ class IterationContext:
     bounded: bool = False
     #: This epoch continues from a restored state (it may legitimately have nothing left).
     resumed: bool = False
+    #: This epoch runs without sample counts; the loader ends it for every rank at once.
+    count_free: bool = False
 
     def stage_seed(self, salt: str) -> int:
         """A fresh seed for the next random stage: same on a rerun, new per epoch and worker."""

@@ -287,6 +287,11 @@ def restore(pipeline: Any, resume: Mapping[str, Any], context: Any) -> tuple[Any
     if "limit" in resume:
         return None, {"limit": int(resume["limit"])}
     steps = pipeline.pipeline
+    if any(state.get("count_free") for state in resume.get(ELASTIC_KEY, [])):
+        raise StateMismatchError(
+            "this epoch ran without sample counts (its ranks ended it together): restore it "
+            "on the same number of ranks and workers, or give the shards an index"
+        )
     if ELASTIC_KEY in resume and pipeline.nsamples > 0:
         batch = int(resume.get("batch", 1))
         return None, {"limit": items_share(pipeline.nsamples, resume[ELASTIC_KEY], context, batch)}

@@ -15,6 +15,7 @@ from collections.abc import Generator, Iterable, Iterator, Mapping
 from typing import Any
 
 from cloudshards import config
+from cloudshards.balance import observe
 from cloudshards.cache import ShardCache
 from cloudshards.cache.membertable import MemberTable, table_samples
 from cloudshards.errors import ConfigError
@@ -317,6 +318,11 @@ def _read_opened(
                 yield sample
             if record is not None and record.complete:
                 stream.save_member_table(record)
+            if "observe" in shard and not (chosen or "take" in shard):
+                # Read to its end (from a restored position too: the number counts from the
+                # shard's first sample): its count.
+                where, key = shard["observe"]
+                observe(where, key, position[1])
         except ConfigError:
             raise
         except Exception as exn:

@@ -40,6 +40,7 @@ __all__ = [
     "fingerprint",
     "legacy_fingerprint",
     "mismatch_message",
+    "pipeline_fingerprint",
     "plain",
     "upgrade",
     "validated",
@@ -286,3 +287,24 @@ def _thawed(
     live.epoch, live.seed, live.info, live.plan = epoch, seed, info, plan
     live.registry = _Snapshot(states)
     return live
+
+
+def pipeline_fingerprint(pipeline: Any) -> tuple[str, list[str]]:
+    """What a state must match: the pipeline's seed and epoch limits, and each stage's class
+    and configuration (``stage_config()``); with the layout (a short hash per stage) that
+    says which one differs. Cached on the pipeline while its stages and settings stay."""
+    from cloudshards.stages.epoch import EpochLimiter
+
+    settings = (pipeline.seed, pipeline.repetitions, pipeline.nsamples)
+    key = (tuple(map(id, pipeline.pipeline)), *settings)
+    cached = pipeline.__dict__.get("_fingerprint_cache")
+    if cached is not None and cached[0] == key:
+        return cached[1]  # type: ignore[no-any-return]
+    head = {
+        "pipeline": type(pipeline).__name__,
+        "seed": pipeline.seed,
+        "passes": EpochLimiter(pipeline.repetitions, pipeline.nsamples).stage_config(),
+    }
+    result = fingerprint(head, pipeline.pipeline)
+    pipeline.__dict__["_fingerprint_cache"] = (key, result)
+    return result

@@ -1,0 +1,164 @@
+"""Balanced epochs without sample counts: the ranks agree on the epoch's end as they go.
+
+Balancing by counts (:mod:`cloudshards.balance`) needs every shard's number of samples before
+the first one is read; without an index or metadata that is a counting pass over the whole
+dataset on every node. When cloudshards' own loaders (:class:`~cloudshards.WebLoader`,
+:class:`~cloudshards.StatefulLoader`) drive a multi-rank job, they avoid it:
+
+1. At the start of an epoch the ranks say, through the job's rendezvous store, whether they
+   know the counts. A rank that does not hear from every other one within two minutes (a
+   loader iterated on some ranks only) balances by counts as before: never a hang.
+2. If some rank lacks them (and the shards are remote, at least one per worker of the job),
+   the epoch runs *count-free*: each rank and worker reads whole
+   shards (split as webdataset splits them), notes the count of each shard it reads whole,
+   and after every batch the ranks check (one small all-reduce on a gloo group) that all of
+   them still have one; the first rank to run out ends the epoch for all, so every rank
+   takes the same number of steps. The samples the other ranks had left are not delivered
+   this epoch (as ``balance="drop"`` leaves out a few).
+3. At its end the ranks pool the counts they noted; the next epochs balance by counts.
+
+Bytes read before the first sample: the first shards of each worker, not the dataset; in the
+first epoch each node reads its own shards once.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as torch_dist
+
+from cloudshards.balance import counts_file, observed, save_counts
+from cloudshards.urls import protocol_of
+
+__all__ = ["CountFree"]
+
+logger = logging.getLogger(__name__)
+
+#: How long a rank waits to hear from every other one before balancing by counts instead.
+DECIDE_TIMEOUT_S = 120.0
+
+
+class CountFree:
+    """A loader's count-free epochs (see the module's doc); one per loader."""
+
+    def __init__(self) -> None:
+        self._rounds = itertools.count()
+        self._group: Any = None
+        self.restored = False  # the loader restored a count-free epoch: run it as one
+
+    def begin(self, dataset: Any, workers: int) -> bool:
+        """Before the epoch's workers start (``workers`` per rank): whether it runs count-free
+        (a collective step of all ranks, through the store; sets the dataset's flag that its
+        workers read). Only for remote shards, at least one per worker of the job: local ones
+        are counted from their headers alone, and with fewer shards the first rank to run out
+        would end the epoch early."""
+        restored, self.restored = self.restored, False
+        split = _split_of(dataset)
+        if split is None or not _distributed():
+            return False
+        consumers = torch_dist.get_world_size() * max(1, workers)
+        worth = len(split.urls) >= consumers and not any(
+            protocol_of(url) == "file" for url in split.urls
+        )
+        if not restored and not (worth and _needs_counts(split, dataset)):
+            return False
+        known = not restored and split.known_counts() is not None
+        verdict = self._everyone_knows(dataset, known)
+        if verdict is None or (verdict and not restored):
+            return False
+        if self._group is None:  # every rank is here: safe to make the group
+            self._group = torch_dist.new_group(backend="gloo")
+        dataset.__dict__["_count_free"] = dataset.epoch
+        if torch_dist.get_rank() == 0:
+            logger.info(
+                "epoch %d runs without sample counts: the ranks end it together (an index "
+                "or sizes.json beside the shards balances it exactly)",
+                dataset.epoch,
+            )
+        return True
+
+    def run(self, batches: Iterator[Any], dataset: Any) -> Iterator[Any]:
+        """``batches`` until any rank runs out, then the counts noted are pooled."""
+        for batch in batches:
+            if not self._all(True):
+                break
+            yield batch
+        else:
+            self._all(False)
+        self._pool(_split_of(dataset))
+
+    def _all(self, flag: bool) -> bool:
+        value = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        torch_dist.all_reduce(value, op=torch_dist.ReduceOp.MIN, group=self._group)
+        return bool(value.item())
+
+    def _pool(self, split: Any) -> None:
+        path, _ = counts_file(split.urls)
+        seen = observed(Path(str(path) + ".seen"))
+        pooled: list[Any] = [None] * torch_dist.get_world_size()
+        torch_dist.all_gather_object(pooled, seen, group=self._group)
+        merged: dict[str, int] = {}
+        for one in pooled:
+            merged.update(one or {})
+        save_counts(path, merged)
+        split._counts = None  # ask the counts file again next epoch
+
+    def _everyone_knows(self, dataset: Any, known: bool) -> bool | None:
+        """Whether every rank knows the counts; None when some rank never answered."""
+        store = _store()
+        if store is None:
+            return None
+        rank, world = torch_dist.get_rank(), torch_dist.get_world_size()
+        digest = dataset._fingerprint()[0][:16]
+        prefix = f"cloudshards/count-free/{digest}/{dataset.epoch}/{next(self._rounds)}"
+        store.set(f"{prefix}/{rank}", "1" if known else "0")
+        keys = [f"{prefix}/{other}" for other in range(world)]
+        try:
+            store.wait(keys, datetime.timedelta(seconds=DECIDE_TIMEOUT_S))
+        except Exception as exc:  # a rank that never came: not all ranks iterate this loader
+            logger.warning(
+                "not every rank iterates this loader (%s): balancing by counts", type(exc).__name__
+            )
+            return None
+        return all(store.get(key) == b"1" for key in keys)
+
+
+def _distributed() -> bool:
+    return bool(
+        torch_dist.is_available()
+        and torch_dist.is_initialized()
+        and torch_dist.get_world_size() > 1
+    )
+
+
+def _store() -> Any:
+    """The job's rendezvous store (torchrun's), or None."""
+    try:
+        from torch.distributed import distributed_c10d
+
+        return distributed_c10d._get_default_store()
+    except Exception:  # not exposed by this torch, or no default group
+        return None
+
+
+def _split_of(dataset: Any) -> Any:
+    """The balancing stage of a cloudshards dataset (WebDataset's), or None."""
+    from cloudshards.datasetstages import _Split
+
+    for step in getattr(dataset, "pipeline", []):
+        if isinstance(step, _Split):
+            return step
+    return None
+
+
+def _needs_counts(split: Any, dataset: Any) -> bool:
+    """Whether this epoch balances by counts (several ranks, no with_epoch, no subsample)."""
+    if getattr(dataset, "nsamples", -1) > 0 or split.sample_limit is not None:
+        return False
+    return split.balance in ("auto", "drop", "pad")

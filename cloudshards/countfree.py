@@ -18,7 +18,8 @@ dataset on every node. When cloudshards' own loaders (:class:`~cloudshards.WebLo
 3. At its end the ranks pool the counts they noted; the next epochs balance by counts.
 
 Bytes read before the first sample: the first shards of each worker, not the dataset; in the
-first epoch each node reads its own shards once.
+first epoch each node reads its own shards once. ``CLOUDSHARDS_COUNT_FREE=0`` counts first
+instead (an exact first epoch, for a counting pass per node).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as torch_dist
 
+from cloudshards import config
 from cloudshards.balance import counts_file, observed, save_counts
 from cloudshards.urls import protocol_of
 
@@ -62,6 +64,8 @@ class CountFree:
         split = _split_of(dataset)
         if split is None or not _distributed():
             return False
+        if not restored and not config.env_bool("COUNT_FREE", True):
+            return False  # CLOUDSHARDS_COUNT_FREE=0: count first, as before
         consumers = torch_dist.get_world_size() * max(1, workers)
         worth = len(split.urls) >= consumers and not any(
             protocol_of(url) == "file" for url in split.urls

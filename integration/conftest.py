@@ -325,7 +325,9 @@ def remote_dataset(request: pytest.FixtureRequest) -> RemoteDataset:
 
 
 @pytest.fixture(autouse=True)
-def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def clean_env(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     """Remove ambient cloud credentials/endpoints so each test states what it uses."""
     for name in list(os.environ):
         if name.startswith(AMBIENT_ENV_PREFIXES) or name in AMBIENT_ENV_NAMES:
@@ -342,5 +344,6 @@ def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 
     # The node's request slots and shared backoff: a directory of the test's own, so that a
     # throttling test does not make the next ones wait.
-    monkeypatch.setenv("CLOUDSHARDS_NODE_DIR", str(tmp_path / "node"))
+    # (Outside the test's own tmp_path: tests check which files appear there.)
+    monkeypatch.setenv("CLOUDSHARDS_NODE_DIR", str(tmp_path_factory.mktemp("node")))
     budget.forget()

@@ -36,6 +36,7 @@ import torch.distributed as torch_dist
 
 from cloudshards import config
 from cloudshards.balance import counts_file, observed, save_counts
+from cloudshards.dist import effective_info
 from cloudshards.urls import protocol_of
 
 __all__ = ["CountFree"]
@@ -162,7 +163,11 @@ def _split_of(dataset: Any) -> Any:
 
 
 def _needs_counts(split: Any, dataset: Any) -> bool:
-    """Whether this epoch balances by counts (several ranks, no with_epoch, no subsample)."""
+    """Whether this epoch balances by counts (several ranks as the dataset sees them, no
+    with_epoch, no subsample)."""
     if getattr(dataset, "nsamples", -1) > 0 or split.sample_limit is not None:
         return False
-    return split.balance in ("auto", "drop", "pad")
+    if split.balance == "auto":
+        ranks = effective_info(getattr(dataset, "_ranks", None), dataset.replication)
+        return ranks.world_size > 1
+    return split.balance in ("drop", "pad")

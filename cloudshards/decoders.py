@@ -29,6 +29,7 @@ from cloudshards.imagedecode import (
     torch_video,
 )
 from cloudshards.inflate import npy_loads, npz_loads
+from cloudshards.tensorbin import tenbin_loads
 from cloudshards.types import DecodeFn, Sample
 
 __all__ = [
@@ -151,11 +152,6 @@ def cbor_loads(data: bytes) -> Any:
     except ImportError:
         module = import_optional("cbor2", "decoding .cbor")
     return module.loads(data)
-
-
-def tenbin_loads(data: bytes) -> Any:
-    """Refuse webdataset's tenbin format, which cloudshards does not implement."""
-    raise DecodeError("tenbin (.ten, .tb) is not supported, decode it yourself with .map")
 
 
 def _decode_text(data: bytes) -> str:

@@ -17,6 +17,7 @@ import numpy as np
 
 from cloudshards.errors import ConfigError
 from cloudshards.imagedecode import import_optional
+from cloudshards.tensorbin import tenbin_dumps
 from cloudshards.types import Sample
 
 __all__ = [
@@ -85,10 +86,6 @@ def _npz_dumps(data: Mapping[str, Any]) -> bytes:
     return out.getvalue()
 
 
-def _tenbin_dumps(data: Any) -> bytes:
-    raise ValueError("tenbin (.ten, .tb) is not supported; encode to .npy instead")
-
-
 def _cbor_dumps(data: Any) -> bytes:
     try:
         module = import_optional("cbor", "encoding .cbor")
@@ -115,7 +112,7 @@ def _make_handlers() -> dict[str, Callable[[Any], bytes]]:
         ("pth", _torch_dumps),
         ("npy", _npy_dumps),
         ("npz", _npz_dumps),
-        ("ten tenbin tb", _tenbin_dumps),
+        ("ten tenbin tb", tenbin_dumps),
         ("json jsn", lambda x: json.dumps(x).encode("utf-8")),
         ("mp msgpack msg", _msgpack_dumps),
         ("cbor", _cbor_dumps),

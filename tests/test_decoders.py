@@ -234,8 +234,12 @@ def test_pickle_with_env_var(monkeypatch: pytest.MonkeyPatch) -> None:
         Decoder([])(sample(pkl=pickle.dumps([1, 2])))
 
 
-def test_tenbin_is_not_supported() -> None:
-    with pytest.raises(DecodeError, match=r"not supported, decode it yourself with \.map"):
+def test_tenbin_fields_decode_by_default_and_bad_ones_are_decode_errors() -> None:
+    from cloudshards.tensorbin import encode_buffer
+
+    data = bytes(encode_buffer([np.arange(3, dtype="int32")]))
+    assert Decoder([])(sample(ten=data))["ten"][0].tolist() == [0, 1, 2]
+    with pytest.raises(DecodeError, match="tenbin"):
         Decoder([])(sample(ten=b"\x00" * 8))
 
 

@@ -3,7 +3,7 @@
 Backed by :mod:`cloudshards.decoders`. Safe by default: ``.pyd``/``.pickle``/``.pkl`` fields
 unpickle and ``.pth`` loads with ``weights_only=False`` only after
 :func:`cloudshards.allow_unsafe_decoders` (webdataset 1.0.2 does both unless ``WDS_SECURE``).
-``.ten``/``.tb`` (tenbin) fields raise a ``DecodeError``.
+``.ten``/``.tb`` (tenbin) fields decode to lists of arrays, as in webdataset.
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ from cloudshards.decoders import (
     msgpack_loads,
     npy_loads,
     npz_loads,
+    tenbin_loads,
     torch_audio,
     torch_loads,
     torch_video,
     unpickle_loads,
 )
-from cloudshards.webdataset._unsupported import unsupported_function
 
 __all__ = [
     "IMAGE_EXTENSIONS",
@@ -73,11 +73,6 @@ pytorch_weights_only = True
 #: registers a decoder (as in webdataset), like :func:`cloudshards.register_decoder`.
 decoders: dict[str, Callable[[bytes], Any]] = _decoders._registry
 
-#: Direct calls raise; a ``.ten``/``.tb`` field in a sample raises a ``DecodeError`` instead,
-#: which the pipeline's handler can skip.
-tenbin_loads = unsupported_function(
-    "autodecode.tenbin_loads", "store arrays as .npy or .npz fields, which decode by default"
-)
 
 #: imagespec -> (array type, element type, mode), webdataset's table (a copy: read only).
 imagespecs: dict[str, tuple[str, str | None, str]] = dict(IMAGE_SPECS)

@@ -2,7 +2,7 @@
 
 The writers are cloudshards' (:mod:`cloudshards.writers`): any fsspec URL, a shard appears only
 once it is complete. Encoders are :mod:`cloudshards.encoders`; gzip fields are written with a
-zero timestamp (reproducible bytes), and tenbin is left out.
+zero timestamp (reproducible bytes).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from cloudshards.encoders import (
     imageencoder,
     make_encoder,
 )
-from cloudshards.webdataset._unsupported import unsupported_function
+from cloudshards.tensorbin import tenbin_dumps as _tenbin_dumps
 from cloudshards.webdataset.gopen import gopen
 from cloudshards.writers import ShardWriter, TarWriter
 
@@ -50,9 +50,11 @@ __all__ = [
 torch_dumps = _torch_dumps
 numpy_dumps = _npy_dumps
 numpy_npz_dumps = _npz_dumps
-tenbin_dumps = unsupported_function(
-    "writer.tenbin_dumps", "write arrays as .npy or .npz fields (numpy_dumps, numpy_npz_dumps)"
-)
+
+
+def tenbin_dumps(x: Any) -> memoryview:
+    """Encode an array, or a list of arrays, in the tenbin format (:mod:`cloudshards.tensorbin`)."""
+    return memoryview(_tenbin_dumps(x))
 
 
 def cbor_dumps(x: Any) -> bytes:

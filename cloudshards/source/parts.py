@@ -27,6 +27,9 @@ from cloudshards.types import ClosingStream
 
 __all__ = ["FIRST_PART_BYTES", "PartStream", "fixed_plan"]
 
+#: How often a wait for the object's size looks whether the reader was closed.
+_CANCEL_CHECK_S = 0.1
+
 # The logger's name from before the module moved: logging configurations name it.
 logger = logging.getLogger("cloudshards.prefetch")
 
@@ -108,8 +111,16 @@ class PartStream(ClosingStream):
     def details(self) -> dict[str, Any]:
         if not self._details.done():
             start = time.perf_counter()
+            deadline = start + self._options.stall_timeout_s
             try:
-                cf.wait([self._details], timeout=self._options.stall_timeout_s)
+                # In slices: a reader closed meanwhile (its prefetcher cancels, then shuts its
+                # pool down, which may drop the lookup before it runs) stops the wait at once.
+                while not self._details.done() and time.perf_counter() < deadline:
+                    left = deadline - time.perf_counter()
+                    cf.wait([self._details], timeout=max(0.0, min(_CANCEL_CHECK_S, left)))
+                    cancel = self._cancel_event
+                    if cancel is not None and cancel.is_set() and not self._details.done():
+                        raise ShardOpenError("the reader was closed", url=self.url)
             finally:
                 self._stats.add(wait_s=time.perf_counter() - start)
             if not self._details.done():

@@ -58,14 +58,11 @@ def smooth(
     alive, taken, credits = mixing.alive, mixing.taken, mixing.credits
     while alive:
         total = sum(weights[number] for number in alive)
-        for number in alive:
-            credits[number] += weights[number]
-        number = max(alive, key=lambda n: (credits[n], -n))
+        number = _credit(alive, weights, credits, 1)
         try:
             sample = next(sources[number])
         except StopIteration:
-            for other in alive:  # this step gave nothing: undo its credits
-                credits[other] -= weights[other]
+            _credit(alive, weights, credits, -1)  # this step gave nothing: undo its credits
             if not longest:
                 alive.clear()
                 return
@@ -89,14 +86,11 @@ def quota(
     total = sum(quotas)
     empty: set[int] = set()  # reopened, nothing from them yet
     while alive:
-        for number in alive:
-            credits[number] += quotas[number]
-        number = max(alive, key=lambda n: (credits[n], -n))
+        number = _credit(alive, quotas, credits, 1)
         try:
             sample = next(sources[number])
         except StopIteration:
-            for other in alive:  # this step gave nothing: undo its credits
-                credits[other] -= quotas[other]
+            _credit(alive, quotas, credits, -1)  # this step gave nothing: undo its credits
             if number in empty:
                 logger.warning("mix: dataset %d gives no samples; left out of the mix", number)
                 alive.remove(number)
@@ -136,3 +130,11 @@ def drawn(
             continue
         taken[number] += 1
         yield sample
+
+
+def _credit(alive: list[int], weights: Any, credits: list[float], sign: int) -> int:
+    """One step of smooth weighted round robin: every source still in the mix earns its weight
+    (``sign`` -1 takes it back); the one with the most credit (the first on a tie) is next."""
+    for number in alive:
+        credits[number] += sign * weights[number]
+    return max(alive, key=lambda n: (credits[n], -n))

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -86,6 +87,16 @@ def test_lightning_ddp_over_uneven_shards_does_not_hang(tmp_path: Path, workers:
     assert orders[0] != orders[1]  # reshuffled
 
 
+def _full_run(tmp_path: Path) -> tuple[str, Path, list[Any]]:
+    """(the shard spec, the key directory, each rank's steps) of the resume script's
+    uninterrupted 2-rank run."""
+    spec = write_shards(tmp_path)
+    out = tmp_path / "keys"
+    out.mkdir()
+    _lightning(tmp_path, RESUME_SCRIPT, spec, "2", str(out), "full")
+    return spec, out, [json.loads((out / f"full-rank{r}.json").read_text()) for r in (0, 1)]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(3 * TIMEOUT_S + 30)
 @pytest.mark.parametrize("stop", ["mid-epoch-0", "mid-epoch-1"])
@@ -93,11 +104,7 @@ def test_lightning_checkpoint_mid_epoch_resumes_exactly(tmp_path: Path, stop: st
     """Lightning saves StatefulDataLoader's state in its checkpoint (every worker's dataset
     state, shuffle buffer included) and restores it with ``fit(ckpt_path=...)``: the steps
     before the checkpoint and after the restore are exactly the uninterrupted run's."""
-    spec = write_shards(tmp_path)
-    out = tmp_path / "keys"
-    out.mkdir()
-    _lightning(tmp_path, RESUME_SCRIPT, spec, "2", str(out), "full")
-    full = [json.loads((out / f"full-rank{rank}.json").read_text()) for rank in (0, 1)]
+    spec, out, full = _full_run(tmp_path)
     per_epoch = len(full[0]) // 2
     assert len(full[0]) == len(full[1]) == 2 * per_epoch
     steps = per_epoch // 2 if stop == "mid-epoch-0" else per_epoch + per_epoch // 2
@@ -118,11 +125,7 @@ def test_lightning_checkpoint_of_two_ranks_resumes_on_one(tmp_path: Path) -> Non
     """An elastic restore through Lightning: the checkpoint of 2 ranks x 2 workers, taken
     mid-epoch 0, restored on 1 rank: every sample of epoch 0 trained on once over both runs,
     then epoch 1 whole on the one rank."""
-    spec = write_shards(tmp_path)
-    out = tmp_path / "keys"
-    out.mkdir()
-    _lightning(tmp_path, RESUME_SCRIPT, spec, "2", str(out), "full")
-    full = [json.loads((out / f"full-rank{rank}.json").read_text()) for rank in (0, 1)]
+    spec, out, full = _full_run(tmp_path)
     per_epoch = len(full[0]) // 2
     epoch0 = [k for rank in (0, 1) for batch in full[rank][:per_epoch] for k in batch]
     _lightning(tmp_path, RESUME_SCRIPT, spec, "2", str(out), "stop", str(per_epoch // 2))

@@ -7,15 +7,12 @@ and ``.pth`` inflate at most to the decode limit (see :class:`Decoder`).
 
 from __future__ import annotations
 
-import importlib
-import io
 import json
 import logging
-import pickle
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from cloudshards import config, inflate
+from cloudshards import inflate
 from cloudshards.errors import ConfigError, DecodeError, ShardError
 from cloudshards.imagedecode import (
     AUDIO_EXTENSIONS,
@@ -24,13 +21,19 @@ from cloudshards.imagedecode import (
     VIDEO_EXTENSIONS,
     ImageHandler,
     imagehandler,
-    import_optional,
     torch_audio,
     torch_video,
 )
 from cloudshards.inflate import npy_loads, npz_loads
 from cloudshards.tensorbin import tenbin_loads
 from cloudshards.types import DecodeFn, Sample
+from cloudshards.unsafe import (
+    allow_unsafe_decoders,
+    cbor_loads,
+    msgpack_loads,
+    torch_loads,
+    unpickle_loads,
+)
 
 __all__ = [
     "AUDIO_EXTENSIONS",
@@ -74,85 +77,6 @@ Handler = Callable[[str, bytes], Any]
 
 #: Extensions whose decoders can run arbitrary code; refused unless unsafe decoding is on.
 UNSAFE: frozenset[str] = frozenset({"pkl", "pickle", "pyd"})
-
-_OPT_IN = (
-    "if you trust the data, call cloudshards.decoders.allow_unsafe_decoders() "
-    "or set CLOUDSHARDS_ALLOW_PICKLE=1"
-)
-_unsafe_enabled = False
-
-
-def allow_unsafe_decoders(enable: bool = True) -> None:
-    """Turn on (or off) decoders that can run arbitrary code: pickle and full ``torch.load``.
-
-    The switch is per process. DataLoader workers started with ``spawn`` do not see a call made
-    inside ``main()``; set ``CLOUDSHARDS_ALLOW_PICKLE=1`` instead, which they inherit.
-
-    Args:
-        enable: True to allow ``pkl``/``pickle``/``pyd`` and ``torch.load(weights_only=False)``.
-    """
-    global _unsafe_enabled
-    _unsafe_enabled = enable
-    if enable:
-        logger.warning("unsafe decoders enabled: pickle and torch.load can run arbitrary code")
-
-
-def _unsafe_allowed() -> bool:
-    return _unsafe_enabled or config.env_bool("ALLOW_PICKLE")
-
-
-def unpickle_loads(data: bytes) -> Any:
-    """Unpickle ``data``, only when unsafe decoding is allowed.
-
-    Raises:
-        DecodeError: Unsafe decoding is off; the message says how to turn it on.
-    """
-    if not _unsafe_allowed():
-        raise DecodeError(f"refusing to unpickle: pickle can run arbitrary code; {_OPT_IN}")
-    return pickle.loads(data)  # noqa: S301 - the user opted in explicitly
-
-
-def torch_loads(data: bytes) -> Any:
-    """Load a ``torch.save`` payload on the CPU, with ``weights_only=True`` unless unsafe.
-
-    Raises:
-        DecodeError: The payload holds objects ``weights_only`` refuses.
-    """
-    import torch
-
-    unsafe = _unsafe_allowed()
-    if data[:4] == b"PK\x03\x04":  # the zip format of torch.save: bound what it inflates
-        inflate.check_zip(data, inflate.decode_limit(), ".pth archive")
-    try:
-        return torch.load(io.BytesIO(data), weights_only=not unsafe, map_location="cpu")
-    except pickle.UnpicklingError as exc:
-        if unsafe:
-            raise
-        raise DecodeError(f"torch.load(weights_only=True) refused: {_why(exc)}; {_OPT_IN}") from exc
-
-
-def _why(exc: BaseException) -> str:
-    # torch's weights-only message is a page long; keep its one informative sentence.
-    text = str(exc)
-    marker = "WeightsUnpickler error: "
-    if marker in text:
-        text = text.split(marker, 1)[1]
-    return text.strip().split("\n", 1)[0].split(". ", 1)[0] or type(exc).__name__
-
-
-def msgpack_loads(data: bytes) -> Any:
-    """Load msgpack data; needs the ``msgpack`` package."""
-    return import_optional("msgpack", "decoding .mp/.msg").unpackb(data)
-
-
-def cbor_loads(data: bytes) -> Any:
-    """Load CBOR data with ``cbor`` (webdataset's choice) or else ``cbor2``."""
-    try:
-        module = importlib.import_module("cbor")
-    except ImportError:
-        module = import_optional("cbor2", "decoding .cbor")
-    return module.loads(data)
-
 
 def _decode_text(data: bytes) -> str:
     return data.decode("utf-8")

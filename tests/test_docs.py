@@ -321,10 +321,10 @@ def global_state_kept(page: str) -> Iterator[None]:
     """Fail a page whose blocks change process-wide state (and put it back for other tests)."""
     from fsspec.implementations.memory import MemoryFileSystem
 
-    from cloudshards import decoders
+    from cloudshards import decoders, unsafe
 
     environ, meta_path = dict(os.environ), list(sys.meta_path)
-    registry, unsafe = dict(decoders._registry), decoders._unsafe_enabled
+    registry, opted_in = dict(decoders._registry), unsafe._enabled
     memory = set(MemoryFileSystem.store), set(MemoryFileSystem.pseudo_dirs)
     try:
         yield
@@ -340,7 +340,7 @@ def global_state_kept(page: str) -> Iterator[None]:
                 ("os.environ", dict(os.environ) == environ),
                 ("sys.meta_path", sys.meta_path == meta_path),
                 ("the decoder registry", decoders._registry == registry),
-                ("the unsafe-decoder switch", decoders._unsafe_enabled == unsafe),
+                ("the unsafe-decoder switch", unsafe._enabled == opted_in),
             ]
             if not same
         ]
@@ -349,7 +349,7 @@ def global_state_kept(page: str) -> Iterator[None]:
         sys.meta_path[:] = meta_path
         decoders._registry.clear()
         decoders._registry.update(registry)
-        decoders._unsafe_enabled = unsafe
+        unsafe._enabled = opted_in
     assert not changed, f"docs/{page}: the code blocks changed {', '.join(changed)}"
 
 

@@ -18,6 +18,7 @@ from cloudshards import config
 # tests/test_public_api.py checks this block against _EXPORTS.
 if TYPE_CHECKING:
     from cloudshards.cache import CacheStats, ShardCache, cache_info, clear_cache
+    from cloudshards.clips import AudioClip, VideoClip
     from cloudshards.dataset import WebDataset, WebLoader
     from cloudshards.decoders import (
         Continue,
@@ -112,6 +113,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "cloudshards.cache": ("CacheStats", "ShardCache", "cache_info", "clear_cache"),
     "cloudshards.dataset": ("WebDataset", "WebLoader"),
     "cloudshards.loader": ("StatefulLoader",),
+    "cloudshards.clips": ("AudioClip", "VideoClip"),
     "cloudshards.decoders": (
         "Continue",
         "Decoder",
@@ -229,6 +231,7 @@ _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in nam
 #: ``DataPipeline``) but not in ``__all__``: ``from cloudshards import *`` must not shadow the
 #: builtins (or the ``select`` module).
 __all__ = [
+    "AudioClip",
     "CacheError",
     "CacheStats",
     "CloudShardsError",
@@ -257,6 +260,7 @@ __all__ = [
     "StatefulLoader",
     "TarWriter",
     "UnsupportedError",
+    "VideoClip",
     "WebDataset",
     "WebLoader",
     "WeightedMix",

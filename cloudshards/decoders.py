@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from cloudshards import inflate
+from cloudshards.clips import AudioClip, VideoClip, current_sample
 from cloudshards.errors import ConfigError, DecodeError, ShardError
 from cloudshards.imagedecode import (
     AUDIO_EXTENSIONS,
@@ -77,6 +78,7 @@ Handler = Callable[[str, bytes], Any]
 
 #: Extensions whose decoders can run arbitrary code; refused unless unsafe decoding is on.
 UNSAFE: frozenset[str] = frozenset({"pkl", "pickle", "pyd"})
+
 
 def _decode_text(data: bytes) -> str:
     return data.decode("utf-8")
@@ -258,6 +260,17 @@ class Decoder:
         if not isinstance(sample, dict):
             raise TypeError(f"a sample must be a dict, got {type(sample).__name__}")
         result: Sample = {}
+        url, name = sample.get("__url__"), sample.get("__key__")
+        token = current_sample.set(
+            (url if isinstance(url, str) else None, name if isinstance(name, str) else None)
+        )
+        try:
+            self._decode_fields(sample, result)
+        finally:
+            current_sample.reset(token)
+        return result
+
+    def _decode_fields(self, sample: Sample, result: Sample) -> None:
         for k, v in sample.items():
             if k[:2] == "__":
                 if isinstance(v, bytes):
@@ -281,7 +294,6 @@ class Decoder:
             else:
                 hint = "" if self.partial else " (partial=True passes such fields through)"
                 raise _error(sample, k, f"expected bytes, got {type(v).__name__}{hint}")
-        return result
 
     def __call__(self, sample: Sample) -> Sample:
         """Same as :meth:`decode`."""
@@ -305,14 +317,25 @@ def make_decoder(
     only: str | Iterable[str] | None = None,
     partial: bool = False,
     max_bytes: int | None = None,
+    video: VideoClip | Mapping[str, Any] | None = None,
+    audio: AudioClip | Mapping[str, Any] | None = None,
 ) -> Decoder:
-    """Build the :class:`Decoder` for ``.decode(*args)``: strings are imagespecs.
+    """Build the :class:`Decoder` for ``.decode(*args)``: strings are imagespecs; ``video`` and
+    ``audio`` (clip decoders, or their arguments as a dict) go before the other handlers.
 
     Raises:
-        ConfigError: An imagespec is unknown (the message lists the valid ones).
+        ConfigError: An imagespec is unknown (the message lists the valid ones), or a clip
+            decoder's arguments are invalid.
     """
+    clips: list[Handler] = []
+    if video is not None:
+        clips.append(video if isinstance(video, VideoClip) else VideoClip(**video))
+    if audio is not None:
+        clips.append(audio if isinstance(audio, AudioClip) else AudioClip(**audio))
     handlers = [ImageHandler(arg) if isinstance(arg, str) else arg for arg in args]
-    return Decoder(handlers, pre=pre, post=post, only=only, partial=partial, max_bytes=max_bytes)
+    return Decoder(
+        [*clips, *handlers], pre=pre, post=post, only=only, partial=partial, max_bytes=max_bytes
+    )
 
 
 #: webdataset's ``default_decoder``: gunzip plus the basic handlers, no images.

@@ -73,8 +73,13 @@ class FluidInterface:
         partial: bool = False,
         handler: ExceptionHandler = reraise_exception,
         max_bytes: int | None = None,
+        video: Any = None,
+        audio: Any = None,
     ) -> Any:
         """Decode fields with imagespecs (``"rgb"``, ``"torchrgb"``, ``"pil"``...) or handlers.
+
+        ``video=VideoClip(...)`` / ``audio=AudioClip(...)`` (or their arguments as dicts) decode
+        video and audio fields as clips (:mod:`cloudshards.clips`) instead of whole.
 
         gzip, ``.npz``, ``.npy`` and ``.pth`` fields inflate to at most ``max_bytes``: by
         default the ``max_member_bytes`` given to this pipeline, else
@@ -85,7 +90,14 @@ class FluidInterface:
         if max_bytes is None:
             max_bytes = _member_limit(getattr(self, "pipeline", []))
         decoder = make_decoder(
-            *args, pre=pre, post=post, only=only, partial=partial, max_bytes=max_bytes
+            *args,
+            pre=pre,
+            post=post,
+            only=only,
+            partial=partial,
+            max_bytes=max_bytes,
+            video=video,
+            audio=audio,
         )
         return self.compose(transform.Decode(decoder, handler=handler))
 

@@ -1,4 +1,4 @@
-"""Install the system packages the integration tests need (nginx), when they are missing.
+"""Install the system packages the tests need (nginx, FFmpeg), when they are missing.
 
 Run ``python integration/system_deps.py`` before ``pytest integration``; tox does it for you.
 Idempotent: when everything is present it only checks and exits 0 in milliseconds.
@@ -17,7 +17,11 @@ from pathlib import Path
 _SBIN_DIRS = ("/usr/sbin", "/usr/local/sbin", "/sbin")
 
 # executable name -> apt package that provides it
-REQUIRED: dict[str, str] = {"nginx": "nginx"}
+REQUIRED: dict[str, str] = {
+    "nginx": "nginx",
+    # FFmpeg's shared libraries, which torchcodec loads (the ffmpeg command comes with them)
+    "ffmpeg": "ffmpeg",
+}
 
 
 def find_executable(name: str) -> str | None:

@@ -19,7 +19,7 @@ from typing import Any, Literal
 from cloudshards import config, inflate
 from cloudshards.dist import derive_seed
 from cloudshards.errors import ConfigError, DecodeError
-from cloudshards.imagedecode import AUDIO_EXTENSIONS, VIDEO_EXTENSIONS
+from cloudshards.imagedecode import AUDIO_EXTENSIONS, DEFAULT_MAX_VIDEO_PIXELS, VIDEO_EXTENSIONS
 from cloudshards.mediabackend import BACKENDS, media_backend
 from cloudshards.stages.base import current_context
 
@@ -34,7 +34,7 @@ __all__ = [
 #: Most frames one clip may decode (counting from the key frame before it): 10 minutes at 30 fps.
 DEFAULT_MAX_FRAMES = 18_000
 #: Most pixels a video frame may have: 8K UHD (7680 x 4320).
-DEFAULT_MAX_PIXELS = 7680 * 4320
+DEFAULT_MAX_PIXELS = DEFAULT_MAX_VIDEO_PIXELS
 
 Start = Literal["random", "center", "first"]
 _STARTS = ("random", "center", "first")

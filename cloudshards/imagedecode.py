@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import io
+import itertools
 import logging
 import wave
 from collections.abc import Iterable, Mapping
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from cloudshards import inflate
 from cloudshards.errors import ConfigError, DecodeError
 
 if TYPE_CHECKING:
@@ -46,6 +48,9 @@ IMAGE_EXTENSIONS: list[str] = _IMAGE_EXTENSION_WORDS.split()
 #: Extensions :func:`torch_video` and :func:`torch_audio` handle (webdataset's, case-sensitive).
 VIDEO_EXTENSIONS = frozenset(["mp4", "ogv", "mjpeg", "avi", "mov", "h264", "mpg", "webm", "wmv"])
 AUDIO_EXTENSIONS = frozenset(["flac", "mp3", "sox", "wav", "m4a", "ogg", "wma"])
+
+#: Most pixels a video frame may have before decoding it is refused: 8K UHD (7680 x 4320).
+DEFAULT_MAX_VIDEO_PIXELS = 7680 * 4320
 
 ArrayType = Literal["numpy", "torch", "pil"]
 ElementType = Literal["uint8", "float"]
@@ -214,6 +219,10 @@ def torch_video(key: str, data: bytes) -> tuple[torch.Tensor, torch.Tensor, dict
         present; None for other extensions.
 
     Raises:
+        DecodeError: A frame has more than :data:`DEFAULT_MAX_VIDEO_PIXELS` pixels, or the
+            frames and sound together are over the decode limit (:class:`Decoder`'s
+            ``max_bytes``), checked frame by frame as they decode (clips,
+            :class:`~cloudshards.clips.VideoClip`, decode far less).
         ImportError: PyAV is missing (``pip install "cloudshards[video]"``).
     """
     if key.rpartition(".")[2] not in VIDEO_EXTENSIONS:
@@ -224,6 +233,7 @@ def torch_video(key: str, data: bytes) -> tuple[torch.Tensor, torch.Tensor, dict
     frames: list[np.ndarray[Any, Any]] = []
     chunks: list[np.ndarray[Any, Any]] = []
     info: dict[str, Any] = {}
+    budget = _Budget("the video's frames and sound")
     with av.open(io.BytesIO(data)) as container:
         streams = [*container.streams.video[:1], *container.streams.audio[:1]]
         for stream in streams:
@@ -235,9 +245,14 @@ def torch_video(key: str, data: bytes) -> tuple[torch.Tensor, torch.Tensor, dict
         for packet in container.demux(*streams) if streams else ():
             for frame in packet.decode():
                 if packet.stream.type == "video":
-                    frames.append(frame.to_ndarray(format="rgb24"))
+                    if frame.width * frame.height > DEFAULT_MAX_VIDEO_PIXELS:
+                        raise DecodeError(
+                            f"a frame of {frame.width}x{frame.height} pixels is over "
+                            f"{DEFAULT_MAX_VIDEO_PIXELS:,} pixels"
+                        )
+                    frames.append(budget.take(frame.to_ndarray(format="rgb24")))
                 else:
-                    chunks.append(_planar(frame))
+                    chunks.append(budget.take(_planar(frame)))
     video = (
         torch.from_numpy(np.stack(frames))
         if frames
@@ -249,6 +264,19 @@ def torch_video(key: str, data: bytes) -> tuple[torch.Tensor, torch.Tensor, dict
         else torch.empty((1, 0), dtype=torch.float32)
     )
     return video, audio, info
+
+
+class _Budget:
+    """Counts the bytes a field has decoded into so far against the decode limit."""
+
+    def __init__(self, what: str) -> None:
+        self.what, self.limit, self.used = what, inflate.decode_limit(), 0
+
+    def take(self, array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        self.used += array.nbytes
+        if self.used > self.limit:
+            raise inflate.too_big(self.what, None, self.limit)
+        return array
 
 
 def _planar(frame: Any) -> np.ndarray[Any, Any]:
@@ -294,7 +322,10 @@ def torch_audio(key: str, data: bytes) -> tuple[torch.Tensor, int] | None:
 def _read_pcm_wav(data: bytes) -> tuple[np.ndarray[Any, np.dtype[np.float32]], int]:
     with wave.open(io.BytesIO(data), "rb") as reader:
         channels, width = reader.getnchannels(), reader.getsampwidth()
-        rate, raw = reader.getframerate(), reader.readframes(reader.getnframes())
+        count, limit = reader.getnframes(), inflate.decode_limit()
+        if count * channels * 4 > limit:
+            raise inflate.too_big("the WAV's samples", count * channels * 4, limit)
+        rate, raw = reader.getframerate(), reader.readframes(count)
     samples: np.ndarray[Any, Any]
     if width == 1:  # 8-bit WAV is unsigned, centred on 128
         samples = (np.frombuffer(raw, np.uint8).astype(np.float32) - 128) / 128
@@ -319,9 +350,10 @@ def _read_av_audio(data: bytes, what: str) -> tuple[np.ndarray[Any, np.dtype[np.
         stream = container.streams.audio[0]
         # Float planar at the stream's own layout and rate: torchaudio's normalised output.
         resampler = av.AudioResampler(format="fltp")
+        budget = _Budget("the audio's samples")
         chunks = [
-            out.to_ndarray()
-            for frame in [*container.decode(stream), None]
+            budget.take(out.to_ndarray())
+            for frame in itertools.chain(container.decode(stream), [None])
             for out in resampler.resample(frame)
         ]
         rate = int(stream.rate)

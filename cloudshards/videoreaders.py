@@ -1,8 +1,8 @@
 """Read chosen frames of an encoded video, with torchcodec or PyAV, decoding only what they need.
 
 Both readers number frames in presentation order, as torchcodec's exact mode does, and give
-the same frames at full size (tested); resized frames agree within 1 of 255 (both resize RGB
-with antialiased bilinear filtering). A reader checks its budget before it decodes anything.
+the same frames, resized or not (tested): both convert to RGB, then resize with FFmpeg's
+bilinear scaler. A reader checks its budget before it decodes anything.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from cloudshards.mediabackend import Backend
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["VideoMeta", "VideoReader", "open_video", "resize_frames"]
+__all__ = ["VideoMeta", "VideoReader", "open_video"]
 
 Size = tuple[int, int]
 
@@ -73,18 +73,6 @@ def open_video(data: bytes, backend: Backend, size: Size | None, threads: int) -
     if backend == "torchcodec":
         return _TorchcodecVideo(data, size, threads)
     return _AvVideo(data, size, threads)
-
-
-def resize_frames(frames: torch.Tensor, size: Size) -> torch.Tensor:
-    """Resize uint8 ``[T, 3, H, W]`` frames the way torchcodec's ``Resize`` does."""
-    import torch
-
-    if tuple(frames.shape[-2:]) == tuple(size):
-        return frames
-    scaled = torch.nn.functional.interpolate(
-        frames.float(), size=size, mode="bilinear", antialias=True, align_corners=False
-    )
-    return scaled.round_().clamp_(0, 255).to(torch.uint8)
 
 
 class _TorchcodecVideo:
@@ -202,11 +190,12 @@ class _AvVideo:
                 if pts is None or pts < first:
                     continue
                 if pts in wanted:
-                    array: np.ndarray[Any, Any] = frame.to_ndarray(format="rgb24")
-                    chw = torch.from_numpy(array).permute(2, 0, 1)
-                    if self._size is not None:
-                        chw = resize_frames(chw[None], self._size)[0]
-                    got[pts] = chw
+                    rgb = frame.reformat(format="rgb24")
+                    if self._size is not None:  # as torchcodec's Resize: RGB first, then scale
+                        height, width = self._size
+                        rgb = rgb.reformat(width=width, height=height, interpolation="BILINEAR")
+                    array: np.ndarray[Any, Any] = rgb.to_ndarray()
+                    got[pts] = torch.from_numpy(array).permute(2, 0, 1)
                 if pts >= last:
                     break
         return got

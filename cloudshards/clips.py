@@ -82,7 +82,9 @@ class _ClipHandler:
             ident: object = hashlib.blake2b(data, digest_size=16).hexdigest()
         else:
             url, name = sample
-            ident = ((url or "").split("?", 1)[0], name)
+            # The shard's file name, not its whole URL: a copy of the dataset elsewhere (local,
+            # another bucket, signed URLs) draws the same clips.
+            ident = ((url or "").split("?", 1)[0].rstrip("/").rsplit("/", 1)[-1], name)
         return random.Random(derive_seed(base, epoch, ident, key, "clip")).random()
 
 

@@ -71,7 +71,8 @@ def to_training(sample: tuple[str, dict[str, Any], int]) -> tuple[Any, ...]:
     """The decoded clip dict -> float frames for the model, plus the clip's identity."""
     key, clip, label = sample
     frames = clip["frames"]  # uint8 [T, C, H, W]
-    assert frames.shape == (NUM_FRAMES, 3, *SIZE) and frames.dtype == torch.uint8, frames.shape
+    if frames.shape != (NUM_FRAMES, 3, *SIZE) or frames.dtype != torch.uint8:
+        raise ValueError(f"{key}: a clip of {frames.dtype} {tuple(frames.shape)}")
     video = frames.permute(1, 0, 2, 3).float().div(255.0)  # [C, T, H, W] for Conv3d
     return key, video, clip["timestamps"], frames_digest(frames), int(label)
 

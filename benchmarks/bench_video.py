@@ -1,9 +1,9 @@
 """16-frame clips from 10 s and 60 s videos: clip decoding vs whole-video decoding, torchcodec
 vs PyAV, clips/s and peak RSS, side by side in one run.
 
-    python benchmarks/bench_video.py              # 320x240, 4 shards x (4 videos of 10 s, 2 of 60 s)
-    python benchmarks/bench_video.py --quick      # 160x120, 2 shards x (2 of 10 s, 1 of 60 s), < 60 s
-    python benchmarks/bench_video.py --workers 2  # through DataLoader(num_workers=2, batch_size=None)
+    python benchmarks/bench_video.py              # 320x240, 4 shards x (4 of 10 s, 2 of 60 s)
+    python benchmarks/bench_video.py --quick      # 160x120, 2 shards x (2 of 10 s, 1 of 60 s)
+    python benchmarks/bench_video.py --workers 2  # in DataLoader(num_workers=2, batch_size=None)
 
 Methods, each reading the same shards through the real pipeline,
 ``WebDataset(urls, shardshuffle=False).decode(...)...to_tuple("mp4", "cls")``:
@@ -27,13 +27,19 @@ methods from its first frame: the frames must agree (within 3 of 255), or the sc
 status 2.
 
 Every (video length, method) runs in a fresh interpreter (this script with ``--child``) that
-imports torch, cloudshards and the backend, reads ``ru_maxrss`` (the start), decodes one sample
+imports torch, cloudshards and the backend, reads its peak RSS (the start), decodes one sample
 untimed (lazy imports, FFmpeg set-up), then makes ``--repeats`` timed passes over the data set
 (building the pipeline, starting any workers, reading every sample). clips/s is the median
-over the passes. Peak RSS is the child's ``ru_maxrss`` at the end, and the delta that minus
-the start, i.e. what decoding added on top of the imports; with ``--workers N`` the peak is the
-largest of the main process and its (forked) workers. Each pass must deliver every sample once,
-with 16 uint8 frames of the right size and the right labels, or the script exits with status 2.
+over the passes, and so is CPU ms/clip (user + system time of the child, all its threads and
+its workers, per clip: steadier than wall time on a busy machine, and it shows time spent
+waiting for threads as the gap to ms/clip). Peak RSS is the child's peak at the end, and the
+delta that minus the start, i.e. what decoding added on top of the imports; with
+``--workers N`` the peak is the largest of the main process and its (forked) workers
+(``RUSAGE_CHILDREN``). On Linux the child's own peak is ``VmHWM`` from ``/proc/self/status``,
+not ``getrusage(RUSAGE_SELF).ru_maxrss``: the kernel carries ``ru_maxrss`` across ``exec``, so
+a child started by this (larger) process would report this process's peak; elsewhere it is
+``ru_maxrss``. Each pass must deliver every sample once, with 16 uint8 frames of the right size
+and the right labels, or the script exits with status 2.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import resource
 import shlex
 import subprocess
@@ -203,8 +210,25 @@ def first_frames(method: Method, data: bytes) -> Any:
 
 
 def max_rss_mib(who: int = resource.RUSAGE_SELF) -> float:
+    """Peak resident memory in MiB: this process's (``VmHWM`` where Linux has it, as
+    ``ru_maxrss`` inherits the peak of the process that started this one) or its children's."""
+    if who == resource.RUSAGE_SELF:
+        try:
+            with open("/proc/self/status") as status:
+                for line in status:
+                    if line.startswith("VmHWM:"):
+                        return int(line.split()[1]) / 1024  # kB
+        except OSError:
+            pass
     value = resource.getrusage(who).ru_maxrss
     return value / 2**20 if sys.platform == "darwin" else value / 1024  # bytes on macOS
+
+
+def cpu_seconds() -> float:
+    """User + system CPU time of this process, all its threads, and its ended children (the
+    DataLoader's workers, which stop at the end of each pass)."""
+    t = os.times()  # its clock ticks are coarse (10 ms): process_time() for this process
+    return time.process_time() + t.children_user + t.children_system
 
 
 def child(spec: dict[str, Any]) -> dict[str, Any]:
@@ -230,20 +254,21 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
 
     next(iter(build_dataset(method, spec["urls"])))  # untimed: lazy imports, FFmpeg set-up
     rates: list[float] = []
+    cpu_ms: list[float] = []
     problem = None
     for _ in range(spec["repeats"]):
         clips = cls_sum = bad = 0
-        begin = time.perf_counter()
+        begin, begin_cpu = time.perf_counter(), cpu_seconds()
         for value, cls in loader():
             frames = clip_frames(method, value)
             clips += 1
             cls_sum += int(cls)
-            if frames.shape[0] != CLIP_FRAMES or frames.numel() != CLIP_FRAMES * pixels:
-                bad += 1
-            elif frames.dtype != torch.uint8:
+            shape_ok = frames.shape[0] == CLIP_FRAMES and frames.numel() == CLIP_FRAMES * pixels
+            if not shape_ok or frames.dtype != torch.uint8:
                 bad += 1
         seconds = time.perf_counter() - begin
         rates.append(clips / seconds)
+        cpu_ms.append(1000 * (cpu_seconds() - begin_cpu) / max(clips, 1))
         if (clips, cls_sum, bad) != (spec["videos"], spec["cls_sum"], 0):
             problem = problem or (
                 f"{clips} clips (expected {spec['videos']}), label sum {cls_sum} "
@@ -251,6 +276,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
             )
     return {
         "rates": rates,
+        "cpu_ms": cpu_ms,
         "start_rss": start_rss,
         "peak_rss": max_rss_mib(),
         "workers_rss": max_rss_mib(resource.RUSAGE_CHILDREN) if workers else 0.0,
@@ -264,6 +290,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
 @dataclass
 class Result:
     rate: float = float("nan")
+    cpu_ms: float = float("nan")
     peak: float = float("nan")
     delta: float = float("nan")
     error: str | None = None
@@ -290,12 +317,13 @@ def run_child(method: Method, data: DataSet, args: argparse.Namespace) -> Result
         return Result(error=tail)
     got = json.loads(lines[-1][len("RESULT ") :])
     peak = max(got["peak_rss"], got["workers_rss"])
-    result = Result(median(got["rates"]), peak, peak - got["start_rss"], got["problem"])
+    start = got["start_rss"]
+    result = Result(median(got["rates"]), median(got["cpu_ms"]), peak, peak - start, got["problem"])
     rates = ", ".join(f"{rate:,.1f}" for rate in got["rates"])
     flag = f"  MISMATCH: {got['problem']}" if got["problem"] else ""
     print(
-        f"  {data.seconds:>3} s  {method.label:<40} clips/s {rates:<26} "
-        f"peak {peak:6.0f} MiB (start {got['start_rss']:.0f}){flag}",
+        f"  {data.seconds:>3} s  {method.label:<40} clips/s {rates:<22} "
+        f"CPU {result.cpu_ms:7.1f} ms/clip  peak {peak:5.0f} MiB (start {start:.0f}){flag}",
         flush=True,
     )
     return result
@@ -306,7 +334,10 @@ def check_frames(data: bytes, methods: list[Method]) -> str | None:
     reference = None
     worst = 0
     for method in methods:
-        frames = first_frames(method, data)
+        try:
+            frames = first_frames(method, data)
+        except Exception as exc:
+            return f"{method.label}: {type(exc).__name__}: {exc}"
         if reference is None:
             reference = frames
         elif frames.shape != reference.shape:
@@ -341,14 +372,26 @@ def report(
         for method in methods:
             r = results[data.seconds, method.name]
             if r.error and r.rate != r.rate:
-                rows.append([f"{data.seconds} s", method.label, "error", "-", "-", "-"])
+                rows.append([f"{data.seconds} s", method.label, "error", "-", "-", "-", "-"])
                 continue
             ms = 1000 / r.rate if r.rate > 0 else float("nan")
             rate = f"{r.rate:,.1f}" if r.rate < 100 else fmt_rate(r.rate)
             peak, delta = f"{r.peak:,.0f}", f"+{r.delta:,.0f}"
-            rows.append([f"{data.seconds} s", method.label, rate, f"{ms:,.1f}", peak, delta])
-    header = ["video", "method", "clips/s", "ms/clip", "peak RSS MiB", "RSS delta MiB"]
-    print("\nmedian clips/s (higher is better); peak RSS of a fresh process per row\n")
+            cpu = f"{r.cpu_ms:,.1f}"
+            rows.append([f"{data.seconds} s", method.label, rate, f"{ms:,.1f}", cpu, peak, delta])
+    header = [
+        "video",
+        "method",
+        "clips/s",
+        "ms/clip",
+        "CPU ms/clip",
+        "peak RSS MiB",
+        "RSS delta MiB",
+    ]
+    print(
+        "\nmedians over the passes: clips/s (higher is better), wall and CPU ms per clip; "
+        "peak RSS of a fresh process per row\n"
+    )
     print(markdown(header, rows))
 
     rows = []
@@ -441,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
         "av": f"{av.__version__} (FFmpeg {av.library_versions.get('libavcodec', '?')})",
     }
     try:
-        import torchcodec.decoders  # noqa: F401 (loads FFmpeg's libraries, or fails)
+        import torchcodec.decoders  # loads FFmpeg's libraries, or fails
 
         extra["torchcodec"] = torchcodec.__version__
     except Exception as exc:  # missing, or FFmpeg's shared libraries are not installed

@@ -22,8 +22,6 @@ from cloudshards.imagedecode import (
     VIDEO_EXTENSIONS,
     ImageHandler,
     imagehandler,
-    torch_audio,
-    torch_video,
 )
 from cloudshards.inflate import npy_loads, npz_loads
 from cloudshards.tensorbin import tenbin_loads
@@ -35,6 +33,7 @@ from cloudshards.unsafe import (
     torch_loads,
     unpickle_loads,
 )
+from cloudshards.wholemedia import torch_audio, torch_video
 
 __all__ = [
     "AUDIO_EXTENSIONS",

@@ -1,4 +1,4 @@
-"""Media decoding: images under webdataset's imagespecs (Pillow), video and audio (PyAV, wave).
+"""Image decoding under webdataset's imagespecs (Pillow); the media extensions and optional imports.
 
 Image outputs equal webdataset 1.0.2's bit for bit: type, dtype, shape, value range, CHW for torch.
 """
@@ -7,20 +7,17 @@ from __future__ import annotations
 
 import importlib
 import io
-import itertools
 import logging
-import wave
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType, ModuleType
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from cloudshards import inflate
 from cloudshards.errors import ConfigError, DecodeError
 
 if TYPE_CHECKING:
-    import torch
+    pass
 
 __all__ = [
     "AUDIO_EXTENSIONS",
@@ -31,8 +28,6 @@ __all__ = [
     "decode_image",
     "imagehandler",
     "import_optional",
-    "torch_audio",
-    "torch_video",
 ]
 
 logger = logging.getLogger(__name__)
@@ -204,160 +199,3 @@ def imagehandler(imagespec: str, extensions: Iterable[str] | None = None) -> Ima
         The handler.
     """
     return ImageHandler(imagespec, extensions)
-
-
-def torch_video(key: str, data: bytes) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]] | None:
-    """Decode a video like ``torchvision.io.read_video(path, pts_unit="sec")``, with PyAV.
-
-    Args:
-        key: The field with a leading dot; handles mp4 ogv mjpeg avi mov h264 mpg webm wmv.
-        data: The encoded video.
-
-    Returns:
-        ``(video, audio, info)``: uint8 frames THWC (RGB), audio ``[channels, samples]`` in the
-        stream's sample format, and ``{"video_fps": float, "audio_fps": int}`` for the streams
-        present; None for other extensions.
-
-    Raises:
-        DecodeError: A frame has more than :data:`DEFAULT_MAX_VIDEO_PIXELS` pixels, or the
-            frames and sound together are over the decode limit (:class:`Decoder`'s
-            ``max_bytes``), checked frame by frame as they decode (clips,
-            :class:`~cloudshards.clips.VideoClip`, decode far less).
-        ImportError: PyAV is missing (``pip install "cloudshards[video]"``).
-    """
-    if key.rpartition(".")[2] not in VIDEO_EXTENSIONS:
-        return None
-    av = import_optional("av", "decoding video")
-    import torch
-
-    frames: list[np.ndarray[Any, Any]] = []
-    chunks: list[np.ndarray[Any, Any]] = []
-    info: dict[str, Any] = {}
-    budget = _Budget("the video's frames and sound")
-    with av.open(io.BytesIO(data)) as container:
-        streams = [*container.streams.video[:1], *container.streams.audio[:1]]
-        for stream in streams:
-            if stream.type == "video" and stream.average_rate is not None:
-                info["video_fps"] = float(stream.average_rate)
-            elif stream.type == "audio":
-                info["audio_fps"] = stream.rate
-        # demux() without streams would demux every stream, so skip it when there are none.
-        for packet in container.demux(*streams) if streams else ():
-            for frame in packet.decode():
-                if packet.stream.type == "video":
-                    if frame.width * frame.height > DEFAULT_MAX_VIDEO_PIXELS:
-                        raise DecodeError(
-                            f"a frame of {frame.width}x{frame.height} pixels is over "
-                            f"{DEFAULT_MAX_VIDEO_PIXELS:,} pixels"
-                        )
-                    frames.append(budget.take(frame.to_ndarray(format="rgb24")))
-                else:
-                    chunks.append(budget.take(_planar(frame)))
-    video = (
-        torch.from_numpy(np.stack(frames))
-        if frames
-        else torch.empty((0, 1, 1, 3), dtype=torch.uint8)
-    )
-    audio = (
-        torch.from_numpy(np.concatenate(chunks, axis=1))
-        if chunks
-        else torch.empty((1, 0), dtype=torch.float32)
-    )
-    return video, audio, info
-
-
-class _Budget:
-    """Counts the bytes a field has decoded into so far against the decode limit."""
-
-    def __init__(self, what: str) -> None:
-        self.what, self.limit, self.used = what, inflate.decode_limit(), 0
-
-    def take(self, array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-        self.used += array.nbytes
-        if self.used > self.limit:
-            raise inflate.too_big(self.what, None, self.limit)
-        return array
-
-
-def _planar(frame: Any) -> np.ndarray[Any, Any]:
-    array: np.ndarray[Any, Any] = frame.to_ndarray()
-    if frame.format.is_planar:
-        return array
-    # Packed audio comes back as (1, samples * channels), interleaved.
-    return array.reshape(-1, len(frame.layout.channels)).T
-
-
-def torch_audio(key: str, data: bytes) -> tuple[torch.Tensor, int] | None:
-    """Decode audio like ``torchaudio.load``: PCM WAV with the stdlib, other formats with PyAV.
-
-    Args:
-        key: The field with a leading dot; handles flac mp3 sox wav m4a ogg wma.
-        data: The encoded audio.
-
-    Returns:
-        ``(waveform, sample_rate)`` with a float32 ``[channels, samples]`` waveform in [-1, 1],
-        or None for other extensions.
-
-    Raises:
-        ImportError: The format needs PyAV and it is missing (``pip install "cloudshards[video]"``).
-    """
-    extension = key.rpartition(".")[2]
-    if extension not in AUDIO_EXTENSIONS:
-        return None
-    import torch
-
-    if extension == "wav":
-        try:
-            waveform, rate = _read_pcm_wav(data)
-        except wave.Error as exc:
-            if data[:4] != b"RIFF" or data[8:12] != b"WAVE":
-                raise  # corrupt data: a decode error, not a reason to ask for PyAV
-            # The stdlib reads integer PCM only; float or extensible WAVs go through PyAV.
-            waveform, rate = _read_av_audio(data, f"decoding this WAV ({exc})")
-    else:
-        waveform, rate = _read_av_audio(data, f"decoding .{extension} audio")
-    return torch.from_numpy(waveform), rate
-
-
-def _read_pcm_wav(data: bytes) -> tuple[np.ndarray[Any, np.dtype[np.float32]], int]:
-    with wave.open(io.BytesIO(data), "rb") as reader:
-        channels, width = reader.getnchannels(), reader.getsampwidth()
-        count, limit = reader.getnframes(), inflate.decode_limit()
-        if count * channels * 4 > limit:
-            raise inflate.too_big("the WAV's samples", count * channels * 4, limit)
-        rate, raw = reader.getframerate(), reader.readframes(count)
-    samples: np.ndarray[Any, Any]
-    if width == 1:  # 8-bit WAV is unsigned, centred on 128
-        samples = (np.frombuffer(raw, np.uint8).astype(np.float32) - 128) / 128
-    elif width == 3:
-        # Put each 24-bit sample in the top of an int32, then shift back to sign-extend it.
-        padded = np.zeros((len(raw) // 3, 4), np.uint8)
-        padded[:, 1:] = np.frombuffer(raw, np.uint8).reshape(-1, 3)
-        samples = (padded.view("<i4").ravel() >> 8).astype(np.float32) / np.float32(1 << 23)
-    elif width in (2, 4):
-        ints = np.frombuffer(raw, f"<i{width}")
-        samples = ints.astype(np.float32) / np.float32(1 << (8 * width - 1))
-    else:
-        raise wave.Error(f"unsupported sample width {width}")
-    return np.ascontiguousarray(samples.reshape(-1, channels).T), rate
-
-
-def _read_av_audio(data: bytes, what: str) -> tuple[np.ndarray[Any, np.dtype[np.float32]], int]:
-    av = import_optional("av", what)
-    with av.open(io.BytesIO(data)) as container:
-        if not container.streams.audio:
-            raise ValueError("no audio stream found")
-        stream = container.streams.audio[0]
-        # Float planar at the stream's own layout and rate: torchaudio's normalised output.
-        resampler = av.AudioResampler(format="fltp")
-        budget = _Budget("the audio's samples")
-        chunks = [
-            budget.take(out.to_ndarray())
-            for frame in itertools.chain(container.decode(stream), [None])
-            for out in resampler.resample(frame)
-        ]
-        rate = int(stream.rate)
-        channels = len(stream.layout.channels)
-    if not chunks:
-        return np.zeros((channels, 0), np.float32), rate
-    return np.concatenate(chunks, axis=1), rate

@@ -18,6 +18,7 @@ import numpy as np
 from cloudshards.errors import DecodeError
 from cloudshards.imagedecode import import_optional
 from cloudshards.mediabackend import Backend
+from cloudshards.wholemedia import reformat
 
 if TYPE_CHECKING:
     import torch
@@ -145,9 +146,10 @@ class _AvVideo:
         self._pts = [pts for pts, _, _ in packets]
         self._base = base
         self._keys = [i for i, (_, _, key) in enumerate(packets) if key] or [0]
-        times = [float(pts * base) for pts in self._pts]
+        unit = float(base)  # once: Fraction arithmetic per packet costs more than the scan
+        times = [pts * unit for pts in self._pts]
         self._times = times
-        end = max((float((pts + d) * base) for pts, d, _ in packets), default=0.0)
+        end = max(((pts + d) * unit for pts, d, _ in packets), default=0.0)
         fps = float(rate) if rate else (len(times) / (end - times[0]) if end > times[0] else 0.0)
         self.meta = VideoMeta(width, height, fps, times[0] if times else 0.0, end, len(times))
 
@@ -190,10 +192,10 @@ class _AvVideo:
                 if pts is None or pts < first:
                     continue
                 if pts in wanted:
-                    rgb = frame.reformat(format="rgb24")
+                    rgb = reformat(frame, format="rgb24")
                     if self._size is not None:  # as torchcodec's Resize: RGB first, then scale
                         height, width = self._size
-                        rgb = rgb.reformat(width=width, height=height, interpolation="BILINEAR")
+                        rgb = reformat(rgb, width=width, height=height, interpolation="BILINEAR")
                     array: np.ndarray[Any, Any] = rgb.to_ndarray()
                     got[pts] = torch.from_numpy(array).permute(2, 0, 1)
                 if pts >= last:

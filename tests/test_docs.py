@@ -244,6 +244,28 @@ def write_media_shards(data: Path) -> None:
                 )
 
 
+def video_data(root: Path) -> dict[str, Any]:
+    """Two shards of three samples: a 2 s h264 video (``mp4``), 1 s of FLAC and a class."""
+    import torch
+    from media import encode_audio, encode_video
+
+    import cloudshards as wds
+
+    (root / "data").mkdir()
+    for shard in range(2):
+        with wds.TarWriter(str(root / "data" / f"video-{shard}.tar")) as sink:
+            for index in range(3):
+                sink.write(
+                    {
+                        "__key__": f"{shard}-{index}",
+                        "mp4": encode_video("libx264", "mp4", frames=48 + 12 * index),
+                        "flac": encode_audio("flac", "flac", seconds=1.0, rate=16000),
+                        "cls": index,
+                    }
+                )
+    return {"wds": wds, "torch": torch, "urls": str(root / "data" / "video-{0..1}.tar")}
+
+
 PAGE_VARIABLES: dict[str, Callable[[Path], dict[str, Any]]] = {
     "caching.md": image_data,
     "performance.md": image_data,
@@ -251,6 +273,7 @@ PAGE_VARIABLES: dict[str, Callable[[Path], dict[str, Any]]] = {
     "indexed.md": image_data,
     "writing.md": writing_data,
     "cli.md": cli_data,
+    "video.md": video_data,
 }
 
 
@@ -373,6 +396,12 @@ def test_every_page_runs_code_or_says_why_not() -> None:
 def test_code_blocks_run(page: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     to_run = blocks_to_run(page)
     monkeypatch.chdir(tmp_path)
+    if page == "video.md":
+        from cloudshards import mediabackend
+
+        # Loading torchcodec imports torch._inductor, which sets TORCHINDUCTOR_CACHE_DIR in
+        # os.environ: torch's doing, once per process, not the page's.
+        assert mediabackend.torchcodec_error() is None
     with global_state_kept(page):
         namespace: dict[str, Any] = {"__name__": f"docs_{page[:-3]}"}
         namespace.update(PAGE_VARIABLES.get(page, lambda root: {})(tmp_path))

@@ -17,7 +17,7 @@ import numpy as np
 
 from cloudshards.errors import DecodeError
 from cloudshards.imagedecode import import_optional
-from cloudshards.mediabackend import Backend
+from cloudshards.mediabackend import Backend, opening_error
 
 if TYPE_CHECKING:
     import torch
@@ -98,7 +98,12 @@ def _torchcodec_window(
     max_bytes: int,
 ) -> AudioWindow:
     decoders = import_optional("torchcodec.decoders", "decoding audio with torchcodec")
-    decoder = decoders.AudioDecoder(data, sample_rate=sample_rate, num_channels=1 if mono else None)
+    try:
+        decoder = decoders.AudioDecoder(
+            data, sample_rate=sample_rate, num_channels=1 if mono else None
+        )
+    except (RuntimeError, ValueError) as exc:
+        raise opening_error(exc, "audio") from exc
     m = decoder.metadata
     meta = AudioMeta(
         int(m.sample_rate),

@@ -14,10 +14,10 @@ import threading
 from typing import Literal
 
 from cloudshards import config
-from cloudshards.errors import ConfigError
+from cloudshards.errors import ConfigError, DecodeError
 from cloudshards.imagedecode import import_optional
 
-__all__ = ["BACKENDS", "Backend", "media_backend", "torchcodec_error"]
+__all__ = ["BACKENDS", "Backend", "media_backend", "opening_error", "torchcodec_error"]
 
 logger = logging.getLogger("cloudshards.decoders")
 
@@ -73,3 +73,13 @@ def media_backend(requested: str | None = None) -> Backend:
             reason = f" (torchcodec: {why})" if choice == "auto" and why else ""
             logger.info("video and audio clips decode with %s%s", backend, reason)
     return backend
+
+
+def opening_error(exc: Exception, kind: str) -> DecodeError:
+    """A clear error for torchcodec failing to open a ``kind`` ("video", "audio") stream: its
+    first line, and "no ... stream" for its internal-error wording of that case."""
+    text = str(exc).strip()
+    first = text.splitlines()[0].strip() if text else type(exc).__name__
+    if "stream is unknown" in first:
+        return DecodeError(f"no {kind} stream")
+    return DecodeError(first)

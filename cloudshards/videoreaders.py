@@ -17,7 +17,7 @@ import numpy as np
 
 from cloudshards.errors import DecodeError
 from cloudshards.imagedecode import import_optional
-from cloudshards.mediabackend import Backend
+from cloudshards.mediabackend import Backend, opening_error
 from cloudshards.wholemedia import reformat
 
 if TYPE_CHECKING:
@@ -82,13 +82,16 @@ class _TorchcodecVideo:
         transforms = None
         if size is not None:
             transforms = [import_optional("torchcodec.transforms", "resizing").Resize(size)]
-        self._decoder = decoders.VideoDecoder(
-            data,
-            seek_mode="exact",
-            dimension_order="NCHW",
-            num_ffmpeg_threads=threads,
-            transforms=transforms,
-        )
+        try:
+            self._decoder = decoders.VideoDecoder(
+                data,
+                seek_mode="exact",
+                dimension_order="NCHW",
+                num_ffmpeg_threads=threads,
+                transforms=transforms,
+            )
+        except (RuntimeError, ValueError) as exc:
+            raise opening_error(exc, "video") from exc
         m = self._decoder.metadata
         self.meta = VideoMeta(
             width=int(m.width),
@@ -150,8 +153,9 @@ class _AvVideo:
         times = [pts * unit for pts in self._pts]
         self._times = times
         end = max(((pts + d) * unit for pts, d, _ in packets), default=0.0)
-        fps = float(rate) if rate else (len(times) / (end - times[0]) if end > times[0] else 0.0)
-        self.meta = VideoMeta(width, height, fps, times[0] if times else 0.0, end, len(times))
+        begin = times[0] if times else 0.0
+        fps = float(rate) if rate else (len(times) / (end - begin) if end > begin else 0.0)
+        self.meta = VideoMeta(width, height, fps, begin, end, len(times))
 
     def index_at(self, seconds: Sequence[float]) -> list[int]:
         return [max(bisect.bisect_right(self._times, t + 1e-9) - 1, 0) for t in seconds]

@@ -194,6 +194,16 @@ def test_broken_videos_are_decode_errors_naming_the_field(backend: str, damage: 
         clip(VideoClip(4, start="center", backend=backend), "mp4", broken)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_field_without_the_stream_says_so(backend: str) -> None:
+    sound_only = encode_audio("aac", "mp4", seconds=1.0, rate=48000)
+    with pytest.raises(DecodeError, match=r"cannot decode field 'mp4': no video stream \("):
+        clip(VideoClip(4, backend=backend), "mp4", sound_only)
+    silent = encode_video(frames=10)
+    with pytest.raises(DecodeError, match=r"cannot decode field 'mp4': no audio stream \("):
+        clip(AudioClip(0.5, extensions="mp4", backend=backend), "mp4", silent)
+
+
 def test_whole_video_decoding_is_bounded_by_the_decode_limit() -> None:
     data = encode_video(frames=30)
     decoder = Decoder([wds.torch_video], max_bytes=10 * 48 * 64 * 3)

@@ -547,18 +547,7 @@ def test_epochs_without_counts_read_no_counting_pass(
     reads the dataset to count it; the ranks end epoch 0 together (count-free), noting each
     shard's count as they read it, and epoch 1 is balanced by those counts. The store serves
     the dataset about once per epoch (a counting pass would add it once per node)."""
-    root = http_server.root / f"count-free-{layout}"
-    root.mkdir(parents=True)
-    sizes = [0] * COUNT_FREE_SHARDS
-    rng = np.random.default_rng(7)
-    for shard in range(COUNT_FREE_SHARDS):
-        with tarfile.open(root / f"train-{shard:06d}.tar", "w") as tar:
-            for index in range(COUNT_FREE_SAMPLES):
-                for ext, payload in _sample(rng, shard, index):
-                    info = tarfile.TarInfo(f"{sample_key(shard, index)}.{ext}")
-                    info.size = len(payload)
-                    tar.addfile(info, io.BytesIO(payload))
-        sizes[shard] = (root / f"train-{shard:06d}.tar").stat().st_size
+    root, sizes = _count_free_shards(http_server, f"count-free-{layout}")
     sim = cloudsim_process(http_server.base_url)
     spec = f"{sim.url}/{root.name}/train-{{000000..{COUNT_FREE_SHARDS - 1:06d}}}.tar"
     counts = runner.new_dir("count-free-counts")
@@ -602,6 +591,47 @@ def test_epochs_without_counts_read_no_counting_pass(
     resumed = launch(f"--resume={state}", counts=counts, log_dir=log_dir)
     for rank in range(resumed.world_size):
         assert resumed.steps[rank] == reference.steps[rank], f"rank {rank}"
+
+
+def test_the_first_step_reads_one_shard_per_worker(
+    runner: Runner, http_server: NginxServer, cloudsim_process: Any
+) -> None:
+    """2 nodes x 2 ranks x 2 workers, balanced, no counts anywhere, remote shards: a run that
+    stops after its first step has read from the store at most one shard per DataLoader worker
+    (shards ahead turned off, so that what is read is what the first batches need), where a
+    counting pass would read the whole dataset on each node before the first sample."""
+    root, sizes = _count_free_shards(http_server, "count-free-first-step")
+    sim = cloudsim_process(http_server.base_url)
+    spec = f"{sim.url}/{root.name}/train-{{000000..{COUNT_FREE_SHARDS - 1:06d}}}.tar"
+    env = {"CLOUDSHARDS_COUNTS_DIR": str(runner.new_dir("first-step")), "CLOUDSHARDS_PREFETCH": "0"}
+    run = runner.run(
+        EPOCHS_SCRIPT, [*common_args(spec), "--steps-limit=1"], nodes=2, env=env, cached=False
+    )
+    assert all(run.steps_in(rank, 0) == 1 for rank in range(run.world_size))
+    output = "".join(node.stdout + node.stderr for node in run.result.nodes)
+    assert "counting the samples" not in output
+    consumers = run.world_size * WORKERS
+    served = sim.stats().bytes_sent
+    # The metadata probes (an index, sizes.json...) find nothing here: 404s, with small bodies.
+    assert served <= consumers * max(sizes) + 64 * 1024, (served, sizes)
+    assert served < sum(sizes) / 2  # well short of one counting pass (one per node: 2x)
+
+
+def _count_free_shards(http_server: NginxServer, name: str) -> tuple[Path, list[int]]:
+    """COUNT_FREE_SHARDS uniform shards under the server's root; their sizes in bytes."""
+    root = http_server.root / name
+    root.mkdir(parents=True)
+    sizes = [0] * COUNT_FREE_SHARDS
+    rng = np.random.default_rng(7)
+    for shard in range(COUNT_FREE_SHARDS):
+        with tarfile.open(root / f"train-{shard:06d}.tar", "w") as tar:
+            for index in range(COUNT_FREE_SAMPLES):
+                for ext, payload in _sample(rng, shard, index):
+                    info = tarfile.TarInfo(f"{sample_key(shard, index)}.{ext}")
+                    info.size = len(payload)
+                    tar.addfile(info, io.BytesIO(payload))
+        sizes[shard] = (root / f"train-{shard:06d}.tar").stat().st_size
+    return root, sizes
 
 
 def _sample(rng: Any, shard: int, index: int) -> list[tuple[str, bytes]]:

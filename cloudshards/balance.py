@@ -27,7 +27,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from cloudshards import config
+from cloudshards import config, jobcount
 from cloudshards.cache import ShardCache
 from cloudshards.errors import ConfigError, ShardOpenError
 from cloudshards.grouping import is_meta_name, split_key
@@ -175,12 +175,12 @@ def resolve_sample_counts(
     # read is free where probing the store for an index is a request (or two) each time.
     saved = _read_counts(path)
     if saved is not None and all(key in saved for key in keys):
-        return [int(saved[key]) for key in keys]
+        return _shared([int(saved[key]) for key in keys], keys)
     with open(str(path) + ".lock", "a+b") as lock:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # one process per node looks or counts
         saved = _read_counts(path)
         if saved is not None and all(key in saved for key in keys):
-            return [int(saved[key]) for key in keys]
+            return _shared([int(saved[key]) for key in keys], keys)
         found = _from_index(
             urls, None, options.storage_options, quiet=True, allow_external=allow_external_shards
         )
@@ -188,26 +188,40 @@ def resolve_sample_counts(
             found = counts_from_metadata(urls, options.storage_options)
         if found is not None:
             _write_counts(path, dict(zip(keys, found, strict=True)))
-            return found
+            return _shared(found, keys)
         if not count:
             return None
-        directory = path.parent
+        position = jobcount.node_position()
+        split = f", this node's 1/{position[1]} of them" if position else ""
         where = "through the node cache" if cache is not None else "once"
         logger.warning(
-            "counting the samples of %d shards %s to balance ranks (saved in %s); "
+            "counting the samples of %d shards %s to balance ranks%s (saved in %s); "
             "`cloudshards index` or sample_counts= avoid this pass",
             len(urls),
             where,
-            directory,
+            split,
+            path.parent,
         )
-        with cf.ThreadPoolExecutor(
-            min(_COUNT_THREADS, len(urls)) or 1, thread_name_prefix="cloudshards-count"
-        ) as pool:
-            result = list(
-                pool.map(lambda url: count_shard_samples(url, options, fetch, cache), urls)
-            )
+
+        def count_some(positions: Sequence[int]) -> list[int]:
+            with cf.ThreadPoolExecutor(
+                min(_COUNT_THREADS, len(positions)) or 1, thread_name_prefix="cloudshards-count"
+            ) as pool:
+                return list(
+                    pool.map(
+                        lambda i: count_shard_samples(urls[i], options, fetch, cache), positions
+                    )
+                )
+
+        result, _ = jobcount.count_once_per_job(keys, count_some, position=position)
         _write_counts(path, dict(zip(keys, result, strict=True)))
         return result
+
+
+def _shared(counts: list[int], keys: Sequence[str]) -> list[int]:
+    """``counts``, after offering them to the job's other nodes (see :mod:`jobcount`)."""
+    jobcount.share_counts(keys, counts)
+    return counts
 
 
 def counts_file(urls: Sequence[str]) -> tuple[Path, list[str]]:

@@ -59,6 +59,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--state", type=Path, help="save a checkpoint to DIR/rankN.pt at the end")
     parser.add_argument("--resume", type=Path, help="continue from the checkpoint in DIR")
     parser.add_argument(
+        "--torch-loader",
+        action="store_true",
+        help="a plain torch.utils.data.DataLoader, as most webdataset programs use",
+    )
+    parser.add_argument(
         "--mix-counts",
         help="mix datasets: DATA is comma-separated shard specs, this their samples per epoch "
         "(comma-separated, over all ranks), e.g. 5000,3000,2000",
@@ -91,6 +96,8 @@ def make_dataset(args: argparse.Namespace) -> Any:
 
 def make_loader(dataset: Any, args: argparse.Namespace) -> Any:
     """A DataLoader over the (already batched) dataset; a stateful one to checkpoint it."""
+    if args.torch_loader:
+        return torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=args.workers)
     if args.state is not None or args.resume is not None:
         return wds.StatefulLoader(dataset, batch_size=None, num_workers=args.workers)
     return wds.WebLoader(dataset, batch_size=None, num_workers=args.workers)

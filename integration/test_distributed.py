@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pytest
 from cloudsim_fixtures import cloudsim_process_factory  # noqa: F401 - the fixture
-from torchrun_util import TorchrunResult, is_running, torchrun
+from torchrun_util import NODE_RANK, TorchrunResult, is_running, torchrun
 
 import cloudshards as wds
 
@@ -615,6 +615,39 @@ def test_the_first_step_reads_one_shard_per_worker(
     # The metadata probes (an index, sizes.json...) find nothing here: 404s, with small bodies.
     assert served <= consumers * max(sizes) + 64 * 1024, (served, sizes)
     assert served < sum(sizes) / 2  # well short of one counting pass (one per node: 2x)
+
+
+def test_a_plain_dataloader_counts_once_per_job(
+    runner: Runner, http_server: NginxServer, cloudsim_process: Any
+) -> None:
+    """2 nodes x 2 ranks x 2 workers with a plain ``torch.utils.data.DataLoader`` (no count-free
+    epoch without cloudshards' loaders), balanced, no counts on either node (a counts directory
+    each, as separate machines have): each node counts half the shards and takes the other
+    half's counts from the rendezvous store, so the job reads the dataset once to count it,
+    not once per node. Both epochs balanced, in lockstep, every sample at most once."""
+    root, sizes = _count_free_shards(http_server, "count-once-per-job")
+    sim = cloudsim_process(http_server.base_url)
+    spec = f"{sim.url}/{root.name}/train-{{000000..{COUNT_FREE_SHARDS - 1:06d}}}.tar"
+    counts = runner.new_dir("count-once")
+    env = {"CLOUDSHARDS_COUNTS_DIR": f"{counts}/node-{NODE_RANK}"}
+    run = runner.run(
+        EPOCHS_SCRIPT, [*common_args(spec), "--torch-loader"], nodes=2, env=env, cached=False
+    )
+    check_lockstep(run)
+    output = "".join(node.stdout + node.stderr for node in run.result.nodes)
+    assert output.count("to balance ranks, this node's 1/2 of them") == 2, output
+    assert "did not share their sample counts" not in output
+    total = COUNT_FREE_SHARDS * COUNT_FREE_SAMPLES
+    consumers = run.world_size * WORKERS
+    for epoch in range(EPOCHS):
+        seen = run.epoch_keys(epoch)
+        assert len(seen) == len(set(seen)) == consumers * (total // consumers)
+    for node in range(2):  # each node saved every shard's count
+        (saved,) = [p for p in (counts / f"node-{node}").iterdir() if len(p.name) == 32]
+        assert sorted(json.loads(saved.read_text()).values()) == [COUNT_FREE_SAMPLES] * 32
+    # One counting pass for the job (a node's would be one per node: 4x in all) and the epochs.
+    served = sim.stats().bytes_sent
+    assert served <= 1.1 * (1 + EPOCHS) * sum(sizes), (served, sum(sizes))
 
 
 def _count_free_shards(http_server: NginxServer, name: str) -> tuple[Path, list[int]]:

@@ -24,6 +24,7 @@ from typing import IO
 from servers import free_port
 
 __all__ = [
+    "NODE_RANK",
     "NodeResult",
     "RankSummary",
     "TorchrunError",
@@ -282,12 +283,13 @@ def _launch_once(
             argv = _node_argv(script, args, nproc_per_node, nnodes, node_rank, port)
             out = stack.enter_context(tempfile.TemporaryFile())
             err = stack.enter_context(tempfile.TemporaryFile())
+            node_env = {k: v.replace(NODE_RANK, str(node_rank)) for k, v in env.items()}
             process = subprocess.Popen(
                 argv,
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=err,
-                env=env,
+                env=node_env,
                 cwd=cwd,
                 start_new_session=True,
             )
@@ -327,6 +329,10 @@ def _launch_once(
     )
 
 
+#: In a value of ``torchrun(env=...)``, replaced by each node's rank.
+NODE_RANK = "{node_rank}"
+
+
 def torchrun(
     script: str | os.PathLike[str],
     args: Sequence[str] = (),
@@ -343,7 +349,9 @@ def torchrun(
     ``nnodes == 1`` is ``torchrun --standalone --nproc_per_node=N``; more nodes start one
     torchrun per node with ``--nnodes --node_rank --master_addr=127.0.0.1 --master_port=P``
     (static rendezvous on a free port), all on this machine. The environment is this process's
-    minus any enclosing job's rank variables, plus ``env``. A launch that lost its port to
+    minus any enclosing job's rank variables, plus ``env``, where :data:`NODE_RANK` in a value
+    becomes the node's rank (a directory per node: what separate machines have). A launch that
+    lost its port to
     another program (the port was free when chosen) is retried with a new one.
 
     Returns:

@@ -9,8 +9,8 @@ budget's default. The clock is a fluid model: every request in flight on a node 
 (``--nic-gbps``) at most ``--conn-mbps`` each, after ``--latency-ms``; no thread or socket
 per simulated worker. Node 0's consumers are computed exactly; the others are symmetric.
 
-Rows, for each way of getting the sample counts (``counting``: a counting pass per node, the
-default of a plain DataLoader without index; ``index``: an index or sizes.json beside the
+Rows, for each way of getting the sample counts (``counting``: the counting pass, once per job
+with each node counting its 1/N of the shards, the default of a plain DataLoader without index; ``index``: an index or sizes.json beside the
 shards; ``count-free``: cloudshards' loaders without counts): bytes each node reads before
 its first sample and the time until then, its first-epoch bytes against its share of the
 dataset, the GETs in flight per node (with the node budget, and what the per-worker settings
@@ -104,10 +104,11 @@ def main() -> int:
         first_bytes = flight * FIRST_PART_BYTES  # every request in flight got as far
         free = node_shards_count_free(shards, nodes, args.ranks)
         modes = {
+            # Once per job: each node counts its 1/N of the shards (cloudshards.jobcount).
             "counting": (
-                dataset + first_bytes,
-                dataset / rate + first_s,
-                dataset + share * shard_bytes,
+                dataset / nodes + first_bytes,
+                dataset / nodes / rate + first_s,
+                dataset / nodes + share * shard_bytes,
             ),
             # (The index: one GET of ~50 bytes per shard, before the shards' first parts.)
             "index": (

@@ -16,9 +16,18 @@ off from a 503 SlowDown on its own while the others kept hammering. Here:
   back (additive increase, multiplicative decrease, as TCP does), so the node settles near
   what the store accepts.
 
+- **Buffers.** The shards a process keeps in flight ahead of the one it reads hold up to
+  ``concurrency x part_bytes`` each. ``CLOUDSHARDS_NODE_BUFFER_BYTES`` (default 4 GiB) is
+  divided among the node's processes reading remote shards (each holds a lock on a member
+  file while it lives, so the count follows them), and each keeps only as many shards ahead
+  as its share holds, down to none: the shard being read always proceeds, so no process
+  waits on another's buffers. 64 processes of the default settings would hold 6 GiB; under
+  the budget they keep one shard ahead each, 4 GiB. One process alone keeps them all.
+
 The directory is ``CLOUDSHARDS_NODE_DIR``, else ``/dev/shm/cloudshards-<uid>`` (memory, local
 to the node; a home directory can be a network file system shared by nodes), else the
-temporary directory. ``CLOUDSHARDS_NODE_REQUESTS=0`` turns both off.
+temporary directory. ``CLOUDSHARDS_NODE_REQUESTS=0`` turns the slots and the backoff off,
+``CLOUDSHARDS_NODE_BUFFER_BYTES=0`` the buffer budget.
 """
 
 from __future__ import annotations
@@ -45,6 +54,12 @@ logger = logging.getLogger("cloudshards.fetch")
 #: Default requests in flight per node: a 100 Gbit/s NIC at ~100 MB/s per connection.
 DEFAULT_NODE_REQUESTS = 128
 
+#: Default bytes the node's processes may hold in shards fetched ahead, all together.
+DEFAULT_NODE_BUFFER_BYTES = 4 << 30
+
+#: How long a count of the node's member processes is reused.
+_MEMBERS_TTL_S = 2.0
+
 #: First and longest pause between tries for a free slot.
 _POLL_S, _MAX_POLL_S = 0.001, 0.05
 
@@ -60,9 +75,12 @@ _STATE_KEYS = ("until", "limit", "cut", "changed")
 class NodeBudget:
     """This process's handle on the node's request slots and shared backoff."""
 
-    def __init__(self, directory: Path, slots: int) -> None:
+    def __init__(self, directory: Path, slots: int, buffer_bytes: int = 0) -> None:
         self.directory = directory
         self.slots = slots
+        self.buffer_bytes = buffer_bytes
+        self._member: int | None = None  # descriptor of this process's member file, locked
+        self._members = (-_MEMBERS_TTL_S, 1)  # (when counted, processes counted)
         self._lock = threading.Lock()
         self._held: set[int] = set()  # slots this process's threads hold now
         self._files: dict[int, int] = {}  # slot -> this process's descriptor for it
@@ -119,6 +137,30 @@ class NodeBudget:
         except BlockingIOError:
             return False
         return True
+
+    def shards_ahead(self, wanted: int, shard_bytes: int) -> int:
+        """How many shards this process may keep in flight ahead of the one it reads:
+        ``wanted``, or fewer when its share of the node's buffer budget holds fewer shards of
+        ``shard_bytes`` (the one being read counts too)."""
+        if self.buffer_bytes <= 0 or wanted <= 0 or shard_bytes <= 0:
+            return wanted
+        share = self.buffer_bytes // self.members()
+        return max(0, min(wanted, share // shard_bytes - 1))
+
+    def members(self) -> int:
+        """Processes of the node reading remote shards, this one included (counted by the
+        locks on their member files; recounted every ``_MEMBERS_TTL_S``)."""
+        now = time.monotonic()
+        with self._lock:
+            if self._member is None:
+                path = self.directory / f"member-{os.getpid()}"
+                self._member = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                fcntl.flock(self._member, fcntl.LOCK_EX)
+            if now - self._members[0] < _MEMBERS_TTL_S:
+                return self._members[1]
+        count = 1 + _live_members(self.directory, own=f"member-{os.getpid()}")
+        self._members = (now, count)
+        return count
 
     def wait_backoff(self) -> None:
         """Sleep until the node's shared backoff (if any) has passed."""
@@ -200,6 +242,29 @@ class NodeBudget:
         )
 
 
+def _live_members(directory: Path, own: str) -> int:
+    """Member files of other live processes (locked); stale ones are removed."""
+    live = 0
+    with contextlib.suppress(OSError), os.scandir(directory) as entries:
+        for entry in entries:
+            if not entry.name.startswith("member-") or entry.name == own:
+                continue
+            try:
+                fd = os.open(entry.path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                live += 1  # its process holds it
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)  # its process is gone
+            finally:
+                os.close(fd)
+    return live
+
+
 def _directory() -> Path:
     configured = config.env_str("NODE_DIR")
     if configured:
@@ -212,6 +277,7 @@ def _directory() -> Path:
 
 def _make() -> NodeBudget:
     slots = config.env_int("NODE_REQUESTS", DEFAULT_NODE_REQUESTS)
+    buffer_bytes = config.env_int("NODE_BUFFER_BYTES", DEFAULT_NODE_BUFFER_BYTES)
     directory = _directory()
     try:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -223,8 +289,8 @@ def _make() -> NodeBudget:
             raise OSError("owned by another user or writable by others")
     except OSError as exc:
         logger.warning("no node request budget (cannot use %s: %s)", directory, exc)
-        slots = 0
-    return NodeBudget(directory, slots)
+        slots = buffer_bytes = 0
+    return NodeBudget(directory, slots, buffer_bytes)
 
 
 _budget: PerProcess[NodeBudget] = PerProcess(_make)
@@ -239,6 +305,7 @@ def forget() -> None:
     """Drop this process's handle (the next request reads the settings again)."""
     budget = _budget.pop()
     if budget is not None:
-        for fd in budget._files.values():
+        member = [] if budget._member is None else [budget._member]
+        for fd in [*budget._files.values(), *member]:
             with contextlib.suppress(OSError):
                 os.close(fd)

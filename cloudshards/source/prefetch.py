@@ -71,13 +71,15 @@ class ShardPrefetcher:
         first_bytes = threading.Event()
         first_submitted = False
         ahead: list[threading.Thread] = []  # downloads into the cache, joined at the end
+        depth = _Depth(fetch)
         try:
             while True:
-                while len(pending) <= fetch.prefetch:
+                while len(pending) <= depth.now():
                     shard = next(self._shards, None)
                     if shard is None:
                         break
                     remote = not is_local(shard["url"])
+                    depth.remote_seen = depth.remote_seen or remote
                     if self._cache is not None and remote and pending:
                         task = executor.submit(self._download_ahead, shard, executor, ahead)
                         pending.append((shard, task))
@@ -233,6 +235,23 @@ class ShardPrefetcher:
                 max_workers=fetch.concurrency + 1, thread_name_prefix="cloudshards"
             )
         return self._pool
+
+
+class _Depth:
+    """Shards to keep ahead: the fetch settings' ``prefetch``, or fewer once remote shards
+    are read and the node's buffer budget, shared with its other processes, holds fewer."""
+
+    def __init__(self, fetch: FetchOptions) -> None:
+        self.fetch = fetch
+        self.remote_seen = False  # local datasets never touch the node's budget
+
+    def now(self) -> int:
+        if not self.remote_seen:
+            return self.fetch.prefetch
+        from cloudshards.source.budget import node_budget
+
+        shard_bytes = self.fetch.concurrency * self.fetch.part_bytes
+        return node_budget().shards_ahead(self.fetch.prefetch, shard_bytes)
 
 
 def current_thread_count() -> int:

@@ -10,6 +10,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -147,3 +148,48 @@ def test_throttling_halves_the_node_limit_and_successes_give_it_back(
         with node.slot():
             pass
     assert 5 <= node.limit() <= 8
+
+
+def _member(ready: Any, done: Any) -> None:
+    """Another process of the node reading remote shards, until told to go."""
+    budget.node_budget().members()
+    ready.set()
+    done.wait(30)
+
+
+def test_the_buffer_budget_is_shared_by_the_node_s_live_processes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("CLOUDSHARDS_NODE_BUFFER_BYTES", str(100 << 20))
+    monkeypatch.setattr(budget, "_MEMBERS_TTL_S", 0.0)
+    budget.forget()
+    mine = budget.node_budget()
+    shard = 32 << 20  # concurrency x part_bytes: what one shard in flight may hold
+    assert mine.members() == 1
+    assert mine.shards_ahead(2, shard) == 2  # alone: all of it (3 shards fit in 100 MiB)
+    directory = Path(os.environ["CLOUDSHARDS_NODE_DIR"])
+    (directory / "member-999999").touch()  # a process that died: not counted, removed
+    context = multiprocessing.get_context("spawn")
+    ready, done = context.Event(), context.Event()
+    others = [context.Process(target=_member, args=(ready, done)) for _ in range(2)]
+    for process in others:
+        process.start()
+        assert ready.wait(60)
+        ready.clear()
+    try:
+        assert mine.members() == 3
+        assert mine.shards_ahead(2, shard) == 0  # 33 MiB each: the shard being read only
+        assert mine.shards_ahead(2, 8 << 20) == 2
+        assert not (directory / "member-999999").exists()
+    finally:
+        done.set()
+        for process in others:
+            process.join(30)
+    assert mine.members() == 1  # their locks went with them
+    assert mine.shards_ahead(2, shard) == 2
+
+
+def test_no_buffer_budget_keeps_the_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CLOUDSHARDS_NODE_BUFFER_BYTES", "0")
+    budget.forget()
+    assert budget.node_budget().shards_ahead(2, 1 << 40) == 2

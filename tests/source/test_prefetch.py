@@ -280,3 +280,37 @@ def test_fetch_options_validate() -> None:
     assert (
         FetchOptions(prefetch=2, concurrency=4, part_bytes=1 << 20).max_buffered_bytes == 12 << 20
     )
+
+
+@pytest.mark.parametrize("node_buffer", ["1", str(4 << 30)])
+def test_the_node_buffer_budget_bounds_the_shards_ahead(
+    make_shards: Any, faultmem: Any, monkeypatch: pytest.MonkeyPatch, node_buffer: str
+) -> None:
+    """With a node buffer budget that holds no shard ahead, the next shard is not fetched
+    while the first is read; with room (the default), it is."""
+    from cloudshards.source import budget
+
+    monkeypatch.setenv("CLOUDSHARDS_NODE_BUFFER_BYTES", node_buffer)
+    budget.forget()
+    shards = upload(make_shards, [10] * 4)
+    faultmem.info_gate = threading.Event()
+    faultmem.info_gate.set()  # log every request, hold none
+    prefetcher = ShardPrefetcher(
+        (
+            {"url": f"faultmem://bucket/{p.name}", "shard_index": i}
+            for i, p in enumerate(shards.paths)
+        ),
+        options=OpenOptions(),
+        fetch=FetchOptions(prefetch=2, part_bytes=1 << 16, concurrency=2),
+    )
+    it = iter(prefetcher)
+    _, stream = next(it)
+    assert not isinstance(stream, BaseException)
+    assert stream.read(100)
+    second = f"/bucket/{shards.paths[1].name}"
+    deadline = time.monotonic() + 2  # the default fetches it at once; "1" never does
+    while time.monotonic() < deadline and not any(p == second for _, p, _ in faultmem.log):
+        time.sleep(0.02)
+    fetched_ahead = any(path == second for _, path, _ in faultmem.log)
+    assert fetched_ahead == (node_buffer != "1")
+    it.close()  # type: ignore[attr-defined]

@@ -149,18 +149,30 @@ def _av_window(
         resampler = av.AudioResampler(
             format="fltp", layout="mono" if mono else stream.layout.name, rate=rate
         )
+        # Samples before the window (the seek lands on a packet at or before it) are dropped
+        # as they arrive, and no more than the window is kept: memory is the window's.
         chunks: list[np.ndarray[Any, Any]] = []
-        first: float | None = None
-        have = 0
+        skip: int | None = None  # samples still to drop, once the first frame's time is known
+        have = passed = 0
         for frame in itertools.chain(container.decode(stream), [None]):
-            if frame is not None and first is None:
+            if frame is not None and skip is None:
                 first = float(frame.time) if frame.time is not None else start
+                skip = max(round((start - first) * rate), 0)
             for out in resampler.resample(frame):
                 chunk = out.to_ndarray()
-                chunks.append(chunk)
-                have += chunk.shape[1]
-            if first is not None and have >= count + round((start - first) * rate):
+                if skip:
+                    dropped = min(skip, chunk.shape[1])
+                    chunk, skip = chunk[:, dropped:], skip - dropped
+                    passed += dropped
+                    if passed * channels * 4 > max_bytes:  # decoding a long way to the window
+                        raise DecodeError(
+                            f"reaching the window at {start:.2f} s decodes more than the "
+                            f"decode limit of {max_bytes:,} bytes before it"
+                        )
+                if chunk.shape[1]:
+                    chunks.append(chunk[:, : count - have])
+                    have += chunks[-1].shape[1]
+            if have >= count:
                 break
-    skip = max(round((start - (first if first is not None else start)) * rate), 0)
     joined = np.concatenate(chunks, axis=1) if chunks else np.zeros((channels, 0), np.float32)
-    return AudioWindow(_fit(torch.from_numpy(joined[:, skip:]), count), rate, start, meta)
+    return AudioWindow(_fit(torch.from_numpy(joined), count), rate, start, meta)

@@ -175,12 +175,12 @@ def resolve_sample_counts(
     # read is free where probing the store for an index is a request (or two) each time.
     saved = _read_counts(path)
     if saved is not None and all(key in saved for key in keys):
-        return _shared([int(saved[key]) for key in keys], keys)
+        return _shared([int(saved[key]) for key in keys], keys, path)
     with open(str(path) + ".lock", "a+b") as lock:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # one process per node looks or counts
         saved = _read_counts(path)
         if saved is not None and all(key in saved for key in keys):
-            return _shared([int(saved[key]) for key in keys], keys)
+            return _shared([int(saved[key]) for key in keys], keys, path)
         found = _from_index(
             urls, None, options.storage_options, quiet=True, allow_external=allow_external_shards
         )
@@ -188,7 +188,7 @@ def resolve_sample_counts(
             found = counts_from_metadata(urls, options.storage_options)
         if found is not None:
             _write_counts(path, dict(zip(keys, found, strict=True)))
-            return _shared(found, keys)
+            return _shared(found, keys, path)
         if not count:
             return None
         position = jobcount.node_position()
@@ -218,9 +218,10 @@ def resolve_sample_counts(
         return result
 
 
-def _shared(counts: list[int], keys: Sequence[str]) -> list[int]:
-    """``counts``, after offering them to the job's other nodes (see :mod:`jobcount`)."""
-    jobcount.share_counts(keys, counts)
+def _shared(counts: list[int], keys: Sequence[str], path: Path) -> list[int]:
+    """``counts``, after offering them to the job's other nodes, once per node and job (see
+    :mod:`cloudshards.jobcount`)."""
+    jobcount.share_counts(keys, counts, marker=path)
     return counts
 
 

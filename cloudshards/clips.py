@@ -152,7 +152,8 @@ class VideoClip(_ClipHandler):
             return None
         from cloudshards.videoreaders import open_video
 
-        reader = open_video(data, media_backend(self.backend), self.size, self.threads)
+        backend = media_backend(self.backend)
+        reader = open_video(data, backend, self.size, self.threads, self.max_frames)
         meta = reader.meta
         if meta.num_frames < 1:
             raise DecodeError("the video has no frames")

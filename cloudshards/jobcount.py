@@ -11,10 +11,11 @@ a node that had them already (its counts file) hands them to the others. A part 
 arrive within :data:`WAIT_S` (plus the time the node's own part took) is counted by the
 waiting node itself, so a node that never counts cannot hang the others.
 
-The node's position: torchrun's ``GROUP_RANK`` and ``WORLD_SIZE / LOCAL_WORLD_SIZE``, else
-SLURM's ``SLURM_NODEID`` and ``SLURM_NNODES``. The store: a client of the one at
-``MASTER_ADDR:MASTER_PORT`` (torchrun's agent store; with ``init_process_group("env://")``
-rank 0's). Keys are a hash of the shard keys: no URL or credential is written to the store.
+The node's position: torchrun's ``GROUP_RANK`` and ``GROUP_WORLD_SIZE`` (or ``WORLD_SIZE /
+LOCAL_WORLD_SIZE``), else SLURM's ``SLURM_NODEID`` and ``SLURM_NNODES``. The store: a client
+of the one at ``MASTER_ADDR:MASTER_PORT`` (torchrun's agent store; with
+``init_process_group("env://")`` rank 0's). Keys are a hash of the shard keys: no URL or
+credential is written to the store.
 """
 
 from __future__ import annotations
@@ -27,7 +28,10 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
+
+from cloudshards.listing import job_id
 
 __all__ = ["WAIT_S", "count_once_per_job", "node_position", "share_counts"]
 
@@ -47,7 +51,9 @@ def node_position() -> tuple[int, int] | None:
     """``(node, nodes)`` of this process in a multi-node job, or None."""
     env = os.environ
     try:
-        if env.get("GROUP_RANK") and env.get("WORLD_SIZE") and env.get("LOCAL_WORLD_SIZE"):
+        if env.get("GROUP_RANK") and env.get("GROUP_WORLD_SIZE"):  # torchrun
+            node, nodes = int(env["GROUP_RANK"]), int(env["GROUP_WORLD_SIZE"])
+        elif env.get("GROUP_RANK") and env.get("WORLD_SIZE") and env.get("LOCAL_WORLD_SIZE"):
             nodes = int(env["WORLD_SIZE"]) // max(int(env["LOCAL_WORLD_SIZE"]), 1)
             node = int(env["GROUP_RANK"])
         elif env.get("SLURM_NODEID") and env.get("SLURM_NNODES"):
@@ -80,8 +86,22 @@ def _prefix(keys: Sequence[str]) -> str:
     return f"cloudshards/counts/{digest}"
 
 
-def share_counts(keys: Sequence[str], counts: Sequence[int], store: Any = None) -> None:
-    """Publish counts this node found (once per process), for other nodes still counting."""
+def _parts_prefix(keys: Sequence[str], nodes: int) -> str:
+    """Where this attempt's per-node parts go: a restarted (or resized) job's nodes never take
+    a part an earlier attempt left, which another split of the shards made."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return f"{_prefix(keys)}/{nodes}-nodes/attempt-{attempt}"
+
+
+def share_counts(
+    keys: Sequence[str],
+    counts: Sequence[int],
+    store: Any = None,
+    *,
+    marker: Path | None = None,
+) -> None:
+    """Publish counts this node found, for other nodes still counting: once per process, and
+    with ``marker`` (a path beside the node's counts file) once per node and job."""
     if node_position() is None and store is None:
         return
     prefix = _prefix(keys)
@@ -89,6 +109,13 @@ def share_counts(keys: Sequence[str], counts: Sequence[int], store: Any = None) 
         if prefix in _shared:
             return
         _shared.add(prefix)
+    if marker is not None:
+        job = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}:{job_id()}"
+        tag = hashlib.blake2b(job.encode(), digest_size=8).hexdigest()
+        try:  # the node's first process this job creates it; the others have nothing to do
+            os.close(os.open(f"{marker}.shared-{tag}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except OSError:
+            return
     store = store if store is not None else _client(timeout_s=5.0)
     if store is not None:
         try:
@@ -116,12 +143,16 @@ def count_once_per_job(
     full = _get(store, f"{prefix}/all")
     if full is not None and len(full) == len(keys):
         return full, 0
+    parts = _parts_prefix(keys, nodes)
     mine = list(range(node, len(keys), nodes))
     began = time.monotonic()
     result: list[int | None] = [None] * len(keys)
     for index, count in zip(mine, count_some(mine), strict=True):
         result[index] = count
-    store.set(f"{prefix}/{node}", json.dumps([result[i] for i in mine]))
+    try:
+        store.set(f"{parts}/{node}", json.dumps([result[i] for i in mine]))
+    except RuntimeError as exc:  # the store went away: the others count this part themselves
+        logger.info("could not share sample counts: %s", exc)
     counted = len(mine)
     waiting = set(range(nodes)) - {node}
     deadline = time.monotonic() + WAIT_S + (time.monotonic() - began)
@@ -130,9 +161,10 @@ def count_once_per_job(
         if full is not None and len(full) == len(keys):
             return full, counted
         for other in sorted(waiting):
-            part = _get(store, f"{prefix}/{other}")
-            if part is not None:
-                for index, count in zip(range(other, len(keys), nodes), part, strict=True):
+            positions = range(other, len(keys), nodes)
+            part = _get(store, f"{parts}/{other}")
+            if part is not None and len(part) == len(positions):
+                for index, count in zip(positions, part, strict=True):
                     result[index] = count
                 waiting.discard(other)
         if waiting:

@@ -69,11 +69,14 @@ class VideoReader(Protocol):
         """uint8 frames ``[T, 3, H, W]`` (RGB, resized if asked) and their times (seconds)."""
 
 
-def open_video(data: bytes, backend: Backend, size: Size | None, threads: int) -> VideoReader:
-    """Open ``data`` with ``backend``; ``size`` is the ``(height, width)`` frames come out at."""
+def open_video(
+    data: bytes, backend: Backend, size: Size | None, threads: int, max_frames: int
+) -> VideoReader:
+    """Open ``data`` with ``backend``; ``size`` is the ``(height, width)`` frames come out at;
+    decoding more than ``max_frames`` frames for one call is a :class:`DecodeError`."""
     if backend == "torchcodec":
         return _TorchcodecVideo(data, size, threads)
-    return _AvVideo(data, size, threads)
+    return _AvVideo(data, size, threads, max_frames)
 
 
 class _TorchcodecVideo:
@@ -130,18 +133,21 @@ def _key_before(keys: Sequence[int], index: int) -> int:
 
 
 class _AvVideo:
-    def __init__(self, data: bytes, size: Size | None, threads: int) -> None:
+    def __init__(self, data: bytes, size: Size | None, threads: int, max_frames: int) -> None:
         av = import_optional("av", "decoding video")
         self._data, self._size, self._threads = data, size, threads
+        self._max_frames = max_frames
         with av.open(io.BytesIO(data)) as container:
             if not container.streams.video:
                 raise DecodeError("no video stream")
             stream = container.streams.video[0]
             base, context = stream.time_base, stream.codec_context
+            # Packets an edit list discards (a cut made without re-encoding) show no frame:
+            # they are not numbered, as torchcodec does not number them.
             packets = [
                 (p.pts if p.pts is not None else p.dts, p.duration or 0, p.is_keyframe)
                 for p in container.demux(stream)
-                if p.size and (p.pts is not None or p.dts is not None)
+                if p.size and (p.pts is not None or p.dts is not None) and not p.is_discard
             ]
             rate = stream.average_rate
             width, height = int(context.width), int(context.height)
@@ -186,12 +192,25 @@ class _AvVideo:
 
         av = import_optional("av", "decoding video")
         got: dict[int, torch.Tensor] = {}
+        decoded = 0
         with av.open(io.BytesIO(self._data)) as container:
             stream = container.streams.video[0]
             stream.codec_context.thread_count = self._threads
             if seek is not None:
                 container.seek(seek, stream=stream, backward=True, any_frame=False)
             for frame in container.decode(stream):
+                decoded += 1
+                if decoded > self._max_frames:
+                    raise DecodeError(
+                        f"the clip needs more than max_frames={self._max_frames:,} frames "
+                        "decoded (VideoClip(max_frames=...) raises it)"
+                    )
+                if (frame.width, frame.height) != (self.meta.width, self.meta.height):
+                    # The header's size is what the pixel and memory budgets were checked on.
+                    raise DecodeError(
+                        f"the frame size changes mid-video ({self.meta.width}x"
+                        f"{self.meta.height} to {frame.width}x{frame.height})"
+                    )
                 pts = frame.pts
                 if pts is None or pts < first:
                     continue

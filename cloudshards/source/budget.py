@@ -80,6 +80,7 @@ class NodeBudget:
         self.slots = slots
         self.buffer_bytes = buffer_bytes
         self._member: int | None = None  # descriptor of this process's member file, locked
+        self._member_name = ""
         self._members = (-_MEMBERS_TTL_S, 1)  # (when counted, processes counted)
         self._lock = threading.Lock()
         self._held: set[int] = set()  # slots this process's threads hold now
@@ -144,7 +145,11 @@ class NodeBudget:
         ``shard_bytes`` (the one being read counts too)."""
         if self.buffer_bytes <= 0 or wanted <= 0 or shard_bytes <= 0:
             return wanted
-        share = self.buffer_bytes // self.members()
+        try:
+            share = self.buffer_bytes // self.members()
+        except OSError as exc:  # the node directory went away: keep the settings
+            logger.debug("no buffer budget: %s", exc)
+            return wanted
         return max(0, min(wanted, share // shard_bytes - 1))
 
     def members(self) -> int:
@@ -153,12 +158,10 @@ class NodeBudget:
         now = time.monotonic()
         with self._lock:
             if self._member is None:
-                path = self.directory / f"member-{os.getpid()}"
-                self._member = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-                fcntl.flock(self._member, fcntl.LOCK_EX)
+                self._member, self._member_name = _register(self.directory)
             if now - self._members[0] < _MEMBERS_TTL_S:
                 return self._members[1]
-        count = 1 + _live_members(self.directory, own=f"member-{os.getpid()}")
+        count = 1 + _live_members(self.directory, own=self._member_name)
         self._members = (now, count)
         return count
 
@@ -240,6 +243,22 @@ class NodeBudget:
             delay,
             self.limit(),
         )
+
+
+def _register(directory: Path) -> tuple[int, str]:
+    """A member file for this process, locked before it gets its ``member-`` name (so no
+    scan ever finds it unlocked and takes it for a dead process's); the name is unique even
+    across PID namespaces that share the directory."""
+    name = f"member-{os.getpid()}-{os.urandom(4).hex()}"
+    temporary = directory / f".{name}"
+    fd = os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.rename(temporary, directory / name)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd, name
 
 
 def _live_members(directory: Path, own: str) -> int:

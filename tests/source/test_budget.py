@@ -168,7 +168,7 @@ def test_the_buffer_budget_is_shared_by_the_node_s_live_processes(
     assert mine.members() == 1
     assert mine.shards_ahead(2, shard) == 2  # alone: all of it (3 shards fit in 100 MiB)
     directory = Path(os.environ["CLOUDSHARDS_NODE_DIR"])
-    (directory / "member-999999").touch()  # a process that died: not counted, removed
+    (directory / "member-999999-00").touch()  # a process that died: not counted, removed
     context = multiprocessing.get_context("spawn")
     ready, done = context.Event(), context.Event()
     others = [context.Process(target=_member, args=(ready, done)) for _ in range(2)]
@@ -180,7 +180,7 @@ def test_the_buffer_budget_is_shared_by_the_node_s_live_processes(
         assert mine.members() == 3
         assert mine.shards_ahead(2, shard) == 0  # 33 MiB each: the shard being read only
         assert mine.shards_ahead(2, 8 << 20) == 2
-        assert not (directory / "member-999999").exists()
+        assert not (directory / "member-999999-00").exists()
     finally:
         done.set()
         for process in others:

@@ -57,7 +57,7 @@ def torch_video(key: str, data: bytes) -> tuple[torch.Tensor, torch.Tensor, dict
     with av.open(io.BytesIO(data)) as container:
         streams = [*container.streams.video[:1], *container.streams.audio[:1]]
         video_streams = container.streams.video
-        frames = _FrameStack(video_streams[0].frames if video_streams else 0, budget)
+        frames = _FrameStack(_frame_count(container, video_streams), budget)
         for stream in streams:
             if stream.type == "video" and stream.average_rate is not None:
                 info["video_fps"] = float(stream.average_rate)
@@ -87,6 +87,20 @@ def torch_video(key: str, data: bytes) -> tuple[torch.Tensor, torch.Tensor, dict
         else torch.empty((1, 0), dtype=torch.float32)
     )
     return video, audio, info
+
+
+def _frame_count(container: Any, streams: Any) -> int:
+    """The video's frame count from its header, else estimated from its duration and rate
+    (webm and mkv headers give no count); 0 when neither says."""
+    if not streams:
+        return 0
+    stream = streams[0]
+    if stream.frames:
+        return int(stream.frames)
+    seconds = float(stream.duration * stream.time_base) if stream.duration else 0.0
+    seconds = seconds or (container.duration / 1e6 if container.duration else 0.0)
+    rate = float(stream.average_rate) if stream.average_rate else 0.0
+    return round(seconds * rate) + 1 if seconds and rate else 0
 
 
 class _FrameStack:

@@ -7,6 +7,7 @@ The data loading (the part that differs between the modes) stays in each example
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 from pathlib import Path
@@ -94,4 +95,5 @@ def finish(rank: int, world_size: int, epoch: int, step: int, samples: int, loss
         flush=True,
     )
     if dist.is_initialized():
+        gc.collect()  # what still holds the group (a DDP model in a reference cycle) goes first
         dist.destroy_process_group()

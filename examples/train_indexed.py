@@ -84,6 +84,9 @@ def main() -> None:
 
     log.close()
     dataset.close()
+    # DDP holds the process group: drop it first, so that leaving the group destroys the group
+    # now and not during interpreter shutdown (where gloo's threads can abort the process).
+    del model, optimizer
     finish(rank, world_size, epoch, step, samples, loss)
 
 

@@ -99,6 +99,9 @@ def main() -> None:
             epoch += 1
 
     log.close()
+    # DDP holds the process group: drop it first, so that leaving the group destroys the group
+    # now and not during interpreter shutdown (where gloo's threads can abort the process).
+    del model, optimizer
     finish(rank, world_size, epoch, step, samples, loss)
 
 

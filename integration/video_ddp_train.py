@@ -26,6 +26,7 @@ of each rank is the summary ``torchrun_util`` parses.
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 from pathlib import Path
@@ -165,6 +166,8 @@ def main() -> None:
         f"loss {loss:.4f}",
         flush=True,
     )
+    del model, optimizer  # DDP holds the group: destroy it now, not at interpreter shutdown
+    gc.collect()
     dist.destroy_process_group()
 
 

@@ -10,8 +10,9 @@ budget's default. The clock is a fluid model: every request in flight on a node 
 per simulated worker. Node 0's consumers are computed exactly; the others are symmetric.
 
 Rows, for each way of getting the sample counts (``counting``: the counting pass, once per job
-with each node counting its 1/N of the shards, the default of a plain DataLoader without index; ``index``: an index or sizes.json beside the
-shards; ``count-free``: cloudshards' loaders without counts): bytes each node reads before
+with each node counting its 1/N of the shards, the default of a plain DataLoader without
+index; ``index``: an index or sizes.json beside the shards; ``count-free``: cloudshards'
+loaders without counts): bytes each node reads before
 its first sample and the time until then, its first-epoch bytes against its share of the
 dataset, the GETs in flight per node (with the node budget, and what the per-worker settings
 alone would allow), the memory they hold, and GETs per second on the store's prefix.

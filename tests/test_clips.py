@@ -146,10 +146,10 @@ def write_video_shards(tmp_path: Path, shards: int = 2, per_shard: int = 4) -> s
     return str(tmp_path / f"v-{{0..{shards - 1}}}.tar")
 
 
-def epoch_clips(urls: str, epoch: int, workers: int) -> dict[str, list[int]]:
+def epoch_clips(urls: str, epoch: int, workers: int, backend: str = "auto") -> dict[str, list[int]]:
     dataset = (
         wds.WebDataset(urls, shardshuffle=False, seed=5)
-        .decode(video=VideoClip(4, stride=2))
+        .decode(video=VideoClip(4, stride=2, backend=backend))
         .to_tuple("__key__", "mp4")
     )
     dataset.set_epoch(epoch)
@@ -162,6 +162,7 @@ def test_clips_through_a_pipeline_with_workers_are_the_in_process_ones(tmp_path:
     in_process = epoch_clips(urls, 0, workers=0)
     assert len(in_process) == 8
     assert epoch_clips(urls, 0, workers=2) == in_process
+    assert epoch_clips(urls, 0, workers=2, backend="pyav") == in_process  # PyAV in the workers
     assert epoch_clips(urls, 1, workers=2) != in_process  # each epoch draws other clips
 
 

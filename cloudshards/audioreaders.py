@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from cloudshards import inflate
 from cloudshards.errors import DecodeError
 from cloudshards.imagedecode import import_optional
 from cloudshards.mediabackend import Backend, opening_error
@@ -81,11 +82,10 @@ def _fit(waveform: torch.Tensor, count: int) -> torch.Tensor:
 
 
 def _checked(count: int, channels: int, max_bytes: int) -> int:
+    """``count``, unless a float32 window of that many samples is over the decode limit."""
     if count * channels * 4 > max_bytes:
-        raise DecodeError(
-            f"an audio window of {count:,} samples x {channels} channels is over the decode "
-            f"limit of {max_bytes:,} bytes"
-        )
+        what = f"an audio window of {count:,} samples x {channels} channels"
+        raise inflate.too_big(what, count * channels * 4, max_bytes)
     return count
 
 

@@ -16,11 +16,12 @@ from collections.abc import Collection, Iterable
 from contextvars import ContextVar
 from typing import Any, Literal
 
-from cloudshards import config, inflate
+from cloudshards import inflate
 from cloudshards.dist import derive_seed
 from cloudshards.errors import ConfigError, DecodeError
 from cloudshards.imagedecode import AUDIO_EXTENSIONS, DEFAULT_MAX_VIDEO_PIXELS, VIDEO_EXTENSIONS
 from cloudshards.mediabackend import BACKENDS, media_backend
+from cloudshards.seeding import default_seed
 from cloudshards.stages.base import current_context
 
 __all__ = [
@@ -75,7 +76,7 @@ class _ClipHandler:
         context = current_context()
         base = self.seed
         if base is None:
-            base = context.seed if context is not None else (config.env_seed() or 0)
+            base = context.seed if context is not None else default_seed()
         epoch = context.epoch if context is not None else 0
         sample = current_sample.get()
         if sample is None:  # called outside a Decoder: the content names the sample

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from contextvars import ContextVar
 from typing import Any, Literal
 
@@ -40,10 +40,15 @@ DEFAULT_MAX_PIXELS = DEFAULT_MAX_VIDEO_PIXELS
 Start = Literal["random", "center", "first"]
 _STARTS = ("random", "center", "first")
 
-#: ``(url, key)`` of the sample a :class:`~cloudshards.decoders.Decoder` is decoding.
-current_sample: ContextVar[tuple[str | None, str | None] | None] = ContextVar(
+#: The sample a :class:`~cloudshards.decoders.Decoder` is decoding (set once per sample; its
+#: ``__url__`` and ``__key__`` are read only when a clip is drawn).
+current_sample: ContextVar[Mapping[str, Any] | None] = ContextVar(
     "cloudshards_current_sample", default=None
 )
+
+
+def _text(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
 
 
 class _ClipHandler:
@@ -82,10 +87,11 @@ class _ClipHandler:
         if sample is None:  # called outside a Decoder: the content names the sample
             ident: object = hashlib.blake2b(data, digest_size=16).hexdigest()
         else:
-            url, name = sample
+            url, name = sample.get("__url__"), sample.get("__key__")
+            url = url if isinstance(url, str) else ""
             # The shard's file name, not its whole URL: a copy of the dataset elsewhere (local,
             # another bucket, signed URLs) draws the same clips.
-            ident = ((url or "").split("?", 1)[0].rstrip("/").rsplit("/", 1)[-1], name)
+            ident = (url.split("?", 1)[0].rstrip("/").rsplit("/", 1)[-1], _text(name))
         return random.Random(derive_seed(base, epoch, ident, key, "clip")).random()
 
 

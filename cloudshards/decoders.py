@@ -259,10 +259,7 @@ class Decoder:
         if not isinstance(sample, dict):
             raise TypeError(f"a sample must be a dict, got {type(sample).__name__}")
         result: Sample = {}
-        url, name = sample.get("__url__"), sample.get("__key__")
-        token = current_sample.set(
-            (url if isinstance(url, str) else None, name if isinstance(name, str) else None)
-        )
+        token = current_sample.set(sample)  # who is decoding, for clip decoders' seeds
         try:
             self._decode_fields(sample, result)
         finally:

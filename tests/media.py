@@ -105,3 +105,43 @@ def encode_audio(
         stream = writer.add_stream(codec, rate=rate, layout=layout)
         _encode_tone(writer, stream, seconds, rate, channels)
     return out.getvalue()
+
+
+def resolution_change(tmp_path: Any) -> bytes:
+    """An h264 mkv whose frames go from 64x48 to 160x160 halfway (two encodes joined with
+    FFmpeg's concat demuxer, ``-c copy``): the header says 64x48."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(tmp_path)
+    for name, size in (("a", (48, 64)), ("b", (160, 160))):
+        (root / f"{name}.mkv").write_bytes(
+            encode_video("libx264", "matroska", frames=24, size=size)
+        )
+    (root / "list.txt").write_text("file 'a.mkv'\nfile 'b.mkv'\n")
+    joined = root / "joined.mkv"
+    concat = ["-f", "concat", "-safe", "0", "-i", str(root / "list.txt"), "-c", "copy"]
+    subprocess.run(["ffmpeg", "-y", "-loglevel", "error", *concat, str(joined)], check=True)
+    return joined.read_bytes()
+
+
+def gapped_sound(seconds: int = 60, gap_s: int = 20_000) -> bytes:
+    """Opus in mp4 whose packets after the first are stamped ``gap_s`` seconds later: a track
+    that claims to last hours, where reaching a window means decoding through the gap."""
+    out = io.BytesIO()
+    with av.open(out, "w", format="mp4") as writer:
+        stream = writer.add_stream("libopus", rate=48000)
+        stream.bit_rate, stream.layout = 6000, "mono"
+        packets = []
+        for start in range(0, seconds * 48000, 960):
+            wave = (0.1 * np.sin(np.arange(start, start + 960) / 10)).astype(np.float32)
+            frame = av.AudioFrame.from_ndarray(wave[None], format="flt", layout="mono")
+            frame.sample_rate, frame.pts = 48000, start
+            packets += stream.encode(frame)
+        packets += stream.encode(None)
+        for index, packet in enumerate(packets):
+            if index:
+                packet.pts += gap_s * 48000
+                packet.dts = packet.pts
+            writer.mux(packet)
+    return out.getvalue()

@@ -13,7 +13,15 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from media import VIDEO_FORMATS, encode_audio, encode_video, frame_number, tone
+from media import (
+    VIDEO_FORMATS,
+    encode_audio,
+    encode_video,
+    frame_number,
+    gapped_sound,
+    resolution_change,
+    tone,
+)
 
 import cloudshards as wds
 from cloudshards import mediabackend
@@ -203,6 +211,27 @@ def test_a_field_without_the_stream_says_so(backend: str) -> None:
     silent = encode_video(frames=10)
     with pytest.raises(DecodeError, match=r"cannot decode field 'mp4': no audio stream \("):
         clip(AudioClip(0.5, extensions="mp4", backend=backend), "mp4", silent)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_resolution_change_past_the_header_is_refused(backend: str, tmp_path: Path) -> None:
+    # The budgets were checked on the header's 64x48; the 160x160 frames must not come back.
+    with pytest.raises(DecodeError, match=r"cannot decode field 'mkv': .*member 'k\.mkv'") as info:
+        clip(
+            VideoClip(8, start="center", backend=backend, extensions="mkv"),
+            "mkv",
+            resolution_change(tmp_path),
+        )
+    if backend == "pyav":
+        assert "the frame size changes mid-video (64x48 to 160x160)" in str(info.value)
+
+
+def test_a_window_far_past_where_decoding_starts_is_refused() -> None:
+    # PyAV: reaching a window hours into a gapped track would decode (and hold) the gap.
+    handler = AudioClip(1.0, start="center", backend="pyav", extensions="m4a")
+    refused = r"reaching the window at .* before it \(member 'k\.m4a'\)"
+    with pytest.raises(DecodeError, match=refused):
+        Decoder([handler], max_bytes=4 << 20)({"__key__": "k", "m4a": gapped_sound()})
 
 
 def test_whole_video_decoding_is_bounded_by_the_decode_limit() -> None:

@@ -12,19 +12,38 @@ connection), 2 MiB 7,573 and 8,158, 8 MiB 7,745 and 8,281, 32 MiB 8,696 and 9,04
 size is best for both; 80 ms of transfer per part picks 2 MiB for the first and 16 MiB for the
 second.
 
+The parts in flight follow the reader: a target of bytes in flight (as AWS's CRT keeps one)
+of :data:`HEADROOM` times what the shard's reader takes while it is not waiting for bytes,
+over the time one part takes to come (first byte, then its transfer). A reader that trains
+on a GPU and takes 40 MB/s keeps 5 parts of 2 MiB in flight behind 30 ms and 25 MB/s per
+connection, not 16: less memory, fewer connections and fewer GETs in flight on the node
+(:mod:`cloudshards.source.budget`), at the same speed. A reader that waited is measured
+without its waits, so a starved reader asks for more, never less; more demand is believed
+at once, less only gradually.
+
 A process-wide estimate is written by hand: no library sizes ranged reads from measurements
 (fsspec's and obstore's part sizes are fixed numbers).
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from cloudshards.process import PerProcess
 
-__all__ = ["MAX_PART_BYTES", "TARGET_PART_S", "PartPlan", "forget", "plan", "record"]
+__all__ = [
+    "HEADROOM",
+    "MAX_PART_BYTES",
+    "TARGET_PART_S",
+    "PartPlan",
+    "forget",
+    "plan",
+    "record",
+    "record_reading",
+]
 
 #: Transfer time one part should take once the first byte is in.
 TARGET_PART_S = 0.08
@@ -36,6 +55,11 @@ _SMALL = 256 << 10
 #: Requests from this size on measure a connection's throughput.
 _LARGE = 512 << 10
 _WEIGHT = 0.3  # of a new measurement in the moving averages
+#: Bytes in flight per shard: this many times the reader's demand over one part's time.
+HEADROOM = 2.0
+#: A shard read for less than this (or fewer bytes) says nothing about its reader's demand.
+_MIN_READ_S = 0.02
+_MIN_READ_BYTES = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,14 +74,24 @@ class PartPlan:
 
 class _Link:
     """Moving averages of one host's time to first byte (from the small first parts, sent for
-    every shard) and of what one connection carries after it."""
+    every shard), of what one connection carries after it, and of what this process's readers
+    of the host's shards take."""
 
-    __slots__ = ("latency_s", "lock", "rate")
+    __slots__ = ("demand", "latency_s", "lock", "rate")
 
     def __init__(self) -> None:
         self.latency_s: float | None = None
         self.rate: float | None = None  # bytes/s of one connection, after the first byte
+        self.demand: float | None = None  # bytes/s a reader takes while not waiting for bytes
         self.lock = threading.Lock()
+
+    def add_reading(self, nbytes: int, busy_s: float) -> None:
+        new = nbytes / busy_s
+        with self.lock:
+            # Up at once (a reader that got faster must not starve), down gradually (a pause
+            # mid-shard, an evaluation, does not shrink the window for long).
+            old = self.demand
+            self.demand = new if old is None or new > old else _average(old, new)
 
     def add(self, nbytes: int, seconds: float) -> None:
         with self.lock:
@@ -97,6 +131,13 @@ def record(url: str, nbytes: int, seconds: float) -> None:
         _link(url).add(nbytes, seconds)
 
 
+def record_reading(url: str, nbytes: int, busy_s: float) -> None:
+    """A reader took ``nbytes`` of a shard from ``url``'s host in ``busy_s`` seconds of its own
+    time: from its first read to its last, less the time it waited for bytes."""
+    if nbytes >= _MIN_READ_BYTES and busy_s >= _MIN_READ_S:
+        _link(url).add_reading(nbytes, busy_s)
+
+
 def forget() -> None:
     """Drop what this process measured of every host (its next shards start from the fixed
     settings again)."""
@@ -108,12 +149,19 @@ def plan(url: str, part_bytes: int, concurrency: int, first_bytes: int) -> PartP
     """The parts for the next shard of ``url``'s host; ``part_bytes`` x ``concurrency`` (the
     fixed settings) bound the bytes in flight. Before anything is measured: the fixed
     settings, with a small first part (``first_bytes``) for a quick first sample."""
-    rate = _link(url).rate
-    if rate is None:
+    link = _link(url)
+    rate, latency_s, demand = link.rate, link.latency_s, link.demand
+    if rate is None or latency_s is None:
         return PartPlan(first_bytes, part_bytes, concurrency)
     size = int(rate * TARGET_PART_S) // _PART_STEP * _PART_STEP
     budget = part_bytes * concurrency
     size = max(part_bytes, min(MAX_PART_BYTES, budget, size))
-    in_flight = max(1, min(concurrency, budget // size))
+    most = max(1, min(concurrency, budget // size))
+    in_flight = most
+    if demand is not None:
+        # One connection brings a part every latency + transfer: enough of them in flight to
+        # bring HEADROOM x the demand, and never fewer than two (one read, one coming).
+        per_connection = size / (latency_s + size / rate)
+        in_flight = min(most, max(2, math.ceil(HEADROOM * demand / per_connection)))
     # The first part stays small: the shards prefetched behind one wait for its first part.
     return PartPlan(first_bytes, size, in_flight)

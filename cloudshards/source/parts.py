@@ -106,6 +106,11 @@ class PartStream(ClosingStream):
         self.offset = 0
         self.closed = False
         self._fell_back = False
+        # The reader's own time on this shard, for the demand that sizes the next windows:
+        # when it first read, when it last got bytes, and how long it waited for them.
+        self._read_began: float | None = None
+        self._read_last = 0.0
+        self._read_waited = 0.0
 
     @property
     def details(self) -> dict[str, Any]:
@@ -193,9 +198,16 @@ class PartStream(ClosingStream):
         if self._position >= len(self._current):
             self._current = memoryview(b"")  # release the finished part before refilling
             self._part = b""
-            if self._tail is not None:
-                return self._read_tail(size)
-            data = self._next_part()
+            began = time.perf_counter()
+            if self._read_began is None:
+                self._read_began = began
+            try:
+                if self._tail is not None:
+                    return self._read_tail(size)
+                data = self._next_part()
+            finally:
+                self._read_last = time.perf_counter()
+                self._read_waited += self._read_last - began
             if data is None:
                 return b""
             self._part = data
@@ -210,6 +222,7 @@ class PartStream(ClosingStream):
             part = self._current[self._position : end]
         self._position = end
         self.offset += len(part)
+        self._read_last = time.perf_counter()
         return part
 
     def _next_part(self) -> bytes | memoryview | None:
@@ -319,6 +332,9 @@ class PartStream(ClosingStream):
             self._part = b""
             if self._tail is not None:
                 self._tail.close()
+            if self._read_began is not None:
+                busy = self._read_last - self._read_began - self._read_waited
+                adapt.record_reading(self.url, self.offset, busy)
             record: dict[str, Any] = dict(self._stats.as_dict())
             del record["shards"]
             record.update(

@@ -4,11 +4,14 @@ them."""
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+import time
 from collections.abc import Iterator
 
 import pytest
 
-from cloudshards.source import FetchOptions, adapt
+from cloudshards.source import FetchOptions, IOStats, adapt
+from cloudshards.source.parts import PartStream
 
 PART = 2 << 20
 CONCURRENCY = 16
@@ -101,3 +104,116 @@ def test_adaptive_unless_the_user_fixes_the_parts(monkeypatch: pytest.MonkeyPatc
     monkeypatch.delenv("CLOUDSHARDS_CONCURRENCY")
     monkeypatch.setenv("CLOUDSHARDS_PART_BYTES", str(4 << 20))
     assert not FetchOptions.from_env().adaptive
+
+
+# ---------------------------------------------------------------- bytes in flight: the reader
+SHARD_BYTES = 26 << 20
+
+
+def read_at(url: str, rate: float, shards: int = 1) -> None:
+    """Record readers that took whole shards at ``rate`` bytes/s of their own time."""
+    for _ in range(shards):
+        adapt.record_reading(url, SHARD_BYTES, SHARD_BYTES / rate)
+
+
+def test_a_slow_reader_keeps_fewer_parts_in_flight() -> None:
+    # A reader that trains on a GPU and takes 40 MB/s, behind 30 ms and 25 MB/s a connection:
+    # one connection brings 2 MiB every 30 + 84 ms (18.4 MB/s); 2 x 40 MB/s needs 5 of them.
+    measure("s3://bucket/a.tar", 0.030, 25e6)
+    read_at("s3://bucket/a.tar", 40e6)
+    plan = adapt.plan("s3://bucket/b.tar", PART, CONCURRENCY, FIRST)
+    assert plan == adapt.PartPlan(FIRST, PART, 5)
+
+
+def test_a_reader_faster_than_the_link_keeps_the_whole_budget() -> None:
+    measure("s3://bucket/a.tar", 0.030, 25e6)
+    read_at("s3://bucket/a.tar", 400e6)
+    assert adapt.plan("s3://bucket/b.tar", PART, CONCURRENCY, FIRST).in_flight == CONCURRENCY
+
+
+def test_a_fast_link_needs_few_large_parts_for_a_slow_reader() -> None:
+    measure("s3://bucket/a.tar", 0.001, 250e6)
+    read_at("s3://bucket/a.tar", 20e6)
+    plan = adapt.plan("s3://bucket/b.tar", PART, CONCURRENCY, FIRST)
+    assert plan.part_bytes == adapt.MAX_PART_BYTES
+    assert plan.in_flight == 2  # one being read, one coming: never fewer
+
+
+def test_the_demand_alone_plans_nothing_before_the_link_is_measured() -> None:
+    read_at("s3://bucket/a.tar", 1e6)
+    plan = adapt.plan("s3://bucket/b.tar", PART, CONCURRENCY, FIRST)
+    assert plan == adapt.PartPlan(FIRST, PART, CONCURRENCY)
+
+
+def test_more_demand_is_believed_at_once_less_only_gradually() -> None:
+    url = "s3://bucket/a.tar"
+    measure(url, 0.030, 25e6)
+    read_at(url, 40e6)
+    assert adapt.plan(url, PART, CONCURRENCY, FIRST).in_flight == 5
+    read_at(url, 160e6)  # the reader got faster: the very next shard gets the window for it
+    assert adapt.plan(url, PART, CONCURRENCY, FIRST).in_flight == 16  # ceil(17.4), capped
+    read_at(url, 20e6)  # one slow shard (a pause): 0.7 x 160 + 0.3 x 20 = 118 MB/s, 13 parts
+    assert adapt.plan(url, PART, CONCURRENCY, FIRST).in_flight == 13
+    read_at(url, 20e6, shards=20)  # a reader slow for good: the window follows it down
+    assert adapt.plan(url, PART, CONCURRENCY, FIRST).in_flight == 3
+
+
+def test_short_readings_say_nothing() -> None:
+    url = "s3://bucket/a.tar"
+    measure(url, 0.030, 25e6)
+    adapt.record_reading(url, 512 << 10, 1.0)  # half a MiB: a reader stopped early
+    adapt.record_reading(url, 26 << 20, 0.005)  # 5 ms: no time to measure
+    assert adapt.plan(url, PART, CONCURRENCY, FIRST).in_flight == CONCURRENCY
+
+
+@pytest.mark.parametrize("demand", [1e3, 1e6, 4e7, 4e8, 1e11])
+@pytest.mark.parametrize("rate", [1e5, 3e7, 1e9])
+def test_the_window_stays_between_two_parts_and_the_budget(demand: float, rate: float) -> None:
+    measure("s3://bucket/a.tar", 0.01, rate)
+    read_at("s3://bucket/a.tar", demand)
+    for part, concurrency in [(PART, CONCURRENCY), (1 << 20, 4), (8 << 20, 2), (64 << 10, 1)]:
+        plan = adapt.plan("s3://bucket/b.tar", part, concurrency, min(FIRST, part))
+        assert plan.part_bytes * plan.in_flight <= part * concurrency
+        assert min(2, part * concurrency // plan.part_bytes) <= plan.in_flight <= concurrency
+
+
+class SlowSource:
+    """A store object whose every ranged read takes ``delay_s`` (in memory: what is measured
+    here is the reader's own time, not a transport)."""
+
+    url = "mem://bucket/slow.tar"
+
+    def __init__(self, size: int, delay_s: float) -> None:
+        self.data = bytes(size)
+        self.delay_s = delay_s
+
+    def info(self) -> dict[str, int]:
+        return {"size": len(self.data)}
+
+    def cat_range(self, start: int, end: int, timeout: float | None = None) -> bytes:
+        time.sleep(self.delay_s)
+        return self.data[start:end]
+
+
+@pytest.mark.parametrize(("store_delay_s", "reader_delay_s"), [(0.0, 0.02), (0.06, 0.02)])
+def test_the_reader_is_measured_without_its_waits(
+    store_delay_s: float, reader_delay_s: float
+) -> None:
+    """A reader that spends 20 ms on each 128 KiB part is measured at 6.5 MB/s whether the
+    store answers at once or makes it wait 60 ms a part: a starved reader is not taken for a
+    slow one."""
+    part, parts = 128 << 10, 16
+    source = SlowSource(part * parts, store_delay_s)
+    options = FetchOptions(part_bytes=part, concurrency=2)
+    with cf.ThreadPoolExecutor(2) as executor:
+        stream = PartStream(
+            source, source.info(), executor=executor, options=options, stats=IOStats()
+        )
+        stream.start()
+        while stream.read_view(part):
+            time.sleep(reader_delay_s)
+        stream.close()
+    demand = adapt._link(source.url).demand
+    assert demand is not None
+    expected = part / reader_delay_s
+    assert 0.6 * expected < demand <= 1.05 * expected, (demand, expected)

@@ -15,6 +15,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from cloudshards.source import adapt
 from cloudshards.source.local import is_local
 from cloudshards.source.opener import NodeCache, ShardSource, open_source, store_opener
 from cloudshards.source.openparts import open_parts
@@ -79,7 +80,8 @@ class ShardPrefetcher:
                     if shard is None:
                         break
                     remote = not is_local(shard["url"])
-                    depth.remote_seen = depth.remote_seen or remote
+                    if remote:
+                        depth.remote_url = shard["url"]
                     if self._cache is not None and remote and pending:
                         task = executor.submit(self._download_ahead, shard, executor, ahead)
                         pending.append((shard, task))
@@ -239,19 +241,27 @@ class ShardPrefetcher:
 
 class _Depth:
     """Shards to keep ahead: the fetch settings' ``prefetch``, or fewer once remote shards
-    are read and the node's buffer budget, shared with its other processes, holds fewer."""
+    are read and the node's buffer budget, shared with its other processes, holds fewer.
+
+    A shard takes what its parts in flight hold: with adaptive parts, what the plan for the
+    last remote shard's host holds (sized from the reader's demand), else the fixed bound.
+    """
 
     def __init__(self, fetch: FetchOptions) -> None:
         self.fetch = fetch
-        self.remote_seen = False  # local datasets never touch the node's budget
+        self.remote_url: str | None = None  # local datasets never touch the node's budget
 
     def now(self) -> int:
-        if not self.remote_seen:
-            return self.fetch.prefetch
+        fetch = self.fetch
+        if self.remote_url is None:
+            return fetch.prefetch
         from cloudshards.source.budget import node_budget
 
-        shard_bytes = self.fetch.concurrency * self.fetch.part_bytes
-        return node_budget().shards_ahead(self.fetch.prefetch, shard_bytes)
+        shard_bytes = fetch.concurrency * fetch.part_bytes
+        if fetch.adaptive:
+            plan = adapt.plan(self.remote_url, fetch.part_bytes, fetch.concurrency, 0)
+            shard_bytes = plan.part_bytes * plan.in_flight
+        return node_budget().shards_ahead(fetch.prefetch, shard_bytes)
 
 
 def current_thread_count() -> int:

@@ -282,6 +282,33 @@ def test_fetch_options_validate() -> None:
     )
 
 
+def _fetched_ahead(make_shards: Any, faultmem: Any, fetch: FetchOptions) -> bool:
+    """Whether the second shard is asked for while the first is being read."""
+    shards = upload(make_shards, [10] * 4)
+    faultmem.info_gate = threading.Event()
+    faultmem.info_gate.set()  # log every request, hold none
+    prefetcher = ShardPrefetcher(
+        (
+            {"url": f"faultmem://bucket/{p.name}", "shard_index": i}
+            for i, p in enumerate(shards.paths)
+        ),
+        options=OpenOptions(),
+        fetch=fetch,
+    )
+    it = iter(prefetcher)
+    try:
+        _, stream = next(it)
+        assert not isinstance(stream, BaseException)
+        assert stream.read(100)
+        second = f"/bucket/{shards.paths[1].name}"
+        deadline = time.monotonic() + 2  # a shard ahead is asked for at once, or never
+        while time.monotonic() < deadline and not any(p == second for _, p, _ in faultmem.log):
+            time.sleep(0.02)
+        return any(path == second for _, path, _ in faultmem.log)
+    finally:
+        it.close()  # type: ignore[attr-defined]
+
+
 @pytest.mark.parametrize("node_buffer", ["1", str(4 << 30)])
 def test_the_node_buffer_budget_bounds_the_shards_ahead(
     make_shards: Any, faultmem: Any, monkeypatch: pytest.MonkeyPatch, node_buffer: str
@@ -292,25 +319,25 @@ def test_the_node_buffer_budget_bounds_the_shards_ahead(
 
     monkeypatch.setenv("CLOUDSHARDS_NODE_BUFFER_BYTES", node_buffer)
     budget.forget()
-    shards = upload(make_shards, [10] * 4)
-    faultmem.info_gate = threading.Event()
-    faultmem.info_gate.set()  # log every request, hold none
-    prefetcher = ShardPrefetcher(
-        (
-            {"url": f"faultmem://bucket/{p.name}", "shard_index": i}
-            for i, p in enumerate(shards.paths)
-        ),
-        options=OpenOptions(),
-        fetch=FetchOptions(prefetch=2, part_bytes=1 << 16, concurrency=2),
-    )
-    it = iter(prefetcher)
-    _, stream = next(it)
-    assert not isinstance(stream, BaseException)
-    assert stream.read(100)
-    second = f"/bucket/{shards.paths[1].name}"
-    deadline = time.monotonic() + 2  # the default fetches it at once; "1" never does
-    while time.monotonic() < deadline and not any(p == second for _, p, _ in faultmem.log):
-        time.sleep(0.02)
-    fetched_ahead = any(path == second for _, path, _ in faultmem.log)
-    assert fetched_ahead == (node_buffer != "1")
-    it.close()  # type: ignore[attr-defined]
+    fetch = FetchOptions(prefetch=2, part_bytes=1 << 16, concurrency=2)
+    assert _fetched_ahead(make_shards, faultmem, fetch) == (node_buffer != "1")
+
+
+@pytest.mark.parametrize("measured", [False, True])
+def test_a_slow_readers_shards_take_less_of_the_node_buffer(
+    make_shards: Any, faultmem: Any, monkeypatch: pytest.MonkeyPatch, measured: bool
+) -> None:
+    """A share of the node's buffer budget that holds no shard ahead at the fixed bound (4
+    parts of 64 KiB) holds one once the reader is measured slow (2 parts in flight)."""
+    from cloudshards.source import adapt, budget
+
+    monkeypatch.setenv("CLOUDSHARDS_NODE_BUFFER_BYTES", str(3 << 17))  # 384 KiB: 1.5 shards
+    budget.forget()
+    if measured:
+        url = "faultmem://bucket/earlier.tar"
+        for _ in range(3):
+            adapt.record(url, 64 << 10, 0.03)  # 30 ms to first byte
+            adapt.record(url, 1 << 20, 0.24)  # 5 MB/s a connection: parts stay 64 KiB
+        adapt.record_reading(url, 26 << 20, 50.0)  # 0.5 MB/s: two parts in flight bring it
+    fetch = FetchOptions(prefetch=2, part_bytes=1 << 16, concurrency=4, adaptive=True)
+    assert _fetched_ahead(make_shards, faultmem, fetch) == measured

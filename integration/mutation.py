@@ -131,9 +131,13 @@ AREAS: dict[str, Area] = {
             ),
             "cloudshards/cache/facts.py": (
                 "remote_facts",
+                "trusted_checksum",
                 "trusted_md5",
                 "_gcs_md5",
+                "_gcs_field",
                 "_s3_md5",
+                "Checksum.*",
+                "_Crc32c.*",
                 "_is_aws",
                 "_store_key",
                 "distrust_checksums",
@@ -150,7 +154,8 @@ AREAS: dict[str, Area] = {
             "tests/cache/test_handoff.py",
             "tests/cache/test_membertable.py",
             GAPS,
-            # Checksums are trusted only from real stores (S3 single-part ETags, GCS md5Hash):
+            # Checksums are trusted only from real stores (S3 single-part ETags, GCS crc32c and
+            # md5Hash):
             # the hold-back and recheck paths run against moto and the GCS emulator only.
             "integration/test_cache_safety_remote.py",
         ),
@@ -396,23 +401,20 @@ REVIEWED_EQUIVALENTS: dict[str, str] = {
     "cloudshards/cache/lock.py:DownloadLock.release: -1 → -2": (
         "any negative descriptor means not held"
     ),
+    "cloudshards/cache/facts.py:Checksum.hasher: hashlib.md5(usedforsecurity=False) → hashlib.md5(usedforsecurity=True)": (
+        "the flag only matters to FIPS builds of OpenSSL; the digest is the same"
+    ),
     "cloudshards/cache/shardcache.py:ShardCache._open_hit: fcntl.flock(fd, fcntl.LOCK_SH); info = os.fstat(fd) → info = os.fstat(fd); fcntl.flock(fd, fcntl.LOCK_SH)": (
         "a committed entry is never rewritten in place: its size and inode are the same before and after the shared lock"
     ),
     "cloudshards/cache/shardcache.py:ShardCache._download: self._save_stats(); discard(remote, skip) → discard(remote, skip); self._save_stats()": (
         "independent: counters saved, bytes skipped"
     ),
-    "cloudshards/cache/tee.py:TeeStream.__init__: hashlib.md5(usedforsecurity=False) → hashlib.md5(usedforsecurity=True)": (
-        "the flag only matters to FIPS builds of OpenSSL; the digest is the same"
+    "cloudshards/cache/tee.py:TeeStream.read_view: size < 0 → size <= 0": (
+        "a size of 0 returned b'' just above"
     ),
-    "cloudshards/cache/recheck.py:recheck_download: hashlib.md5(usedforsecurity=False) → hashlib.md5(usedforsecurity=True)": (
-        "the flag only matters to FIPS builds of OpenSSL; the digest is the same"
-    ),
-    "cloudshards/cache/recheck.py:recheck_download: hashlib.md5(usedforsecurity=False) → hashlib.md5(usedforsecurity=True) #2": (
-        "the flag only matters to FIPS builds of OpenSSL; the digest is the same"
-    ),
-    "cloudshards/cache/recheck.py:recheck_download: hashlib.md5(usedforsecurity=False) → hashlib.md5(usedforsecurity=True) #3": (
-        "the flag only matters to FIPS builds of OpenSSL; the digest is the same"
+    "cloudshards/cache/tee.py:TeeStream.read_view: size < 0 → size < 1": (
+        "a size of 0 returned b'' just above"
     ),
     "cloudshards/cache/tee.py:TeeStream.read_view: continue → pass": (
         "data is empty there, so the loop goes round all the same"
@@ -420,10 +422,10 @@ REVIEWED_EQUIVALENTS: dict[str, str] = {
     "cloudshards/cache/tee.py:TeeStream._take: cut >= len(data) → cut > len(data)": (
         "at equality the held part is empty and the prefix digest is taken at the same byte"
     ),
-    "cloudshards/cache/tee.py:TeeStream._take: self._md5.update(data); self._write(data) → self._write(data); self._md5.update(data)": (
+    "cloudshards/cache/tee.py:TeeStream._take: self._digest.update(data); self._write(data) → self._write(data); self._digest.update(data)": (
         "independent: the digest and the file get the same bytes"
     ),
-    "cloudshards/cache/tee.py:TeeStream._take: self._md5.update(back); self._write(front) → self._write(front); self._md5.update(back)": (
+    "cloudshards/cache/tee.py:TeeStream._take: self._digest.update(back); self._write(front) → self._write(front); self._digest.update(back)": (
         "independent: the digest and the file get the same bytes"
     ),
     "cloudshards/cache/tee.py:TeeStream._take: self._write(front); self._held += back → self._held += back; self._write(front)": (
@@ -444,7 +446,7 @@ REVIEWED_EQUIVALENTS: dict[str, str] = {
     "cloudshards/cache/recheck.py:recheck_download: whole.update(chunk); cut = max(0, min(len(chunk), served - position)) → cut = max(0, min(len(chunk), served - position)); whole.update(chunk)": (
         "independent"
     ),
-    "cloudshards/cache/recheck.py:recheck_download: prefix.update(chunk[:cut]); tail += chunk[cut:] → tail += chunk[cut:]; prefix.update(chunk[:cut])": (
+    "cloudshards/cache/recheck.py:recheck_download: second_prefix.update(chunk[:cut]); tail += chunk[cut:] → tail += chunk[cut:]; second_prefix.update(chunk[:cut])": (
         "independent"
     ),
     "cloudshards/cache/recheck.py:recheck_download: size or 0 → size or 1": (
@@ -465,10 +467,10 @@ REVIEWED_EQUIVALENTS: dict[str, str] = {
     "cloudshards/cache/tee.py:TeeStream._drain: return → pass #2": (
         "after the end the entry is complete (no descriptor: the loop ends) or the check raised"
     ),
-    "cloudshards/cache/shardcache.py:ShardCache._download.commit: self._write_meta(name, {'url': redact_url(url), 'size': nbytes, 'md5': md5}); table = tee.member_table if tee is not None else None → table = tee.member_table if tee is not None else None; self._write_meta(name, {'url': redact_url(url), 'size': nbytes, 'md5': md5})": (
+    "cloudshards/cache/shardcache.py:ShardCache._download.commit: self._write_meta(name, {**meta, 'size': nbytes}); table = tee.member_table if tee is not None else None → table = tee.member_table if tee is not None else None; self._write_meta(name, {**meta, 'size': nbytes})": (
         "_write_meta and write_table write a temporary file and rename it: failing, they leave nothing behind, so when its path joins the clean-up list does not matter"
     ),
-    "cloudshards/cache/shardcache.py:ShardCache._download.commit: written.append(self._path('meta', name + '.json')); self._write_meta(name, {'url': redact_url(url), 'size': nbytes, 'md5': md5}) → self._write_meta(name, {'url': redact_url(url), 'size': nbytes, 'md5': md5}); written.append(self._path('meta', name + '.json'))": (
+    "cloudshards/cache/shardcache.py:ShardCache._download.commit: written.append(self._path('meta', name + '.json')); self._write_meta(name, {**meta, 'size': nbytes}) → self._write_meta(name, {**meta, 'size': nbytes}); written.append(self._path('meta', name + '.json'))": (
         "_write_meta and write_table write a temporary file and rename it: failing, they leave nothing behind, so when its path joins the clean-up list does not matter"
     ),
     "cloudshards/cache/shardcache.py:ShardCache._download.commit: written.append(self._table_path(name)); write_table(self._table_path(name), table, nbytes) → write_table(self._table_path(name), table, nbytes); written.append(self._table_path(name))": (

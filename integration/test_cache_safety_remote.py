@@ -3,8 +3,9 @@
 A reverse proxy in front of each server plays the part the real world plays: a CDN or an
 SSE-KMS bucket whose ETag is 32 hex digits and no MD5 (in front of nginx, and of moto with
 IAM auth, the ``x-amz-server-side-encryption: aws:kms`` header included), and a bad link that
-flips a byte of a GCS download (fake-gcs-server, whose ``md5Hash`` is a checksum the cache
-does trust) or a GCS object whose ``md5Hash`` is not what it serves.
+flips a byte of a GCS download (fake-gcs-server, whose ``crc32c`` and ``md5Hash`` are
+checksums the cache does trust; it verifies the CRC32C) or a GCS object whose checksums are
+not of what it serves.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import collections
 import hashlib
 import http.client
 import http.server
+import json
 import logging
 import re
 import threading
@@ -22,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+import google_crc32c
 import pytest
 
 import cloudshards as wds
@@ -290,7 +293,7 @@ def test_s3_sse_kms_etag_is_not_a_checksum(
     assert _cache_warnings(caplog) == []
 
 
-# ------------------------------------------------------------------------------ GCS md5Hash
+# ---------------------------------------------------------------- GCS crc32c and md5Hash
 
 
 @pytest.fixture
@@ -328,7 +331,7 @@ def test_gcs_byte_corrupted_in_transit_is_fetched_again(
     tmp_path: Path,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """gcsfs against fake-gcs-server, one byte flipped on the way: the md5Hash catches it
+    """gcsfs against fake-gcs-server, one byte flipped on the way: the crc32c catches it
     before the reader sees the end of the shard, a second download replaces it, the samples
     and the entry are right."""
     local = gcs_dataset.local
@@ -348,6 +351,9 @@ def test_gcs_byte_corrupted_in_transit_is_fetched_again(
     assert entry.read_bytes() == source.read_bytes()
     (warning,) = _cache_warnings(caplog)
     assert "fetched it again" in warning
+    # gcsfs hands on the server's crc32c, and the cache verified the download by it.
+    meta = json.loads((cache_dir / "meta" / f"{entry.name}.json").read_text())
+    assert meta["checksum"] == f"crc32c:{google_crc32c.value(source.read_bytes()):08x}"
 
 
 @pytest.mark.timeout(120)
@@ -397,7 +403,7 @@ def test_gcs_corrupted_bytes_already_served_reach_the_handler(
 
 
 @pytest.mark.timeout(120)
-def test_gcs_md5hash_that_is_not_the_md5_streams_uncached(
+def test_gcs_checksums_that_are_not_of_the_bytes_stream_uncached(
     gcs_dataset: RemoteDataset,
     gcs_server: GCSServer,
     gcs_options: Callable[[RewritingProxy], dict[str, Any]],
@@ -405,17 +411,18 @@ def test_gcs_md5hash_that_is_not_the_md5_streams_uncached(
     tmp_path: Path,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """An object whose md5Hash is not the MD5 of what the store serves: two downloads agree,
-    the samples are right, the shard is not cached, one warning, nothing raises."""
+    """An object whose crc32c and md5Hash are not of what the store serves: two downloads
+    agree, the samples are right, the shard is not cached, one warning, nothing raises."""
     name = gcs_dataset.local.shards[3]
 
-    def wrong_md5(exchange: Exchange) -> None:
+    def wrong_checksums(exchange: Exchange) -> None:
         if "alt=media" not in exchange.path and b'"md5Hash"' in exchange.body:
-            exchange.body = re.sub(
+            body = re.sub(
                 rb'"md5Hash": ?"[^"]*"', b'"md5Hash": "AQEBAQEBAQEBAQEBAQEBAQ=="', exchange.body
             )
+            exchange.body = re.sub(rb'"crc32c": ?"[^"]*"', b'"crc32c": "AQEBAQ=="', body)
 
-    proxy = proxies(gcs_server.endpoint_url, on_response=wrong_md5)
+    proxy = proxies(gcs_server.endpoint_url, on_response=wrong_checksums)
     url = gcs_dataset.url_for(name)
     cache_dir = tmp_path / "cache"
     ds = wds.WebDataset(

@@ -5,16 +5,98 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
+import hashlib
 import re
 import threading
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from cloudshards.source import OpenOptions, object_etag, object_info
 from cloudshards.urls import protocol_of
 
-__all__ = ["distrust_checksums", "remote_facts", "trusted_md5"]
+__all__ = [
+    "Checksum",
+    "Hasher",
+    "distrust_checksums",
+    "remote_facts",
+    "trusted_checksum",
+    "trusted_md5",
+]
+
+
+class Hasher(Protocol):
+    """A running checksum, as :mod:`hashlib`'s objects are."""
+
+    def update(self, data: bytes | memoryview, /) -> None: ...
+    def copy(self) -> Hasher: ...
+    def digest(self) -> bytes: ...
+    def hexdigest(self) -> str: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Checksum:
+    """A checksum the store guarantees for an object's bytes: ``algorithm`` (``"md5"`` or
+    ``"crc32c"``) and its value in hex."""
+
+    algorithm: str
+    hexdigest: str
+
+    def hasher(self) -> Hasher:
+        """A new running checksum of the same algorithm."""
+        if self.algorithm == "crc32c":
+            return _Crc32c()
+        return hashlib.md5(usedforsecurity=False)
+
+    def __str__(self) -> str:
+        return f"{self.algorithm}:{self.hexdigest}"
+
+
+class _Crc32c:
+    """CRC32C in :mod:`hashlib`'s interface, on google-crc32c (its C extension computes it in
+    hardware, about 30x faster than MD5 here: the verification costs a cold epoch through the
+    cache next to nothing). Written here because google-crc32c's own ``Checksum`` takes only
+    ``bytes``, and parts come as views: those are fed in small copied pieces."""
+
+    __slots__ = ("_value",)
+    _PIECE = 256 << 10
+
+    def __init__(self, value: int = 0) -> None:
+        self._value = value
+
+    def update(self, data: bytes | memoryview, /) -> None:
+        import google_crc32c
+
+        if isinstance(data, bytes):
+            self._value = google_crc32c.extend(self._value, data)
+            return
+        view = memoryview(data).cast("B")
+        for start in range(0, len(view), self._PIECE):
+            piece = bytes(view[start : start + self._PIECE])
+            self._value = google_crc32c.extend(self._value, piece)
+
+    def copy(self) -> _Crc32c:
+        return _Crc32c(self._value)
+
+    def digest(self) -> bytes:
+        return self._value.to_bytes(4, "big")
+
+    def hexdigest(self) -> str:
+        return self.digest().hex()
+
+
+@functools.cache
+def _fast_crc32c() -> bool:
+    """google-crc32c is installed (gcsfs brings it) with its C extension, not the pure Python
+    fallback, which would cost more than the MD5 it replaces."""
+    try:
+        import google_crc32c
+    except ImportError:
+        return False
+    return getattr(google_crc32c, "implementation", None) == "c"
+
 
 _S3 = ("s3", "s3a")
 _GCS = ("gs", "gcs")
@@ -26,8 +108,8 @@ _MD5_HEX = re.compile(r"^[0-9a-f]{32}$")
 
 def remote_facts(
     stream: Any, url: str, options: OpenOptions, endpoint: str | None
-) -> tuple[int | None, str | None]:
-    """The object's size and, when the store guarantees one, its MD5 (hex), for verification."""
+) -> tuple[int | None, Checksum | None]:
+    """The object's size and, when the store guarantees one, its checksum, for verification."""
     raw = getattr(stream, "_raw", stream)
     details = getattr(stream, "details", None) or getattr(raw, "details", None)
     size = getattr(stream, "size", None) or getattr(raw, "size", None)
@@ -39,8 +121,21 @@ def remote_facts(
             details = {}
     if size is None:
         size = details.get("size")
-    md5 = None if _distrusted(url, endpoint) else trusted_md5(url, details, endpoint)
-    return (int(size) if size is not None else None), md5
+    checksum = None if _distrusted(url, endpoint) else trusted_checksum(url, details, endpoint)
+    return (int(size) if size is not None else None), checksum
+
+
+def trusted_checksum(url: str, details: Mapping[str, Any], endpoint: str | None) -> Checksum | None:
+    """The checksum a download of the object is verified against: on GCS its ``crc32c``
+    (which every object has, composite ones included, and which costs next to nothing to
+    compute) where google-crc32c's C extension is installed, else the MD5 of
+    :func:`trusted_md5`; None when the store guarantees neither."""
+    if protocol_of(url) in _GCS and _fast_crc32c():
+        crc = _gcs_field(details, "crc32c", 4)
+        if crc is not None:
+            return Checksum("crc32c", crc)
+    md5 = trusted_md5(url, details, endpoint)
+    return None if md5 is None else Checksum("md5", md5)
 
 
 def trusted_md5(url: str, details: Mapping[str, Any], endpoint: str | None) -> str | None:
@@ -70,16 +165,23 @@ def trusted_md5(url: str, details: Mapping[str, Any], endpoint: str | None) -> s
 
 
 def _gcs_md5(details: Mapping[str, Any]) -> str | None:
+    return _gcs_field(details, "md5Hash", 16)
+
+
+def _gcs_field(details: Mapping[str, Any], name: str, length: int) -> str | None:
+    """A GCS checksum field (strict base64 of ``length`` bytes) in hex; None where it is
+    missing or malformed, or where the bytes served may not be the stored ones (a
+    ``contentEncoding`` other than identity: decompressive transcoding)."""
     if details.get("contentEncoding") not in (None, "", "identity"):
         return None
-    value = details.get("md5Hash")
+    value = details.get(name)
     if not isinstance(value, str):
         return None
     try:
         digest = base64.b64decode(value, validate=True)
     except (binascii.Error, ValueError):
         return None
-    return digest.hex() if len(digest) == 16 else None
+    return digest.hex() if len(digest) == length else None
 
 
 def _s3_md5(details: Mapping[str, Any]) -> str | None:

@@ -3,10 +3,10 @@ tell which of its bytes (if any) were wrong (see :class:`~cloudshards.cache.tee.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Callable
 
+from cloudshards.cache.facts import Checksum, Hasher
 from cloudshards.cache.stats import CacheStats
 from cloudshards.redact import redact_url
 from cloudshards.source import ShardSource
@@ -23,9 +23,9 @@ def recheck_download(
     url: str,
     served: int,
     size: int | None,
-    expected_md5: str | None,
-    first_md5: str,
-    prefix_md5: hashlib._Hash | None,
+    checksum: Checksum,
+    first_hex: str,
+    prefix: Hasher | None,
 ) -> tuple[str, bytes]:
     """Download the object once more, and compare.
 
@@ -35,20 +35,20 @@ def recheck_download(
         url: The object (for the log).
         served: Bytes of the first download already served (the rest was held back).
         size: The size the store reported.
-        expected_md5: The store's checksum.
-        first_md5: The MD5 of the whole first download.
-        prefix_md5: The MD5 state of the first download's ``served`` bytes (None: none).
+        checksum: The store's checksum.
+        first_hex: The checksum (hex) of the whole first download.
+        prefix: The checksum state of the first download's ``served`` bytes (None: none).
 
     Returns:
         ``("tail", bytes)`` when the second download matches the checksum and agrees with the
         first on every byte already served (only held-back bytes were wrong: serve the
         second's); ``("checksum", b"")`` when both downloads agree with each other, not with
-        the checksum (it is not an MD5 of the bytes); otherwise ``("prefix", b"")`` (bytes
+        the checksum (it is not a checksum of the bytes); otherwise ``("prefix", b"")`` (bytes
         already served were wrong), ``("changed", b"")`` (the object differs each time) or
         ``("failed", b"")`` (the second download failed).
     """
-    whole = hashlib.md5(usedforsecurity=False)
-    prefix = hashlib.md5(usedforsecurity=False)
+    whole = checksum.hasher()
+    second_prefix = checksum.hasher()
     tail, position = bytearray(), 0
     try:
         stream = refetch()
@@ -57,7 +57,7 @@ def recheck_download(
                 stats.bytes_network += len(chunk)
                 whole.update(chunk)
                 cut = max(0, min(len(chunk), served - position))
-                prefix.update(chunk[:cut])
+                second_prefix.update(chunk[:cut])
                 tail += chunk[cut:]
                 position += len(chunk)
                 if position > (size or 0):
@@ -68,12 +68,12 @@ def recheck_download(
         logger.debug("cache: refetching %s failed: %s", redact_url(url), exc)
         return "failed", b""
     # No prefix hash: nothing came before the held-back bytes (an empty object).
-    first = (prefix_md5 or hashlib.md5(usedforsecurity=False)).digest()
+    first = (prefix or checksum.hasher()).digest()
     if position != size:
         return "changed", b""
-    if whole.hexdigest() == expected_md5:
-        return ("tail", bytes(tail)) if prefix.digest() == first else ("prefix", b"")
-    if whole.hexdigest() == first_md5:
+    if whole.hexdigest() == checksum.hexdigest:
+        return ("tail", bytes(tail)) if second_prefix.digest() == first else ("prefix", b"")
+    if whole.hexdigest() == first_hex:
         return "checksum", b""
     return "changed", b""
 

@@ -271,7 +271,7 @@ class ShardCache(CacheBudget):
                 remote = open_store()
             else:
                 remote = open_remote(url, options, shard_index=shard_index)
-            size, md5 = remote_facts(remote, url, options, endpoint)
+            size, checksum = remote_facts(remote, url, options, endpoint)
         except BaseException:
             lock.release()
             raise
@@ -301,12 +301,14 @@ class ShardCache(CacheBudget):
             return remote
 
         tee: TeeStream | None = None
+        # What the entry was verified against: "crc32c:<hex>", "md5:<hex>" or None.
+        meta = {"url": redact_url(url), "checksum": None if checksum is None else str(checksum)}
 
         def commit(nbytes: int) -> bool:
             written: list[str] = []
             try:
                 written.append(self._path("meta", name + ".json"))
-                self._write_meta(name, {"url": redact_url(url), "size": nbytes, "md5": md5})
+                self._write_meta(name, {**meta, "size": nbytes})
                 table = tee.member_table if tee is not None else None
                 if table is not None:
                     written.append(self._table_path(name))
@@ -341,7 +343,7 @@ class ShardCache(CacheBudget):
                 on_close=self._save_stats,
                 stats=stats,
                 expected_size=size,
-                expected_md5=md5,
+                checksum=checksum,
                 skip=skip,
                 refetch=lambda: open_remote(url, options, shard_index=shard_index),
                 distrust=lambda: distrust_checksums(url, endpoint),

@@ -3,11 +3,11 @@ while writing the entry to disk, verifies the download, and commits the entry.""
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 from collections.abc import Callable
 
+from cloudshards.cache.facts import Checksum, Hasher
 from cloudshards.cache.lock import POISONED_MODE, is_disk_full
 from cloudshards.cache.membertable import MemberTable, write_table
 from cloudshards.cache.recheck import WHY, recheck_download
@@ -44,7 +44,8 @@ class TeeStream(ClosingStream):
             False when it could not (the entry is then not cached).
         abandon: Called when the partial file is given up (removes it, releases the lock).
         expected_size: Size the store reported, verified at the end when known.
-        expected_md5: Hex MD5 to verify, if the store guarantees one (see ``facts.trusted_md5``).
+        checksum: The checksum to verify, if the store guarantees one (see
+            :func:`~cloudshards.cache.facts.trusted_checksum`).
         skip: Bytes already delivered to this consumer (taking over a dead download).
         refetch: Opens the object again from its start, to recheck a checksum mismatch.
         distrust: Called when the store's checksum proves not to be the MD5 of its bytes.
@@ -63,7 +64,7 @@ class TeeStream(ClosingStream):
         on_close: Callable[[], None],
         stats: CacheStats,
         expected_size: int | None,
-        expected_md5: str | None,
+        checksum: Checksum | None,
         skip: int = 0,
         refetch: Callable[[], ShardSource] | None = None,
         distrust: Callable[[], None] | None = None,
@@ -76,8 +77,8 @@ class TeeStream(ClosingStream):
         self._on_close = on_close
         self.stats = stats
         self.expected_size = expected_size
-        self._md5 = hashlib.md5(usedforsecurity=False) if expected_md5 else None
-        self._expected_md5 = expected_md5
+        self._digest: Hasher | None = checksum.hasher() if checksum else None
+        self._checksum = checksum
         self._refetch = refetch
         self._distrust = distrust
         self._skip = skip
@@ -85,10 +86,10 @@ class TeeStream(ClosingStream):
         self._received = 0  # bytes read from the store
         self._written = 0  # bytes in the partial file
         self._hold_from: int | None = None
-        if expected_md5 and expected_size is not None:
+        if checksum and expected_size is not None:
             self._hold_from = max(0, expected_size - self.HOLD_BYTES)
         self._held = bytearray()  # received at or after _hold_from, not verified yet
-        self._prefix_md5: hashlib._Hash | None = None  # of the bytes before _hold_from
+        self._prefix_digest: Hasher | None = None  # of the bytes before _hold_from
         self._tail: memoryview | None = None  # the verified held bytes, being served
         self._keep = True  # False: verified as consistent but not cached after all
         self._committed = False
@@ -168,21 +169,21 @@ class TeeStream(ClosingStream):
         """Write ``data`` (or hold back its part at the end); return what may be served now."""
         start = self._received
         self._received += len(data)
-        if self._md5 is None or self._hold_from is None or self._fd is None:
-            if self._md5 is not None and self._fd is not None:
-                self._md5.update(data)
+        if self._digest is None or self._hold_from is None or self._fd is None:
+            if self._digest is not None and self._fd is not None:
+                self._digest.update(data)
             self._write(data)
             return data
         cut = max(0, self._hold_from - start)
         if cut >= len(data):
-            self._md5.update(data)
+            self._digest.update(data)
             self._write(data)
             return data
         front, back = data[:cut], data[cut:]
-        self._md5.update(front)
-        if self._prefix_md5 is None:
-            self._prefix_md5 = self._md5.copy()
-        self._md5.update(back)
+        self._digest.update(front)
+        if self._prefix_digest is None:
+            self._prefix_digest = self._digest.copy()
+        self._digest.update(back)
         self._write(front)
         self._held += back
         if self._fd is None:  # the disk filled up: nothing is verified or held any more
@@ -246,22 +247,24 @@ class TeeStream(ClosingStream):
                 f"incomplete download: got {self._received} bytes, the store says "
                 f"{self.expected_size}"
             )
-        if self._md5 is None or self._md5.hexdigest() == self._expected_md5:
+        expected = self._checksum.hexdigest if self._checksum is not None else None
+        if self._digest is None or self._digest.hexdigest() == expected:
             self._complete(bytes(self._held))
             return
         if self._hold_from is None or not recheck or self._refetch is None:
             self._fail("downloaded bytes do not match the store's checksum")
         assert self._hold_from is not None
         assert self._refetch is not None
+        assert self._checksum is not None  # set together with the digest
         verdict, tail = recheck_download(
             self._refetch,
             self.stats,
             url=self.url,
             served=self._hold_from,
             size=self.expected_size,
-            expected_md5=self._expected_md5,
-            first_md5=self._md5.hexdigest(),
-            prefix_md5=self._prefix_md5,
+            checksum=self._checksum,
+            first_hex=self._digest.hexdigest(),
+            prefix=self._prefix_digest,
         )
         if verdict == "tail":
             logger.warning(

@@ -555,7 +555,7 @@ def test_an_opaque_stores_etag_is_never_taken_for_an_md5(
         ds = wds.WebDataset([url], shardshuffle=False, cache_dir=str(cache_dir))
         assert samples_of(ds) == samples
         meta = json.loads((cache_dir / "meta" / f"{entry_name(url)}.json").read_text())
-        assert meta["md5"] is None
+        assert meta["checksum"] is None
     assert data_files(cache_dir) == sorted(entry_name(u) for u in urls)
 
 

@@ -4,9 +4,10 @@ endpoint.
 
 Stores are fakes at the fsspec seam: ``slowfile://`` (tests/fakes.py), an opaque store like an
 HTTP server or CDN, and ``FakeGCS`` registered as ``gs://``, whose ``info()`` reports a
-``md5Hash`` (the one checksum class the cache trusts that a unit test can serve) and which can
-corrupt a byte of a download. A full disk is a real tmpfs filled to the last byte where this
-machine lets us mount one, else the same failures injected at the OS calls of the cache.
+``md5Hash`` or a ``crc32c`` (the checksums the cache trusts that a unit test can serve; each
+test that uses it runs with both) and which can corrupt a byte of a download. A full disk is
+a real tmpfs filled to the last byte where this machine lets us mount one, else the same
+failures injected at the OS calls of the cache.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import collections
 import contextlib
 import errno
 import hashlib
+import json
 import logging
 import os
 import subprocess
@@ -30,6 +32,7 @@ from typing import Any, ClassVar
 import fakes
 import fsspec
 import fsspec.config
+import google_crc32c
 import pytest
 from fsspec.registry import _registry as fsspec_registry
 
@@ -127,7 +130,7 @@ def fetches(log: Path) -> dict[str, int]:
     return dict(fakes.opens(log))
 
 
-# --- a GCS-like fake store: trusted md5Hash, optional corruption ---------------------------
+# --- a GCS-like fake store: trusted md5Hash or crc32c, optional corruption ----------------
 
 
 class CorruptingFile(fakes.SlowFile):
@@ -145,16 +148,19 @@ class CorruptingFile(fakes.SlowFile):
 
 
 class FakeGCS(fakes.SlowFileSystem):
-    """``gs:///abs/path``: a local file served as a GCS object (``info()`` has ``md5Hash``).
+    """``gs:///abs/path``: a local file served as a GCS object (``info()`` has the checksum
+    ``field`` names: ``md5Hash`` or ``crc32c``).
 
-    Class knobs (reset by the ``gcs`` fixture): ``md5_hash`` replaces the reported checksum;
+    Class knobs (reset by the ``gcs`` fixture): ``wrong_checksum``, a byte repeated to the
+    checksum's length, is reported instead of the real checksum;
     ``corrupt_at`` is a byte offset that is served flipped, ``corrupt_times`` times in all
     (each download that covers it uses one), as a bad link would; only in ``corrupt_path``
     when that is set (the shards after the first are fetched while it is read).
     """
 
     protocol = ("gs", "gcs")
-    md5_hash: ClassVar[str | None] = None
+    field: ClassVar[str] = "md5Hash"
+    wrong_checksum: ClassVar[bytes | None] = None
     corrupt_at: ClassVar[int | None] = None
     corrupt_times: ClassVar[int] = 0
     corrupt_path: ClassVar[str | None] = None
@@ -162,8 +168,14 @@ class FakeGCS(fakes.SlowFileSystem):
     def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
         details = super().info(path, **kwargs)
         if details["type"] == "file":
-            digest = hashlib.md5(Path(details["name"]).read_bytes()).digest()
-            details["md5Hash"] = self.md5_hash or base64.b64encode(digest).decode()
+            data = Path(details["name"]).read_bytes()
+            if self.field == "md5Hash":
+                digest = hashlib.md5(data).digest()
+            else:
+                digest = google_crc32c.value(data).to_bytes(4, "big")
+            if self.wrong_checksum is not None:
+                digest = self.wrong_checksum * len(digest)
+            details[self.field] = base64.b64encode(digest).decode()
         return details
 
     def cat_file(
@@ -189,15 +201,19 @@ class FakeGCS(fakes.SlowFileSystem):
         return bytes(flipped)
 
 
-@pytest.fixture
-def gcs(store: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[type[FakeGCS]]:
-    """``FakeGCS`` as the ``gs://`` implementation, for this test only."""
+@pytest.fixture(params=["md5Hash", "crc32c"])
+def gcs(
+    store: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> Iterator[type[FakeGCS]]:
+    """``FakeGCS`` as the ``gs://`` implementation, for this test only, reporting an MD5 or a
+    CRC32C."""
     for name in ("STORAGE_EMULATOR_HOST", "GOOGLE_CLOUD_UNIVERSE_DOMAIN"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setitem(fsspec_registry, "gs", FakeGCS)
     monkeypatch.setattr(cloudshards.urls, "_fs_cache", PerProcess(dict))
     monkeypatch.setattr(cloudshards.cache.facts, "_DISTRUSTED", set())  # per process
-    monkeypatch.setattr(FakeGCS, "md5_hash", None)
+    monkeypatch.setattr(FakeGCS, "field", request.param)
+    monkeypatch.setattr(FakeGCS, "wrong_checksum", None)
     monkeypatch.setattr(FakeGCS, "corrupt_at", None)
     monkeypatch.setattr(FakeGCS, "corrupt_times", 0)
     monkeypatch.setattr(FakeGCS, "corrupt_path", None)
@@ -300,7 +316,7 @@ def test_a_trusted_checksum_that_is_wrong_refetches_once_then_streams_uncached(
     downloads agree), the shard is not cached, one warning, and nothing raises."""
     shards = make_shards([3, 4], payload_bytes=2000)
     cache_dir = tmp_path / "cache"
-    gcs.md5_hash = base64.b64encode(b"\x01" * 16).decode()
+    gcs.wrong_checksum = b"\x01"
     urls = [gs_url(p) for p in shards.paths]
     ds = wds.WebDataset(urls[:1], shardshuffle=False, cache_dir=str(cache_dir))
     assert samples_of(ds) == shards.samples[:3]
@@ -330,8 +346,12 @@ def test_a_trusted_checksum_is_verified_and_recorded(
         ds = wds.WebDataset([url], shardshuffle=False, cache_dir=str(cache_dir))
         assert samples_of(ds) == shards.samples
     assert fetches(store) == {str(shards.paths[0]): 1}
-    meta = (cache_dir / "meta" / f"{entry_name(url)}.json").read_text()
-    assert hashlib.md5(shards.paths[0].read_bytes()).hexdigest() in meta
+    meta = json.loads((cache_dir / "meta" / f"{entry_name(url)}.json").read_text())
+    data = shards.paths[0].read_bytes()
+    if gcs.field == "md5Hash":
+        assert meta["checksum"] == f"md5:{hashlib.md5(data).hexdigest()}"
+    else:
+        assert meta["checksum"] == f"crc32c:{google_crc32c.value(data):08x}"
     # Committed before the reader parsed the held-back end, the entry still gets its table.
     assert (cache_dir / "meta" / f"{entry_name(url)}.members.json").exists()
 
@@ -368,7 +388,7 @@ def test_a_mismatch_that_cannot_be_checked_again_fails_the_shard(
     """The checksum does not match and the second download fails: nothing can vouch for the
     bytes, so the reader gets a ShardOpenError that says so (through its handler)."""
     shards = make_shards([3], payload_bytes=2000)
-    gcs.md5_hash = base64.b64encode(b"\x03" * 16).decode()
+    gcs.wrong_checksum = b"\x03"
 
     def refuse(self: Any, path: str, mode: str = "rb", **kwargs: Any) -> Any:
         raise PermissionError(f"{path}: access denied")
@@ -445,7 +465,7 @@ def test_a_reader_that_stops_early_gets_no_error_from_close(
     """Closing completes a small remainder to cache it; when that fails verification, close()
     (and garbage collection) stay silent but for a warning, and release everything."""
     shards = make_shards([5], payload_bytes=10_000)
-    gcs.md5_hash = base64.b64encode(b"\x02" * 16).decode()
+    gcs.wrong_checksum = b"\x02"
     cache_dir = tmp_path / "cache"
     ds = wds.WebDataset(
         [gs_url(shards.paths[0])], shardshuffle=False, cache_dir=str(cache_dir), block_bytes=4096

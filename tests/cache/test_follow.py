@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import fakes
+import google_crc32c
 import pytest
 
 import cloudshards.cache.facts as facts
@@ -404,6 +405,47 @@ def test_an_md5hash_that_is_not_strict_base64_is_not_trusted() -> None:
     assert facts.trusted_md5("gs://b/x", {"md5Hash": junk}, None) is None
 
 
+def _gcs_crc32c(data: bytes) -> str:
+    """GCS's ``crc32c`` field: base64 of the big-endian CRC32C."""
+    return base64.b64encode(google_crc32c.value(data).to_bytes(4, "big")).decode()
+
+
+def test_gcs_objects_are_verified_by_crc32c_where_it_is_fast(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """GCS gives every object a CRC32C (composite objects have no md5Hash), and google-crc32c
+    computes it in hardware: it is preferred to the MD5. Without the C extension, or where the
+    field is malformed, the MD5 is used; transcoded objects (contentEncoding) get neither."""
+    crc = google_crc32c.value(b"x").to_bytes(4, "big").hex()
+    md5 = hashlib.md5(b"x").hexdigest()
+    both = {"crc32c": _gcs_crc32c(b"x"), "md5Hash": base64.b64encode(bytes.fromhex(md5)).decode()}
+    assert facts.trusted_checksum("gs://b/x", both, None) == facts.Checksum("crc32c", crc)
+    composite = {"crc32c": _gcs_crc32c(b"x"), "componentCount": 2}
+    assert facts.trusted_checksum("gcs://b/x", composite, None) == facts.Checksum("crc32c", crc)
+    malformed = {**both, "crc32c": "AAAA!"}
+    assert facts.trusted_checksum("gs://b/x", malformed, None) == facts.Checksum("md5", md5)
+    gzipped = {**both, "contentEncoding": "gzip"}
+    assert facts.trusted_checksum("gs://b/x", gzipped, None) is None
+    # Only GCS's field is trusted: an S3 or HTTP object with a crc32c key is not verified by it.
+    assert facts.trusted_checksum("s3://b/x", composite, None) is None
+    assert facts.trusted_checksum("https://h/x", composite, None) is None
+    monkeypatch.setattr(facts, "_fast_crc32c", lambda: False)
+    assert facts.trusted_checksum("gs://b/x", both, None) == facts.Checksum("md5", md5)
+    assert facts.trusted_checksum("gs://b/x", composite, None) is None
+
+
+def test_the_crc32c_hasher_takes_views_and_pieces_as_bytes() -> None:
+    data = os.urandom(700_000)
+    whole = facts.Checksum("crc32c", google_crc32c.value(data).to_bytes(4, "big").hex())
+    hasher = whole.hasher()
+    hasher.update(memoryview(data)[:300_001])  # a view larger than one piece
+    prefix = hasher.copy()
+    hasher.update(data[300_001:])
+    assert hasher.hexdigest() == whole.hexdigest
+    prefix.update(memoryview(data)[300_001:])
+    assert prefix.digest() == hasher.digest()
+
+
 def test_sse_s3_etags_are_trusted_on_aws_endpoints_only() -> None:
     etag = hashlib.md5(b"x").hexdigest()
     details = {"ETag": f'"{etag}"', "ServerSideEncryption": "AES256"}
@@ -442,7 +484,7 @@ def test_size_and_checksum_come_from_the_open_stream_without_another_request(
     for stream in (on_stream, under):
         assert facts.remote_facts(stream, "gs://b/x", options, None) == (
             10,
-            hashlib.md5(b"x").hexdigest(),
+            facts.Checksum("md5", hashlib.md5(b"x").hexdigest()),
         )
     assert asked == []
     # A streaming HTTP file knows no size: then, and only then, the store is asked.

@@ -262,11 +262,12 @@ def test_a_verified_download_saves_the_table_of_a_parse_that_ends_after_the_comm
     import hashlib
 
     from cloudshards.cache import shardcache as cache_module
+    from cloudshards.cache.facts import Checksum
 
     shards = make_shards([3])
     url = fakes.url_of(shards.paths[0])
     content = shards.paths[0].read_bytes()
-    md5 = hashlib.md5(content, usedforsecurity=False).hexdigest()
+    md5 = Checksum("md5", hashlib.md5(content, usedforsecurity=False).hexdigest())
     monkeypatch.setattr(cache_module, "remote_facts", lambda *args: (len(content), md5))
     cache_dir = tmp_path / "cache"
     ds = wds.WebDataset([url], shardshuffle=False, cache_dir=str(cache_dir))

@@ -22,8 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import fakes
+import google_crc32c
 import pytest
 
+from cloudshards.cache.facts import Checksum
 from cloudshards.cache.stats import CacheStats
 from cloudshards.cache.tee import TeeStream
 from cloudshards.errors import CacheError, ShardOpenError
@@ -102,7 +104,7 @@ def tee(
     store: Store,
     *,
     size: int | None = len(DATA),
-    md5: str | None = None,
+    checksum: Checksum | None = None,
     skip: int = 0,
     refetch: Callable[[], Store] | None = None,
 ) -> TeeStream:
@@ -120,15 +122,23 @@ def tee(
         on_close=entry.on_close,
         stats=CacheStats(),
         expected_size=size,
-        expected_md5=md5,
+        checksum=checksum,
         skip=skip,
         refetch=counted_refetch if refetch is not None else None,
         distrust=entry.distrust,
     )
 
 
-def md5_of(data: bytes) -> str:
-    return hashlib.md5(data).hexdigest()
+@pytest.fixture(params=["md5", "crc32c"])
+def sum_of(request: pytest.FixtureRequest) -> Callable[[bytes], Checksum]:
+    """The store's checksum of some bytes: an MD5 (S3 ETags, GCS md5Hash) or a CRC32C (GCS)."""
+
+    def checksum(data: bytes) -> Checksum:
+        if request.param == "md5":
+            return Checksum("md5", hashlib.md5(data).hexdigest())
+        return Checksum("crc32c", google_crc32c.value(data).to_bytes(4, "big").hex())
+
+    return checksum
 
 
 @pytest.fixture
@@ -161,15 +171,19 @@ def test_a_take_over_skips_what_its_consumer_had_and_caches_the_whole_object(
     assert entry.closes == 1
 
 
-def test_a_checksum_without_a_size_is_still_verified(entry: Entry) -> None:
-    stream = tee(entry, Store(), size=None, md5=md5_of(DATA))
+def test_a_checksum_without_a_size_is_still_verified(
+    entry: Entry, sum_of: Callable[[bytes], Checksum]
+) -> None:
+    stream = tee(entry, Store(), size=None, checksum=sum_of(DATA))
     assert read_all(stream) == DATA
     stream.close()
     assert entry.commits == [len(DATA)]
 
 
-def test_a_wrong_checksum_without_a_size_fails_the_shard(entry: Entry) -> None:
-    stream = tee(entry, Store(flip=5), size=None, md5=md5_of(DATA), refetch=Store)
+def test_a_wrong_checksum_without_a_size_fails_the_shard(
+    entry: Entry, sum_of: Callable[[bytes], Checksum]
+) -> None:
+    stream = tee(entry, Store(flip=5), size=None, checksum=sum_of(DATA), refetch=Store)
     with pytest.raises(ShardOpenError, match="checksum"):
         read_all(stream)
     stream.close()
@@ -178,8 +192,10 @@ def test_a_wrong_checksum_without_a_size_fails_the_shard(entry: Entry) -> None:
     assert not entry.partial.exists()
 
 
-def test_the_error_is_raised_again_on_every_later_read(entry: Entry) -> None:
-    stream = tee(entry, Store(extra=10), md5=md5_of(DATA))
+def test_the_error_is_raised_again_on_every_later_read(
+    entry: Entry, sum_of: Callable[[bytes], Checksum]
+) -> None:
+    stream = tee(entry, Store(extra=10), checksum=sum_of(DATA))
     with pytest.raises(ShardOpenError) as first:
         read_all(stream)
     with pytest.raises(ShardOpenError) as again:
@@ -190,12 +206,12 @@ def test_the_error_is_raised_again_on_every_later_read(entry: Entry) -> None:
 
 
 def test_a_store_that_sends_more_than_it_said_is_stopped_at_once(
-    entry: Entry, small_hold: int
+    entry: Entry, small_hold: int, sum_of: Callable[[bytes], Checksum]
 ) -> None:
     """Held-back bytes are kept in memory: a store that goes on sending must fail the read
     that passes the size it reported, not fill memory until it stops."""
     store = Store(extra=50 * len(DATA))
-    stream = tee(entry, store, md5=md5_of(DATA))
+    stream = tee(entry, store, checksum=sum_of(DATA))
     with pytest.raises(ShardOpenError, match="more than"):
         read_all(stream)
     assert store.pos <= len(DATA) + store.chunk
@@ -203,10 +219,12 @@ def test_a_store_that_sends_more_than_it_said_is_stopped_at_once(
     assert entry.commits == []
 
 
-def test_a_small_verified_object_is_served_only_once_all_of_it_is_in(entry: Entry) -> None:
+def test_a_small_verified_object_is_served_only_once_all_of_it_is_in(
+    entry: Entry, sum_of: Callable[[bytes], Checksum]
+) -> None:
     """Smaller than the held-back end: not one byte is served before the checksum matched."""
     store = Store()
-    stream = tee(entry, store, md5=md5_of(DATA))
+    stream = tee(entry, store, checksum=sum_of(DATA))
     first = stream.read(100)
     assert first == DATA[:100]
     assert store.pos == len(DATA)
@@ -215,11 +233,14 @@ def test_a_small_verified_object_is_served_only_once_all_of_it_is_in(entry: Entr
 
 
 def test_a_corrupted_end_of_a_large_object_is_fetched_again(
-    entry: Entry, small_hold: int, caplog: pytest.LogCaptureFixture
+    entry: Entry,
+    small_hold: int,
+    caplog: pytest.LogCaptureFixture,
+    sum_of: Callable[[bytes], Checksum],
 ) -> None:
     """Only held-back bytes were wrong: a second download that matches the checksum and
     agrees with every byte already served provides the end."""
-    stream = tee(entry, Store(flip=len(DATA) - 10), md5=md5_of(DATA), refetch=Store)
+    stream = tee(entry, Store(flip=len(DATA) - 10), checksum=sum_of(DATA), refetch=Store)
     with caplog.at_level(logging.WARNING, logger="cloudshards"):
         assert read_all(stream) == DATA
     stream.close()
@@ -231,8 +252,10 @@ def test_a_corrupted_end_of_a_large_object_is_fetched_again(
     assert any("second download matched" in r.getMessage() for r in caplog.records)
 
 
-def test_a_corrupted_byte_already_served_fails_the_shard(entry: Entry, small_hold: int) -> None:
-    stream = tee(entry, Store(flip=100), md5=md5_of(DATA), refetch=Store)
+def test_a_corrupted_byte_already_served_fails_the_shard(
+    entry: Entry, small_hold: int, sum_of: Callable[[bytes], Checksum]
+) -> None:
+    stream = tee(entry, Store(flip=100), checksum=sum_of(DATA), refetch=Store)
     with pytest.raises(ShardOpenError, match="differs in bytes already read"):
         read_all(stream)
     stream.close()
@@ -241,7 +264,7 @@ def test_a_corrupted_byte_already_served_fails_the_shard(entry: Entry, small_hol
 
 
 def test_a_second_download_longer_than_the_object_is_cut_short(
-    entry: Entry, small_hold: int
+    entry: Entry, small_hold: int, sum_of: Callable[[bytes], Checksum]
 ) -> None:
     endless: list[Store] = []
 
@@ -249,17 +272,17 @@ def test_a_second_download_longer_than_the_object_is_cut_short(
         endless.append(Store(extra=100 * len(DATA)))
         return endless[-1]
 
-    stream = tee(entry, Store(flip=len(DATA) - 10), md5=md5_of(DATA), refetch=refetch)
+    stream = tee(entry, Store(flip=len(DATA) - 10), checksum=sum_of(DATA), refetch=refetch)
     with pytest.raises(ShardOpenError, match="changed"):
         read_all(stream)
     assert endless[0].pos <= len(DATA) + endless[0].chunk
     assert endless[0].closed
 
 
-def test_a_checksum_that_is_no_md5_of_the_bytes_is_distrusted(
-    entry: Entry, small_hold: int
+def test_a_checksum_that_is_not_one_of_the_bytes_is_distrusted(
+    entry: Entry, small_hold: int, sum_of: Callable[[bytes], Checksum]
 ) -> None:
-    stream = tee(entry, Store(), md5=md5_of(b"something else"), refetch=Store)
+    stream = tee(entry, Store(), checksum=sum_of(b"something else"), refetch=Store)
     assert read_all(stream) == DATA
     stream.close()
     assert entry.distrusted == 1
@@ -282,11 +305,14 @@ def swap_descriptor(stream: TeeStream, path: str, flags: int) -> None:
 
 
 def test_a_disk_that_fills_up_mid_download_still_serves_every_byte(
-    entry: Entry, small_hold: int, caplog: pytest.LogCaptureFixture
+    entry: Entry,
+    small_hold: int,
+    caplog: pytest.LogCaptureFixture,
+    sum_of: Callable[[bytes], Checksum],
 ) -> None:
     """ENOSPC in the middle of a verified download, with part of the end held back: the
     consumer gets every byte, held ones included, and no error; nothing is cached."""
-    stream = tee(entry, Store(), md5=md5_of(DATA), refetch=Store)
+    stream = tee(entry, Store(), checksum=sum_of(DATA), refetch=Store)
     got = stream.read(700)
     swap_descriptor(stream, "/dev/full", os.O_WRONLY)
     with caplog.at_level(logging.WARNING, logger="cloudshards"):
@@ -302,12 +328,12 @@ def test_a_disk_that_fills_up_mid_download_still_serves_every_byte(
 
 
 def test_a_disk_that_fills_up_where_the_held_back_end_begins_still_serves_every_byte(
-    entry: Entry, small_hold: int
+    entry: Entry, small_hold: int, sum_of: Callable[[bytes], Checksum]
 ) -> None:
     """The write that fails is the one of the chunk that reaches the held-back end: the bytes
     held from that chunk on are served with it, unverified, as the rest of the stream is."""
     hold_from = len(DATA) - small_hold
-    stream = tee(entry, Store(), md5=md5_of(DATA), refetch=Store)
+    stream = tee(entry, Store(), checksum=sum_of(DATA), refetch=Store)
     got = b""
     while len(got) < hold_from // 1000 * 1000:  # up to the chunk that crosses hold_from
         got += stream.read(1000)
@@ -343,14 +369,16 @@ def test_the_partial_file_is_readable_and_never_executable(entry: Entry) -> None
     stream.close()
 
 
-def test_descriptors_are_closed_whatever_happens(entry: Entry) -> None:
+def test_descriptors_are_closed_whatever_happens(
+    entry: Entry, sum_of: Callable[[bytes], Checksum]
+) -> None:
     before = len(os.listdir("/proc/self/fd"))
     for make in (
         lambda: tee(entry, Store()),  # read to the end
-        lambda: tee(entry, Store(extra=10), md5=md5_of(DATA)),  # fails verification
+        lambda: tee(entry, Store(extra=10), checksum=sum_of(DATA)),  # fails verification
     ):
         stream = make()
-        with pytest.raises(ShardOpenError) if stream._expected_md5 else _nothing():
+        with pytest.raises(ShardOpenError) if stream._checksum else _nothing():
             read_all(stream)
         stream.close()
     stream = tee(entry, Store())
@@ -432,11 +460,14 @@ def test_close_of_an_object_of_unknown_size_downloads_at_most_the_drain_size(
 
 
 def test_close_never_downloads_the_object_again(
-    entry: Entry, small_hold: int, caplog: pytest.LogCaptureFixture
+    entry: Entry,
+    small_hold: int,
+    caplog: pytest.LogCaptureFixture,
+    sum_of: Callable[[bytes], Checksum],
 ) -> None:
     """A mismatch found while completing the entry at close is not rechecked (that would be a
     second full download after the consumer stopped): the shard is simply not cached."""
-    stream = tee(entry, Store(flip=len(DATA) - 10), md5=md5_of(DATA), refetch=Store)
+    stream = tee(entry, Store(flip=len(DATA) - 10), checksum=sum_of(DATA), refetch=Store)
     stream.read(100)
     with caplog.at_level(logging.WARNING, logger="cloudshards"):
         stream.close()

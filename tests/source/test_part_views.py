@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from cloudshards.cache.facts import Checksum
 from cloudshards.source import FetchOptions, IOStats
 from cloudshards.source.parts import PartStream
 from cloudshards.tar import iter_members
@@ -136,7 +137,7 @@ def test_a_download_into_the_cache_hands_parts_on_as_views(
         on_close=lambda: None,
         stats=CacheStats(),
         expected_size=len(data),
-        expected_md5=hashlib.md5(data).hexdigest() if md5 else None,
+        checksum=Checksum("md5", hashlib.md5(data).hexdigest()) if md5 else None,
     )
     handed: list[type] = []
     read_view = tee.read_view

@@ -4,7 +4,8 @@ a cluster: the real scheduling code on a fake store and a fake clock.
 Real code: the shard list (``expand_urls`` of the brace spec), the epoch's shard order, each
 consumer's part of the epoch (``assign_samples`` when balanced by counts; webdataset's node
 and worker split when count-free), the part plan that a measured link gives
-(``adapt.plan`` after ``adapt.record`` of a fake transfer at ``--conn-mbps``), and the node
+(``adapt.plan`` after ``adapt.record`` of a fake transfer at ``--conn-mbps``, and with
+``--demand-mbps`` ``adapt.record_reading`` of a worker that takes that much), and the node
 budget's default. The clock is a fluid model: every request in flight on a node shares its NIC
 (``--nic-gbps``) at most ``--conn-mbps`` each, after ``--latency-ms``; no thread or socket
 per simulated worker. Node 0's consumers are computed exactly; the others are symmetric.
@@ -19,6 +20,7 @@ alone would allow), the memory they hold, and GETs per second on the store's pre
 
     python benchmarks/simulate_scale.py
     python benchmarks/simulate_scale.py --shards 10000 1000000 --nodes 1 16 64
+    python benchmarks/simulate_scale.py --shards 10000 --nodes 1 16 64 --demand-mbps 20
 """
 
 from __future__ import annotations
@@ -34,7 +36,10 @@ use_checkout()
 from cloudshards.balance import assign_samples  # noqa: E402
 from cloudshards.shards import epoch_shard_order  # noqa: E402
 from cloudshards.source import adapt  # noqa: E402
-from cloudshards.source.budget import DEFAULT_NODE_REQUESTS  # noqa: E402
+from cloudshards.source.budget import (  # noqa: E402
+    DEFAULT_NODE_BUFFER_BYTES,
+    DEFAULT_NODE_REQUESTS,
+)
 from cloudshards.source.options import FetchOptions  # noqa: E402
 from cloudshards.source.parts import FIRST_PART_BYTES  # noqa: E402
 from cloudshards.urls import expand_urls  # noqa: E402
@@ -76,6 +81,11 @@ def main() -> int:
     p.add_argument("--latency-ms", type=float, default=30.0)
     p.add_argument("--conn-mbps", type=float, default=100.0, help="MB/s per connection")
     p.add_argument("--nic-gbps", type=float, default=100.0, help="Gbit/s per node")
+    p.add_argument(
+        "--demand-mbps",
+        type=float,
+        help="MB/s each worker's training takes (default: as fast as the link brings)",
+    )
     args = p.parse_args()
 
     fetch = FetchOptions()
@@ -86,10 +96,13 @@ def main() -> int:
     # The fake clock: a small first part (time to first byte), then a 2 MiB part.
     adapt.record(url0, FIRST_PART_BYTES, latency)
     adapt.record(url0, 2 << 20, latency + (2 << 20) / conn)
+    shard_bytes = args.shard_mib * (1 << 20)
+    if args.demand_mbps:  # a reader measured at this demand: its windows follow it
+        adapt.record_reading(url0, int(shard_bytes), shard_bytes / (args.demand_mbps * 1e6))
     plan = adapt.plan(url0, fetch.part_bytes, fetch.concurrency, FIRST_PART_BYTES)
     per_worker = plan.in_flight * (fetch.prefetch + 1)
+    in_flight_bytes = plan.in_flight * plan.part_bytes
     nic = args.nic_gbps * 1e9 / 8
-    shard_bytes = args.shard_mib * (1 << 20)
     rows = []
     for shards, nodes in itertools.product(args.shards, args.nodes):
         spec = f"s3://bucket/train-{{0000000..{shards - 1:07d}}}.tar"
@@ -99,16 +112,23 @@ def main() -> int:
         share = node_share(urls, counts, nodes, args.ranks, args.workers) / args.samples
         unbudgeted = args.ranks * args.workers * per_worker
         flight = min(DEFAULT_NODE_REQUESTS, unbudgeted)
-        rate = min(nic, flight * conn)  # the node's throughput
+        link = min(nic, flight * conn)  # the node's throughput, reading as fast as it can
+        rate = link  # while training: no faster than its training takes the samples
+        if args.demand_mbps:
+            rate = min(rate, args.ranks * args.workers * args.demand_mbps * 1e6)
         gets = nodes * rate / plan.part_bytes
-        first_s = latency + FIRST_PART_BYTES / min(conn, rate / flight)
+        # Buffers: each worker's shard being read and those ahead hold their parts in flight,
+        # within the node's buffer budget.
+        windows = args.ranks * args.workers * (fetch.prefetch + 1) * in_flight_bytes
+        buffered = min(DEFAULT_NODE_BUFFER_BYTES, windows)
+        first_s = latency + FIRST_PART_BYTES / min(conn, link / flight)
         first_bytes = flight * FIRST_PART_BYTES  # every request in flight got as far
         free = node_shards_count_free(shards, nodes, args.ranks)
         modes = {
             # Once per job: each node counts its 1/N of the shards (cloudshards.jobcount).
             "counting": (
                 dataset / nodes + first_bytes,
-                dataset / nodes / rate + first_s,
+                dataset / nodes / link + first_s,
                 dataset / nodes + share * shard_bytes,
             ),
             # (The index: one GET of ~50 bytes per shard, before the shards' first parts.)
@@ -131,6 +151,7 @@ def main() -> int:
                     f"{epoch / fair:.2f}",
                     f"{flight} ({unbudgeted})",
                     _bytes(flight * plan.part_bytes),
+                    _bytes(buffered),
                     f"{gets:,.0f}",
                 ]
             )
@@ -140,9 +161,10 @@ def main() -> int:
         f"{plan.part_bytes >> 20} MiB, {plan.in_flight} per shard, prefetch {fetch.prefetch}; "
         f"{args.conn_mbps:.0f} MB/s per connection, {args.nic_gbps:.0f} Gbit/s per node, "
         f"{args.latency_ms:.0f} ms"
+        + (f"; each worker takes {args.demand_mbps:.0f} MB/s" if args.demand_mbps else "")
     )
     header = ["shards", "nodes", "counts", "before 1st", "time to 1st", "epoch / share"]
-    header += ["in flight (no budget)", "memory", "GET/s on prefix"]
+    header += ["in flight (no budget)", "memory", "buffered", "GET/s on prefix"]
     print(format_table(header, rows))
     return 0
 

@@ -316,6 +316,12 @@ REVIEWED_EQUIVALENTS: dict[str, str] = {
     "cloudshards/tar/blocks.py:BlockReader.finish_at_eof: self.base + self.pos → self.base - self.pos": (
         "pos is 0 here: it runs after a failed fill(), which rebases the buffer"
     ),
+    "cloudshards/cache/membertable.py:table_samples: zip(table.names, table.keys, table.fields, table.offsets, table.sizes, strict=True) → zip(table.names, table.keys, table.fields, table.offsets, table.sizes, strict=False)": (
+        "a loaded table's columns have one entry per row: load_table checks every count"
+    ),
+    "cloudshards/cache/membertable.py:table_samples: max(table.sizes) > max_member_bytes → max(table.sizes) >= max_member_bytes": (
+        "at equality the member reader's path runs instead, and gives the same samples (it refuses only members past the limit)"
+    ),
     "cloudshards/cache/membertable.py:MemberTable.rows: zip(self.names, self.offsets, self.sizes, strict=True) → zip(self.names, self.offsets, self.sizes, strict=False)": (
         "the columns have one length: appended together, or checked by load_table"
     ),

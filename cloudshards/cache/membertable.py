@@ -6,6 +6,11 @@ slice the members out by offset instead of parsing ~6 tar headers per sample aga
 entry is immutable and was verified (size, MD5 where the store gives one) when it was written,
 and the table is checked against the file's size before it is used.
 
+Saved as a binary file: a JSON header line, the offsets and sizes as raw arrays, and the
+names, keys and (lower-case) fields as NUL-separated UTF-8, so that a warm epoch neither parses
+JSON for thousands of names nor splits a name per member (webdataset's key rule is applied
+once, when the table is saved). Tables saved as JSON by earlier versions still load.
+
 Hand-written because no tar library keeps such a table; it is a few lines over the parser.
 """
 
@@ -16,6 +21,7 @@ import json
 import mmap
 import operator
 import os
+import sys
 from array import array
 from collections.abc import Iterator
 from typing import Any
@@ -41,13 +47,17 @@ class MemberTable:
         complete: The archive was read to its proper end (only then is the table usable).
     """
 
-    __slots__ = ("complete", "names", "offsets", "sizes")
+    __slots__ = ("complete", "fields", "keys", "names", "offsets", "sizes")
 
     def __init__(self) -> None:
         self.names: list[str] = []
         self.offsets = array("q")
         self.sizes = array("q")
         self.complete = False
+        #: Each member's key and lower-case field, where every name has both (a loaded
+        #: table saved with them); None: the names are split as they are read.
+        self.keys: list[str] | None = None
+        self.fields: list[str] | None = None
 
     def __len__(self) -> int:
         return len(self.names)
@@ -57,47 +67,150 @@ class MemberTable:
         return zip(self.names, self.offsets, self.sizes, strict=True)
 
 
-_VERSION = 1
 _new_member = tuple.__new__
+#: The saved table's first line; a JSON header line follows, then the columns.
+_MAGIC = b"cloudshards member table\n"
+_TEXT = ("utf-8", "surrogatepass")  # names as the tar reader made them, lone surrogates too
 
 
 def write_table(path: str, table: MemberTable, file_size: int) -> None:
     """Save ``table`` for a file of ``file_size`` bytes (atomically; errors are ignored:
-    without a table the shard is simply parsed)."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    value = {
-        "version": _VERSION,
+    without a table the shard is simply parsed). Names with a NUL (which separates them in
+    the file; no tar writer makes one) leave the shard without a table."""
+    names = table.names
+    if any("\0" in name for name in names):
+        return
+    split = _split_names(names)
+    blobs = [_joined(names)]
+    if split is not None:
+        blobs += [_joined(split[0]), _joined(split[1])]
+    header = {
+        "version": 2,
         "size": file_size,
-        "names": table.names,
-        "offsets": table.offsets.tolist(),
-        "sizes": table.sizes.tolist(),
+        "rows": len(names),
+        "byteorder": sys.byteorder,
+        "split": split is not None,
+        "lengths": [len(blob) for blob in blobs],
     }
+    tmp = f"{path}.{os.getpid()}.tmp"
     with contextlib.suppress(OSError):
-        with open(tmp, "w") as f:
-            # dumps, not dump: dump runs the pure-Python encoder chunk by chunk (~10x slower).
-            f.write(json.dumps(value))
+        with open(tmp, "wb") as f:
+            f.write(_MAGIC + json.dumps(header).encode() + b"\n")
+            f.write(table.offsets.tobytes())
+            f.write(table.sizes.tobytes())
+            for blob in blobs:
+                f.write(blob)
         os.replace(tmp, path)
     with contextlib.suppress(OSError):
         os.unlink(tmp)
 
 
+def _joined(strings: list[str]) -> bytes:
+    return "\0".join(strings).encode(*_TEXT)
+
+
+def _split_names(names: list[str]) -> tuple[list[str], list[str]] | None:
+    """Every name's key and lower-case field (webdataset's rule, as the readers apply it), or
+    None if one has none (such a member is skipped: the names are then split as read)."""
+    keys, fields = [], []
+    for name in names:
+        parts = split_key(name)
+        if parts is None:
+            return None
+        keys.append(parts[0])
+        fields.append(parts[1].lower())
+    return keys, fields
+
+
 def load_table(path: str, file_size: int) -> MemberTable | None:
     """The table saved for a file of ``file_size`` bytes, or None (missing, stale, corrupt)."""
     try:
-        with open(path) as f:
-            value: Any = json.load(f)
-    except (OSError, ValueError):
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError:
         return None
-    if (
-        not isinstance(value, dict)
-        or value.get("version") != _VERSION
-        or value.get("size") != file_size
+    loaded = _from_columns(raw) if raw.startswith(_MAGIC) else _from_json(raw)
+    if loaded is None:
+        return None
+    table, saved_for = loaded
+    if type(saved_for) is not int or saved_for != file_size:
+        return None
+    # Checked in C (map, min, max): this runs for every cached shard of every warm epoch.
+    if table.names and (
+        min(table.offsets) < 0
+        or min(table.sizes) < 0
+        or max(map(operator.add, table.offsets, table.sizes)) > file_size
     ):
+        return None
+    table.complete = True
+    return table
+
+
+def _from_columns(raw: bytes) -> tuple[MemberTable, Any] | None:
+    """A table saved by :func:`write_table` (its header, then its columns, nothing more),
+    and the file size it was saved for."""
+    try:
+        end = raw.index(b"\n", len(_MAGIC))
+        header: Any = json.loads(raw[len(_MAGIC) : end])
+    except ValueError:  # no header line, or not JSON
+        return None
+    if not isinstance(header, dict) or header.get("version") != 2:
+        return None
+    if header.get("byteorder") != sys.byteorder:  # a cache directory moved between machines
+        return None
+    rows, split, lengths = header.get("rows"), header.get("split"), header.get("lengths")
+    if type(rows) is not int or rows < 0 or type(split) is not bool:
+        return None
+    if not isinstance(lengths, list) or len(lengths) != (3 if split else 1):
+        return None
+    if not all(type(length) is int and length >= 0 for length in lengths):
+        return None
+    position = end + 1
+    if len(raw) != position + 16 * rows + sum(lengths):
+        return None
+    table = MemberTable()
+    table.offsets.frombytes(raw[position : position + 8 * rows])
+    table.sizes.frombytes(raw[position + 8 * rows : position + 16 * rows])
+    position += 16 * rows
+    columns = []
+    for length in lengths:
+        strings = _strings(raw[position : position + length], rows)
+        if strings is None:
+            return None
+        columns.append(strings)
+        position += length
+    table.names = columns[0]
+    if split:
+        table.keys, table.fields = columns[1], columns[2]
+    return table, header.get("size")
+
+
+def _strings(blob: bytes, rows: int) -> list[str] | None:
+    """``rows`` NUL-separated strings, or None."""
+    if not rows:
+        return None if blob else []
+    try:
+        strings = blob.decode(*_TEXT).split("\0")
+    except UnicodeDecodeError:
+        return None
+    return strings if len(strings) == rows else None
+
+
+def _from_json(raw: bytes) -> tuple[MemberTable, Any] | None:
+    """A table saved as JSON by earlier versions (version 1), and the file size it was saved
+    for."""
+    try:
+        value: Any = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(value, dict) or value.get("version") != 1:
         return None
     names, offsets, sizes = value.get("names"), value.get("offsets"), value.get("sizes")
     if not (isinstance(names, list) and isinstance(offsets, list) and isinstance(sizes, list)):
         return None
     if not len(names) == len(offsets) == len(sizes):
+        return None
+    if not set(map(type, names)) <= {str}:  # JSON strings load as str, nothing else does
         return None
     table = MemberTable()
     try:
@@ -105,18 +218,8 @@ def load_table(path: str, file_size: int) -> MemberTable | None:
         table.sizes.fromlist(sizes)
     except (TypeError, OverflowError):
         return None
-    # Checked in C (map, min, max): this runs for every cached shard of every warm epoch.
-    if not set(map(type, names)) <= {str}:  # JSON strings load as str, nothing else does
-        return None
-    if names and (
-        min(table.offsets) < 0
-        or min(table.sizes) < 0
-        or max(map(operator.add, table.offsets, table.sizes)) > file_size
-    ):
-        return None
     table.names = names
-    table.complete = True
-    return table
+    return table, value.get("size")
 
 
 def iter_table(
@@ -177,27 +280,17 @@ def table_samples(
         return
     sample: Sample | None = None
     key = ""
+    meta_only = name_filter is skip_meta  # the usual filter: inline, not called
+    rows: Iterator[tuple[str, str, str, int, int]]
+    if table.keys is not None and table.fields is not None and (meta_only or name_filter is None):
+        # Split when the table was saved: nothing per member but the slice.
+        rows = zip(table.names, table.keys, table.fields, table.offsets, table.sizes, strict=True)
+    else:
+        rows = _split_rows(table, None if meta_only else name_filter)
     with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as view:
-        meta_only = name_filter is skip_meta  # the usual filter: inline, not called
-        for name, offset, length in table.rows():
-            if meta_only:
-                if name.startswith("__") and is_meta_name(name):
-                    continue
-            elif name_filter is not None:
-                renamed = name_filter(name)
-                if renamed is None:
-                    continue
-                name = renamed
-            # split_key's fast path, inline; split_key itself for the names it leaves.
-            start = name.rfind("/") + 1
-            dot = name.find(".", start)
-            if dot > start and "\n" not in name:
-                member_key, field = name[:dot], name[dot + 1 :].lower()
-            else:
-                parts = split_key(name)
-                if parts is None:
-                    continue
-                member_key, field = parts[0], parts[1].lower()
+        for name, member_key, field, offset, length in rows:
+            if meta_only and name.startswith("__") and is_meta_name(name):
+                continue
             if sample is None or member_key != key:
                 if sample is not None:
                     yield sample
@@ -208,3 +301,19 @@ def table_samples(
             sample[field] = view[offset : offset + length]
     if sample is not None:
         yield sample
+
+
+def _split_rows(
+    table: MemberTable, name_filter: NameFilter | None
+) -> Iterator[tuple[str, str, str, int, int]]:
+    """``(name, key, lower-case field, offset, size)`` of the members ``name_filter`` keeps
+    (renamed) that have a key, for a table saved without its keys."""
+    for name, offset, length in table.rows():
+        if name_filter is not None:
+            renamed = name_filter(name)
+            if renamed is None:
+                continue
+            name = renamed
+        parts = split_key(name)
+        if parts is not None:
+            yield name, parts[0], parts[1].lower(), offset, length

@@ -14,7 +14,7 @@ import pytest
 
 import cloudshards as wds
 from cloudshards.cache.membertable import iter_table, load_table
-from cloudshards.grouping import make_name_filter
+from cloudshards.grouping import make_name_filter, split_key
 
 
 @pytest.fixture(autouse=True)
@@ -81,10 +81,8 @@ def test_a_stale_or_corrupt_table_is_ignored(make_shards: Any, tmp_path: Path) -
     cache_dir = tmp_path / "cache"
     first = samples(dataset(urls, cache_dir))
     stale, corrupt = tables(cache_dir)
-    value = json.loads(stale.read_text())
-    value["size"] += 512  # a table for another file
-    stale.write_text(json.dumps(value))
-    size = json.loads(corrupt.read_text())["size"]
+    edit_header(stale, size=header_of(stale)["size"] + 512)  # a table for another file
+    size = header_of(corrupt)["size"]
     corrupt.write_text(
         json.dumps(
             {"version": 1, "size": size, "names": ["x.bin"], "offsets": [0], "sizes": [size + 1]}
@@ -163,6 +161,18 @@ def test_a_reader_that_followed_a_download_ahead_saves_its_table(
     assert samples(dataset(urls, cache_dir)) == first
 
 
+def header_of(path: Path) -> dict[str, Any]:
+    """The JSON header of a saved table (after its first line)."""
+    value: dict[str, Any] = json.loads(path.read_bytes().split(b"\n", 2)[1])
+    return value
+
+
+def edit_header(path: Path, **changes: Any) -> None:
+    magic, header, rest = path.read_bytes().split(b"\n", 2)
+    value = {**json.loads(header), **changes}
+    path.write_bytes(magic + b"\n" + json.dumps(value).encode() + b"\n" + rest)
+
+
 # --- gaps found by the mutation check (integration/mutation.py) ------------------------------
 
 
@@ -187,6 +197,7 @@ def write_raw_table(path: Path, **fields: Any) -> None:
         {"offsets": [1]},  # ends past the file
         {"names": ["a", "b"], "offsets": [0, 5], "sizes": [5, 6]},  # the last ends past it
         {"names": ["a", "b"], "offsets": [0, -1], "sizes": [5, 1]},
+        {"names": ["a", "b"], "offsets": [0, 5], "sizes": [5, -1]},
         {"names": ["a", None], "offsets": [0, 5], "sizes": [5, 5]},
         {"offsets": ["0"]},
     ],
@@ -258,17 +269,25 @@ NAMES = [
 ]  # fmt: skip
 
 
+#: Names that all have a key (a saved table then carries them split).
+KEYED = [name for name in NAMES if split_key(name) is not None]
+
+
 @pytest.mark.parametrize("seed", range(40))
-def test_table_samples_are_group_members_of_iter_table(tmp_path: Path, seed: int) -> None:
+@pytest.mark.parametrize("pool", [NAMES, KEYED], ids=["any names", "keyed names"])
+def test_table_samples_are_group_members_of_iter_table(
+    tmp_path: Path, seed: int, pool: list[str]
+) -> None:
     """The warm path's one loop (table_samples) against the two it replaces, on random member
-    names (duplicates, keyless names, meta names, upper-case fields), filters and limits."""
+    names (duplicates, keyless names, meta names, upper-case fields), filters and limits, with
+    the table as the reader made it and as saved and loaded (names split then)."""
     import random
 
-    from cloudshards.cache.membertable import MemberTable, table_samples
+    from cloudshards.cache.membertable import MemberTable, table_samples, write_table
     from cloudshards.grouping import group_members
 
     rng = random.Random(seed)
-    names = [rng.choice(NAMES) for _ in range(rng.randrange(0, 14))]
+    names = [rng.choice(pool) for _ in range(rng.randrange(0, 14))]
     data = bytes(rng.randrange(256) for _ in range(4096))
     path = tmp_path / "entry"
     path.write_bytes(data if seed % 7 else b"")
@@ -300,3 +319,207 @@ def test_table_samples_are_group_members_of_iter_table(tmp_path: Path, seed: int
             return group_members(members, url="u", shard_index=3, name_filter=name_filter)
 
         assert outcome(fused) == outcome(reference)
+
+        # The same through a saved table, whose names were split when it was saved.
+        write_table(str(tmp_path / "table"), table, len(data))
+        loaded = load_table(str(tmp_path / "table"), len(data))
+        assert loaded is not None
+        assert (loaded.keys is not None) == all(split_key(name) is not None for name in names)
+
+        def fused_loaded() -> Any:
+            assert loaded is not None
+            return table_samples(
+                fd, loaded, url="u", name_filter=name_filter, max_member_bytes=limit, shard_index=3
+            )
+
+        assert outcome(fused_loaded) == outcome(reference)
+
+
+# --- the saved format: columns, names split once -------------------------------------------
+
+
+def saved(tmp_path: Path, names: list[str], file_size: int = 4096) -> Path:
+    from cloudshards.cache.membertable import MemberTable, write_table
+
+    table = MemberTable()
+    for index, name in enumerate(names):
+        table.names.append(name)
+        table.offsets.append(index)
+        table.sizes.append(1)
+    path = tmp_path / "table.members"
+    write_table(str(path), table, file_size)
+    return path
+
+
+def test_a_saved_table_loads_with_every_name_split_once(tmp_path: Path) -> None:
+    names = ["a.JPG", "a.json", "dir.v2/b.seg.png", "a/.hidden", "c.", "d.x\ny", "é\udcff.txt"]
+    table = load_table(str(saved(tmp_path, names)), 4096)
+    assert table is not None
+    assert table.complete
+    assert list(table.rows()) == [(name, i, 1) for i, name in enumerate(names)]
+    assert table.keys == ["a", "a", "dir.v2/b", "a/", "c", "d", "é\udcff"]
+    assert table.fields == ["jpg", "json", "seg.png", "hidden", "", "x\ny", "txt"]
+
+
+def test_a_name_without_a_key_leaves_the_names_to_split_as_read(tmp_path: Path) -> None:
+    names = ["a.jpg", "nodot", ".hidden"]
+    table = load_table(str(saved(tmp_path, names)), 4096)
+    assert table is not None
+    assert table.names == names
+    assert table.keys is None
+    assert table.fields is None
+
+
+def test_names_with_a_nul_leave_the_shard_without_a_table(tmp_path: Path) -> None:
+    assert not saved(tmp_path, ["a.jpg", "b\0c.jpg"]).exists()
+
+
+def test_an_empty_table_round_trips(tmp_path: Path) -> None:
+    table = load_table(str(saved(tmp_path, [], 0)), 0)
+    assert table is not None
+    assert list(table.rows()) == []
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "version",
+        "byteorder",
+        "rows",
+        "rows type",
+        "split type",
+        "lengths",
+        "lengths type",
+        "short",
+        "long",
+        "not utf-8",
+        "header",
+        "no header end",
+        "keys count",
+    ],
+)
+def test_a_damaged_saved_table_is_refused(tmp_path: Path, damage: str) -> None:
+    path = saved(tmp_path, ["a.jpg", "a.cls", "b.jpg"])
+    assert load_table(str(path), 4096) is not None
+    magic, header, rest = path.read_bytes().split(b"\n", 2)
+    value = json.loads(header)
+    if damage == "version":
+        value["version"] = 3
+    elif damage == "byteorder":
+        value["byteorder"] = "big" if value["byteorder"] == "little" else "little"
+    elif damage == "rows":
+        value["rows"] = 2
+    elif damage == "rows type":
+        value["rows"] = 3.0
+    elif damage == "split type":
+        value["split"] = 1
+    elif damage == "lengths":
+        value["lengths"] = value["lengths"][:1]
+    elif damage == "lengths type":
+        value["lengths"] = [str(n) for n in value["lengths"]]
+    elif damage == "short":
+        rest = rest[:-1]
+    elif damage == "long":
+        rest += b"x"
+    elif damage == "not utf-8":
+        rest = rest[:48] + b"\xff" + rest[49:]  # the first byte of the names
+    elif damage == "header":
+        header = b"{not json"
+    elif damage == "no header end":
+        path.write_bytes(magic + b"\n" + header)
+        assert load_table(str(path), 4096) is None
+        return
+    elif damage == "keys count":  # one key fewer, one field more: the same length in all
+        keys_at = 48 + value["lengths"][0]
+        rest = rest[:keys_at] + rest[keys_at:].replace(b"\0", b"", 1) + b"\0"
+        value["lengths"][1] -= 1
+        value["lengths"][2] += 1
+    if damage != "header":
+        header = json.dumps(value).encode()
+    path.write_bytes(magic + b"\n" + header + b"\n" + rest)
+    assert load_table(str(path), 4096) is None
+
+
+def test_a_saved_tables_warm_path_splits_no_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the names split when the table was saved, the usual reads (no filter, or the
+    meta filter) split none; a filter that renames members splits what it returns."""
+    from cloudshards.cache import membertable
+    from cloudshards.grouping import skip_meta
+
+    data = bytes(range(256)) * 4
+    entry = tmp_path / "entry"
+    entry.write_bytes(data)
+    path = saved(tmp_path, ["a.jpg", "a.cls", "__x__/b.jpg", "b.jpg"], len(data))
+    table = load_table(str(path), len(data))
+    assert table is not None
+    calls: list[str] = []
+    split_rows = membertable._split_rows
+
+    def counted(*args: Any) -> Any:
+        calls.append("split")
+        return split_rows(*args)
+
+    monkeypatch.setattr(membertable, "_split_rows", counted)
+    with open(entry, "rb") as f:
+
+        def read(name_filter: Any) -> list[dict[str, Any]]:
+            return [
+                dict(s)
+                for s in membertable.table_samples(
+                    f.fileno(), table, url="u", name_filter=name_filter, max_member_bytes=64
+                )
+            ]
+
+        assert [s["__key__"] for s in read(None)] == ["a", "__x__/b", "b"]
+        assert [s["__key__"] for s in read(skip_meta)] == ["a", "b"]
+        assert calls == []
+        renamed = read(make_name_filter(None, str.upper))
+        assert [s["__key__"] for s in renamed] == ["A", "B"]
+        assert calls == ["split"]
+
+
+def test_a_member_of_exactly_the_limit_is_read(tmp_path: Path) -> None:
+    from cloudshards.cache.membertable import table_samples
+
+    entry = tmp_path / "entry"
+    entry.write_bytes(b"x" * 100)
+    for table in (
+        load_table(str(saved(tmp_path, ["a.bin", "b.bin"], 100)), 100),
+        _in_memory(["a.bin", "b.bin"]),
+    ):
+        assert table is not None
+        with open(entry, "rb") as f:
+            samples = list(
+                table_samples(f.fileno(), table, url="u", name_filter=None, max_member_bytes=1)
+            )
+            members = list(
+                iter_table(f.fileno(), table, url="u", name_filter=None, max_member_bytes=1)
+            )
+        assert [bytes(s["bin"]) for s in samples] == [b"x", b"x"]
+        assert len(members) == 2
+
+
+def _in_memory(names: list[str]) -> Any:
+    from cloudshards.cache.membertable import MemberTable
+
+    table = MemberTable()
+    for index, name in enumerate(names):
+        table.names.append(name)
+        table.offsets.append(index)
+        table.sizes.append(1)
+    return table
+
+
+@pytest.mark.parametrize(
+    "lengths",
+    [lambda n: [n[0], n[1] + n[2]], lambda n: {"0": n[0]}, lambda n: None],
+    ids=["two columns of three", "not a list", "missing"],
+)
+def test_column_lengths_that_do_not_describe_the_columns_are_refused(
+    tmp_path: Path, lengths: Any
+) -> None:
+    path = saved(tmp_path, ["a.jpg", "b.jpg"])
+    edit_header(path, lengths=lengths(header_of(path)["lengths"]))
+    assert load_table(str(path), 4096) is None

@@ -6,15 +6,13 @@ for every part of each shard it opens ahead at once. Both read every sample once
 
 from __future__ import annotations
 
-import os
-import tarfile
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
 from cloudsim_fixtures import cloudsim_process_factory  # noqa: F401 - the fixture
 from servers import NginxServer
+from test_node_budget import _write_shards
 
 import cloudshards as wds
 from cloudshards.source import adapt
@@ -27,21 +25,6 @@ STEP_S = 0.003
 WARMUP = 3
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
-
-
-def _write_shards(root: Path) -> list[str]:
-    names = []
-    for shard in range(SHARDS):
-        name = f"window/shard-{shard:04d}.tar"
-        (root / name).parent.mkdir(parents=True, exist_ok=True)
-        with tarfile.open(root / name, "w", format=tarfile.PAX_FORMAT) as tar:
-            for index in range(SAMPLES):
-                path = root / "window" / "member.bin"
-                path.write_bytes(os.urandom(PAYLOAD))
-                tar.add(path, arcname=f"s{shard:04d}_{index:04d}.bin")
-        names.append(name)
-    (root / "window" / "member.bin").unlink()
-    return names
 
 
 def _read(urls: list[str], sim: Any, **fetch: int) -> tuple[list[str], int]:
@@ -64,7 +47,7 @@ def _read(urls: list[str], sim: Any, **fetch: int) -> tuple[list[str], int]:
 def test_a_slow_reader_keeps_fewer_gets_in_flight(
     http_server: NginxServer, cloudsim_process: Any
 ) -> None:
-    names = _write_shards(http_server.root)
+    names = _write_shards(http_server.root, "window", SHARDS, SAMPLES, PAYLOAD)
     sim = cloudsim_process(http_server.base_url, latency_s=0.03, bandwidth_bps=25e6)
     urls = [f"{sim.url}/{name}" for name in names]
     expected = [f"s{shard:04d}_{index:04d}" for shard in range(SHARDS) for index in range(SAMPLES)]

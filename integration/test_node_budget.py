@@ -28,14 +28,22 @@ BUDGET = 6
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-def _write_shards(root: Path) -> list[str]:
+def _write_shards(
+    root: Path,
+    folder: str = "budget",
+    shards: int = SHARDS,
+    samples: int = SAMPLES,
+    payload: int = PAYLOAD,
+) -> list[str]:
+    """``shards`` tar files under ``root/folder`` of ``samples`` members ``sSSSS_IIII.bin``
+    of ``payload`` random bytes each; their names relative to ``root``."""
     names = []
-    for shard in range(SHARDS):
-        name = f"budget/shard-{shard:04d}.tar"
+    for shard in range(shards):
+        name = f"{folder}/shard-{shard:04d}.tar"
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         with tarfile.open(root / name, "w", format=tarfile.PAX_FORMAT) as tar:
-            for index in range(SAMPLES):
-                data = os.urandom(PAYLOAD)
+            for index in range(samples):
+                data = os.urandom(payload)
                 info = tarfile.TarInfo(f"s{shard:04d}_{index:04d}.bin")
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))

@@ -3,8 +3,8 @@
 The first time a shard is parsed into the node cache, the tar reader records every regular
 member's ``(name, data offset, size)``. Later epochs read the cached file through ``mmap`` and
 slice the members out by offset instead of parsing ~6 tar headers per sample again: the cache
-entry is immutable and was verified (size, MD5 where the store gives one) when it was written,
-and the table is checked against the file's size before it is used.
+entry is immutable and was verified (size, and the checksum the store guarantees, if any)
+when it was written, and the table is checked against the file's size before it is used.
 
 Saved as a binary file: a JSON header line, the offsets and sizes as raw arrays, and the
 names, keys and (lower-case) fields as NUL-separated UTF-8, so that a warm epoch neither parses
@@ -114,12 +114,18 @@ def _split_names(names: list[str]) -> tuple[list[str], list[str]] | None:
     None if one has none (such a member is skipped: the names are then split as read)."""
     keys, fields = [], []
     for name in names:
-        parts = split_key(name)
+        parts = _key_field(name)
         if parts is None:
             return None
         keys.append(parts[0])
-        fields.append(parts[1].lower())
+        fields.append(parts[1])
     return keys, fields
+
+
+def _key_field(name: str) -> tuple[str, str] | None:
+    """A member's key and lower-case field, as samples name them (saved and read alike)."""
+    parts = split_key(name)
+    return None if parts is None else (parts[0], parts[1].lower())
 
 
 def load_table(path: str, file_size: int) -> MemberTable | None:
@@ -314,6 +320,6 @@ def _split_rows(
             if renamed is None:
                 continue
             name = renamed
-        parts = split_key(name)
+        parts = _key_field(name)
         if parts is not None:
-            yield name, parts[0], parts[1].lower(), offset, length
+            yield name, parts[0], parts[1], offset, length

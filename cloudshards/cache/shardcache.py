@@ -5,8 +5,8 @@ Its files are described in :mod:`cloudshards.cache.layout`.
 ``<name>`` is a hash of the URL (credentials and signing parameters removed) plus a sanitised
 basename, so no URL can name a path outside the directory and no secret reaches a file name.
 Exactly one process downloads a shard (it holds the entry's flock, which dies with it); it
-serves its own consumer while writing ``.partial``, verifies length (and an MD5 when the store
-guarantees one, see :mod:`cloudshards.cache.facts`), then renames into place. Other processes
+serves its own consumer while writing ``.partial``, verifies length (and a checksum when the
+store guarantees one, see :mod:`cloudshards.cache.facts`), then renames into place. Other processes
 follow the growing file, or take over if the downloader dies. Entries in use hold a shared
 flock, which eviction respects. A full or read-only disk never fails a read: the shard is
 streamed from the store instead.

@@ -48,7 +48,7 @@ class TeeStream(ClosingStream):
             :func:`~cloudshards.cache.facts.trusted_checksum`).
         skip: Bytes already delivered to this consumer (taking over a dead download).
         refetch: Opens the object again from its start, to recheck a checksum mismatch.
-        distrust: Called when the store's checksum proves not to be the MD5 of its bytes.
+        distrust: Called when the store's checksum proves not to be one of its bytes.
     """
 
     #: Bytes at the end of a verified download that are served only after verification.
@@ -275,7 +275,7 @@ class TeeStream(ClosingStream):
             self._complete(tail)
         elif verdict == "checksum":
             logger.warning(
-                "cache: the store's checksum of %s is not the MD5 of its bytes (two downloads "
+                "cache: the store's checksum of %s is not one of its bytes (two downloads "
                 "agree with each other, not with it); streaming it without caching, and not "
                 "using this store's checksums from now on",
                 redact_url(self.url),

@@ -17,7 +17,7 @@ from cloudshards.source.resumable import ResumableStream, open_remote
 from cloudshards.source.retries import IOStats, RangeIgnoredError, retry
 from cloudshards.source.transport import fetch_first, fetch_range, object_at
 
-__all__ = ["open_parts", "open_sized_parts"]
+__all__ = ["open_parts", "open_sized_parts", "plan_parts"]
 
 
 def open_parts(
@@ -43,7 +43,7 @@ def open_parts(
         return stream()
     source = object_at(url, options, stall_timeout_s=fetch.stall_timeout_s)
 
-    plan = _plan(url, fetch)
+    plan = plan_parts(url, fetch)
     first: cf.Future[Any]
     details: cf.Future[dict[str, Any]]
     if hasattr(source, "cat_first"):
@@ -154,13 +154,15 @@ def open_sized_parts(
         options=fetch,
         stats=stats,
         shard_index=shard_index,
-        plan=_plan(url, fetch),
+        plan=plan_parts(url, fetch),
     )
     stream.start()
     return stream
 
 
-def _plan(url: str, fetch: FetchOptions) -> adapt.PartPlan:
+def plan_parts(url: str, fetch: FetchOptions) -> adapt.PartPlan:
+    """The parts of the next shard of ``url``: as the settings fix them, or as the link and
+    its reader measured so far size them (adaptive settings)."""
     plan = fixed_plan(fetch)
     if fetch.adaptive:
         plan = adapt.plan(url, fetch.part_bytes, fetch.concurrency, plan.first_bytes)

@@ -15,10 +15,9 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from cloudshards.source import adapt
 from cloudshards.source.local import is_local
 from cloudshards.source.opener import NodeCache, ShardSource, open_source, store_opener
-from cloudshards.source.openparts import open_parts
+from cloudshards.source.openparts import open_parts, plan_parts
 from cloudshards.source.options import FetchOptions, OpenOptions
 from cloudshards.source.parts import PartStream
 from cloudshards.source.retries import IOStats, process_stats
@@ -243,8 +242,8 @@ class _Depth:
     """Shards to keep ahead: the fetch settings' ``prefetch``, or fewer once remote shards
     are read and the node's buffer budget, shared with its other processes, holds fewer.
 
-    A shard takes what its parts in flight hold: with adaptive parts, what the plan for the
-    last remote shard's host holds (sized from the reader's demand), else the fixed bound.
+    A shard takes what its parts in flight hold: the plan for the last remote shard's host
+    (with adaptive parts, sized from the reader's demand; else the fixed bound).
     """
 
     def __init__(self, fetch: FetchOptions) -> None:
@@ -257,11 +256,8 @@ class _Depth:
             return fetch.prefetch
         from cloudshards.source.budget import node_budget
 
-        shard_bytes = fetch.concurrency * fetch.part_bytes
-        if fetch.adaptive:
-            plan = adapt.plan(self.remote_url, fetch.part_bytes, fetch.concurrency, 0)
-            shard_bytes = plan.part_bytes * plan.in_flight
-        return node_budget().shards_ahead(fetch.prefetch, shard_bytes)
+        plan = plan_parts(self.remote_url, fetch)
+        return node_budget().shards_ahead(fetch.prefetch, plan.part_bytes * plan.in_flight)
 
 
 def current_thread_count() -> int:

@@ -312,8 +312,9 @@ def test_a_trusted_checksum_that_is_wrong_refetches_once_then_streams_uncached(
     tmp_path: Path,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """A store whose md5Hash is not the MD5 of what it serves: the samples are right (two
-    downloads agree), the shard is not cached, one warning, and nothing raises."""
+    """A store whose checksum (md5Hash or crc32c) is not one of what it serves: the samples
+    are right (two downloads agree), the shard is not cached, one warning, and nothing
+    raises."""
     shards = make_shards([3, 4], payload_bytes=2000)
     cache_dir = tmp_path / "cache"
     gcs.wrong_checksum = b"\x01"

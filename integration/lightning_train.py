@@ -11,7 +11,9 @@ to ``OUT_DIR/rank{r}.json``.
 
 from __future__ import annotations
 
+import faulthandler
 import json
+import signal
 import sys
 from collections import defaultdict
 
@@ -19,6 +21,10 @@ import pytorch_lightning as pl
 import torch
 
 import cloudshards as wds
+
+# On a hang the test sends SIGUSR1: every process (ranks, their forked DataLoader workers)
+# prints its threads' stacks.
+faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 class Model(pl.LightningModule):

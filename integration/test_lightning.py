@@ -8,6 +8,7 @@ every process it started is killed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -54,9 +55,17 @@ def _lightning(tmp_path: Path, script: Path, *args: str, devices: int = 2) -> st
     try:
         output, _ = process.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"the DDP run hung:\n{output.decode(errors='replace')[-4000:]}")
+        # Every process of the run (ranks and their DataLoader workers) prints its threads'
+        # stacks (the scripts register faulthandler on SIGUSR1), then all are killed.
+        os.killpg(process.pid, signal.SIGUSR1)
+        try:
+            output, _ = process.communicate(timeout=5)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            output, _ = process.communicate()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        pytest.fail(f"the DDP run hung:\n{output.decode(errors='replace')[-30000:]}")
     text = output.decode(errors="replace")
     assert process.returncode == 0, text[-4000:]
     return text

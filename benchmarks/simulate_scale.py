@@ -6,7 +6,9 @@ consumer's part of the epoch (``assign_samples`` when balanced by counts; webdat
 and worker split when count-free), the part plan that a measured link gives
 (``adapt.plan`` after ``adapt.record`` of a fake transfer at ``--conn-mbps``, and with
 ``--demand-mbps`` ``adapt.record_reading`` of a worker that takes that much), and the node
-budget's default. The clock is a fluid model: every request in flight on a node shares its NIC
+budget's defaults for the node's link and memory (``--nic-gbps``, ``--memory-gib``: the
+requests that fill the link at the measured connection rate, a share of the memory for
+buffers). The clock is a fluid model: every request in flight on a node shares its NIC
 (``--nic-gbps``) at most ``--conn-mbps`` each, after ``--latency-ms``; no thread or socket
 per simulated worker. Node 0's consumers are computed exactly; the others are symmetric.
 
@@ -37,8 +39,8 @@ from cloudshards.balance import assign_samples  # noqa: E402
 from cloudshards.shards import epoch_shard_order  # noqa: E402
 from cloudshards.source import adapt  # noqa: E402
 from cloudshards.source.budget import (  # noqa: E402
-    DEFAULT_NODE_BUFFER_BYTES,
-    DEFAULT_NODE_REQUESTS,
+    default_buffer_bytes,
+    requests_for_link,
 )
 from cloudshards.source.options import FetchOptions  # noqa: E402
 from cloudshards.source.parts import FIRST_PART_BYTES  # noqa: E402
@@ -81,6 +83,7 @@ def main() -> int:
     p.add_argument("--latency-ms", type=float, default=30.0)
     p.add_argument("--conn-mbps", type=float, default=100.0, help="MB/s per connection")
     p.add_argument("--nic-gbps", type=float, default=100.0, help="Gbit/s per node")
+    p.add_argument("--memory-gib", type=float, default=1024.0, help="memory per node")
     p.add_argument(
         "--demand-mbps",
         type=float,
@@ -103,6 +106,9 @@ def main() -> int:
     per_worker = plan.in_flight * (fetch.prefetch + 1)
     in_flight_bytes = plan.in_flight * plan.part_bytes
     nic = args.nic_gbps * 1e9 / 8
+    # The node budget's defaults, as a node reporting this NIC and memory sizes them.
+    node_requests = requests_for_link(int(nic), adapt.connection_rate())
+    node_buffers = default_buffer_bytes(int(args.memory_gib * GiB))
     rows = []
     for shards, nodes in itertools.product(args.shards, args.nodes):
         spec = f"s3://bucket/train-{{0000000..{shards - 1:07d}}}.tar"
@@ -111,7 +117,7 @@ def main() -> int:
         dataset = shards * shard_bytes
         share = node_share(urls, counts, nodes, args.ranks, args.workers) / args.samples
         unbudgeted = args.ranks * args.workers * per_worker
-        flight = min(DEFAULT_NODE_REQUESTS, unbudgeted)
+        flight = min(node_requests, unbudgeted)
         link = min(nic, flight * conn)  # the node's throughput, reading as fast as it can
         rate = link  # while training: no faster than its training takes the samples
         if args.demand_mbps:
@@ -120,7 +126,7 @@ def main() -> int:
         # Buffers: each worker's shard being read and those ahead hold their parts in flight,
         # within the node's buffer budget.
         windows = args.ranks * args.workers * (fetch.prefetch + 1) * in_flight_bytes
-        buffered = min(DEFAULT_NODE_BUFFER_BYTES, windows)
+        buffered = min(node_buffers, windows)
         first_s = latency + FIRST_PART_BYTES / min(conn, link / flight)
         first_bytes = flight * FIRST_PART_BYTES  # every request in flight got as far
         free = node_shards_count_free(shards, nodes, args.ranks)
@@ -159,8 +165,9 @@ def main() -> int:
         f"{args.ranks} ranks x {args.workers} workers per node, shards of "
         f"{args.shard_mib:.0f} MiB x {args.samples} samples; parts of "
         f"{plan.part_bytes >> 20} MiB, {plan.in_flight} per shard, prefetch {fetch.prefetch}; "
-        f"{args.conn_mbps:.0f} MB/s per connection, {args.nic_gbps:.0f} Gbit/s per node, "
-        f"{args.latency_ms:.0f} ms"
+        f"{args.conn_mbps:.0f} MB/s per connection, {args.nic_gbps:.0f} Gbit/s and "
+        f"{args.memory_gib:.0f} GiB per node ({node_requests} requests, "
+        f"{_bytes(node_buffers)} buffers), {args.latency_ms:.0f} ms"
         + (f"; each worker takes {args.demand_mbps:.0f} MB/s" if args.demand_mbps else "")
     )
     header = ["shards", "nodes", "counts", "before 1st", "time to 1st", "epoch / share"]

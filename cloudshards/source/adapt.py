@@ -39,6 +39,7 @@ __all__ = [
     "MAX_PART_BYTES",
     "TARGET_PART_S",
     "PartPlan",
+    "connection_rate",
     "forget",
     "plan",
     "record",
@@ -136,6 +137,16 @@ def record_reading(url: str, nbytes: int, busy_s: float) -> None:
     time: from its first read to its last, less the time it waited for bytes."""
     if nbytes >= _MIN_READ_BYTES and busy_s >= _MIN_READ_S:
         _link(url).add_reading(nbytes, busy_s)
+
+
+def connection_rate() -> float | None:
+    """What one request was measured to carry (bytes/s), first byte included, for a part
+    sized as :func:`plan` sizes them (:data:`TARGET_PART_S` of transfer): the lowest over
+    this process's hosts; None before any was measured."""
+    with _links_lock:
+        links = [(link.rate, link.latency_s or 0.0) for link in _links.get().values()]
+    rates = [rate * TARGET_PART_S / (latency + TARGET_PART_S) for rate, latency in links if rate]
+    return min(rates) if rates else None
 
 
 def forget() -> None:

@@ -5,8 +5,11 @@ Each DataLoader worker keeps its own shards' ranged GETs in flight (``concurrenc
 what a NIC needs and enough to trip a store's request-rate limits, and each worker would back
 off from a 503 SlowDown on its own while the others kept hammering. Here:
 
-- **Slots.** A request holds one of ``CLOUDSHARDS_NODE_REQUESTS`` slots (default 128) while it
-  is in flight, shared by every process of the user on the machine. A slot is an advisory
+- **Slots.** A request holds one of the node's slots while it is in flight, shared by every
+  process of the user on the machine. How many: ``CLOUDSHARDS_NODE_REQUESTS``, else what fills
+  the node's link (the speed its NIC reports) at the throughput this process measured one
+  request to carry, a quarter over (a 100 Gbit/s NIC at 72 MB/s a request: 218; between 32
+  and 1024), else 128 where the NIC reports no speed (many virtual ones). A slot is an advisory
   lock (``flock``) on a small file in a node-local directory, so a process that dies frees
   its slots with it. Written by hand: no library offers a semaphore that independent
   processes (torchrun's ranks, their forked workers) can share without a common parent.
@@ -17,12 +20,14 @@ off from a 503 SlowDown on its own while the others kept hammering. Here:
   what the store accepts.
 
 - **Buffers.** The shards a process keeps in flight ahead of the one it reads hold up to
-  ``concurrency x part_bytes`` each. ``CLOUDSHARDS_NODE_BUFFER_BYTES`` (default 4 GiB) is
-  divided among the node's processes reading remote shards (each holds a lock on a member
-  file while it lives, so the count follows them), and each keeps only as many shards ahead
-  as its share holds, down to none: the shard being read always proceeds, so no process
-  waits on another's buffers. 64 processes of the default settings would hold 6 GiB; under
-  the budget they keep one shard ahead each, 4 GiB. One process alone keeps them all.
+  ``concurrency x part_bytes`` each. ``CLOUDSHARDS_NODE_BUFFER_BYTES`` (by default a sixteenth
+  of the memory the process may use, its container's limit where lower, between 256 MiB and
+  4 GiB: :mod:`cloudshards.source.machine`) is divided among the node's processes reading
+  remote shards (each holds a lock on a member file while it lives, so the count follows
+  them), and each keeps only as many shards ahead as its share holds, down to none: the
+  shard being read always proceeds, so no process waits on another's buffers. 64 processes
+  of the fixed settings would hold 6 GiB; under a 4 GiB budget they keep one shard ahead
+  each. One process alone keeps them all.
 
 The directory is ``CLOUDSHARDS_NODE_DIR``, else ``/dev/shm/cloudshards-<uid>`` (memory, local
 to the node; a home directory can be a network file system shared by nodes), else the
@@ -36,6 +41,7 @@ import contextlib
 import fcntl
 import json
 import logging
+import math
 import os
 import random
 import tempfile
@@ -46,16 +52,32 @@ from pathlib import Path
 
 from cloudshards import config
 from cloudshards.process import PerProcess
+from cloudshards.source import adapt, machine
 
 __all__ = ["NodeBudget", "forget", "node_budget"]
 
 logger = logging.getLogger("cloudshards.fetch")
 
-#: Default requests in flight per node: a 100 Gbit/s NIC at ~100 MB/s per connection.
+#: Requests in flight per node where its link speed is unknown: a 100 Gbit/s NIC at ~100 MB/s
+#: per connection.
 DEFAULT_NODE_REQUESTS = 128
 
-#: Default bytes the node's processes may hold in shards fetched ahead, all together.
+#: Bounds of the requests in flight sized from the node's link speed.
+MIN_NODE_REQUESTS, MAX_NODE_REQUESTS = 32, 1024
+
+#: What one request is taken to carry until one was measured: an S3 connection's ~100 MB/s,
+#: for parts of 80 ms after a first byte in 30 ms.
+NOMINAL_CONNECTION_BYTES_PER_S = 72e6
+
+#: Requests in flight per those a link needs at the measured rate (for the ones that start late
+#: or wait on a slow server).
+_LINK_MARGIN = 1.25
+
+#: Most bytes the node's processes may hold in shards fetched ahead, all together (by default
+#: a sixteenth of the memory, between these bounds).
 DEFAULT_NODE_BUFFER_BYTES = 4 << 30
+MIN_NODE_BUFFER_BYTES = 256 << 20
+_MEMORY_SHARE = 16
 
 #: How long a count of the node's member processes is reused.
 _MEMBERS_TTL_S = 2.0
@@ -75,10 +97,18 @@ _STATE_KEYS = ("until", "limit", "cut", "changed")
 class NodeBudget:
     """This process's handle on the node's request slots and shared backoff."""
 
-    def __init__(self, directory: Path, slots: int, buffer_bytes: int = 0) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        slots: int,
+        buffer_bytes: int = 0,
+        link_bytes_per_s: int | None = None,
+    ) -> None:
         self.directory = directory
         self.slots = slots
         self.buffer_bytes = buffer_bytes
+        #: The node's link speed: with it, the slots in use follow the measured connections.
+        self.link_bytes_per_s = link_bytes_per_s
         self._member: int | None = None  # descriptor of this process's member file, locked
         self._member_name = ""
         self._members = (-_MEMBERS_TTL_S, 1)  # (when counted, processes counted)
@@ -174,14 +204,24 @@ class NodeBudget:
             self.waited_s += delay
             time.sleep(delay)
 
+    def ceiling(self) -> int:
+        """The slots requests may use while the store does not throttle: all of them, or,
+        where the node's link speed is known, what fills it at the throughput this process
+        measured one connection to carry (see :func:`requests_for_link`)."""
+        if self.link_bytes_per_s is None:
+            return self.slots
+        rate = adapt.connection_rate()
+        return min(self.slots, requests_for_link(self.link_bytes_per_s, rate))
+
     def limit(self) -> int:
-        """The slots requests may use now: all of them, or fewer after the store throttled
-        (halved at each throttling, one more back after each round of successes; the cut
-        lapses after ``_STALE_S`` without news, so a new job starts at full speed)."""
+        """The slots requests may use now: the :meth:`ceiling`, or fewer after the store
+        throttled (halved at each throttling, one more back after each round of successes;
+        the cut lapses after ``_STALE_S`` without news, so a new job starts at full speed)."""
+        ceiling = self.ceiling()
         shared = self._shared()
         if time.time() - shared["changed"] > _STALE_S:
-            return self.slots
-        return max(1, min(self.slots, int(shared["limit"])))
+            return ceiling
+        return max(1, min(ceiling, int(shared["limit"])))
 
     def _shared(self) -> dict[str, float]:
         """The node's shared state (re-read when its file changed)."""
@@ -213,7 +253,7 @@ class NodeBudget:
     def _succeeded(self) -> None:
         self._successes += 1
         limit = self.limit()
-        if limit >= self.slots or self._successes < max(_ROUND, limit):
+        if limit >= self.ceiling() or self._successes < max(_ROUND, limit):
             return
         self._successes = 0
 
@@ -294,9 +334,35 @@ def _directory() -> Path:
     return base / f"cloudshards-{os.getuid()}"
 
 
+def requests_for_link(link_bytes_per_s: int, connection_bytes_per_s: float | None) -> int:
+    """Requests in flight that fill a node's link: its speed over what one request carries
+    (measured, first byte included; else :data:`NOMINAL_CONNECTION_BYTES_PER_S`), with a
+    quarter more for those that start late, within :data:`MIN_NODE_REQUESTS` and
+    :data:`MAX_NODE_REQUESTS`. A 100 Gbit/s NIC at the nominal rate: 218; 25 Gbit/s: 55;
+    behind connections a quarter as fast, 4 times as many."""
+    rate = connection_bytes_per_s or NOMINAL_CONNECTION_BYTES_PER_S
+    wanted = math.ceil(_LINK_MARGIN * link_bytes_per_s / rate)
+    return max(MIN_NODE_REQUESTS, min(MAX_NODE_REQUESTS, wanted))
+
+
+def default_buffer_bytes(memory_bytes: int | None) -> int:
+    """The node's buffer budget by default: a sixteenth of the memory the process may use
+    (its container's limit where there is one), between :data:`MIN_NODE_BUFFER_BYTES` and
+    :data:`DEFAULT_NODE_BUFFER_BYTES`; the latter when the memory is unknown."""
+    if memory_bytes is None:
+        return DEFAULT_NODE_BUFFER_BYTES
+    share = memory_bytes // _MEMORY_SHARE
+    return max(MIN_NODE_BUFFER_BYTES, min(DEFAULT_NODE_BUFFER_BYTES, share))
+
+
 def _make() -> NodeBudget:
-    slots = config.env_int("NODE_REQUESTS", DEFAULT_NODE_REQUESTS)
-    buffer_bytes = config.env_int("NODE_BUFFER_BYTES", DEFAULT_NODE_BUFFER_BYTES)
+    # Unless configured, the requests follow the node's link (where it reports its speed)
+    # and the buffers its memory.
+    link = None if config.env_str("NODE_REQUESTS") else machine.link_bytes_per_s()
+    slots = config.env_int(
+        "NODE_REQUESTS", DEFAULT_NODE_REQUESTS if link is None else MAX_NODE_REQUESTS
+    )
+    buffer_bytes = config.env_int("NODE_BUFFER_BYTES", default_buffer_bytes(machine.memory_bytes()))
     directory = _directory()
     try:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -309,7 +375,7 @@ def _make() -> NodeBudget:
     except OSError as exc:
         logger.warning("no node request budget (cannot use %s: %s)", directory, exc)
         slots = buffer_bytes = 0
-    return NodeBudget(directory, slots, buffer_bytes)
+    return NodeBudget(directory, slots, buffer_bytes, link)
 
 
 _budget: PerProcess[NodeBudget] = PerProcess(_make)

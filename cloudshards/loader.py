@@ -133,8 +133,11 @@ class StatefulLoader(ForkFrozen, StatefulDataLoader):  # type: ignore[misc]
         self._elastic_pending = True
 
     def __iter__(self) -> Any:
-        # Before the workers start: an epoch without sample counts (cloudshards.countfree).
         dataset = self.dataset
+        if isinstance(dataset, DataPipeline):
+            # The passes so far: a missing set_epoch is worth a warning from the second on.
+            dataset.__dict__["_loader_passes"] = dataset.__dict__.get("_loader_passes", 0) + 1
+        # Before the workers start: an epoch without sample counts (cloudshards.countfree).
         free = isinstance(dataset, DataPipeline) and self._count_free.begin(
             dataset, self.num_workers
         )

@@ -120,7 +120,9 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
             self._epoch if epoch is None else epoch,
             info=effective_info(self._ranks, self.replication),
             seed_given=self._seed_given,
-            epoch_set=self._epoch_set,
+            # A StatefulLoader's first pass needs no set_epoch (the default epoch 0 is right);
+            # frameworks (Lightning) start its workers before their epoch-start hooks.
+            epoch_set=self._epoch_set or self.__dict__.get("_loader_passes") == 1,
             stages=self.pipeline,
         )
         # An epoch without sample counts, that a loader ends for every rank at once.

@@ -216,3 +216,33 @@ def test_fresh_workers_without_set_epoch_are_warned(
     with caplog.at_level("WARNING", logger="cloudshards"):
         list(ds)
     assert "set_epoch" in caplog.text
+
+
+@pytest.mark.parametrize(("passes", "warned"), [(1, False), (2, True)])
+def test_a_stateful_loaders_first_pass_needs_no_set_epoch(
+    make_shards: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    passes: int,
+    warned: bool,
+) -> None:
+    """Lightning starts a StatefulLoader's workers before its epoch-start hooks, where
+    training code calls set_epoch: the first pass (epoch 0, right by default) is not warned
+    about; a second one without set_epoch is."""
+    shards = make_shards([2] * 4)
+    monkeypatch.setenv("WORKER", "0")
+    monkeypatch.setenv("NUM_WORKERS", "2")
+    ds = wds.WebDataset(shards.spec(), shardshuffle=True, seed=7)
+    ds.__dict__["_loader_passes"] = passes  # what StatefulLoader counts before its workers fork
+    with caplog.at_level("WARNING", logger="cloudshards"):
+        list(ds)
+    assert ("set_epoch" in caplog.text) is warned
+
+
+def test_a_stateful_loader_counts_its_passes(make_shards: Any) -> None:
+    shards = make_shards([2] * 4)
+    ds = wds.WebDataset(shards.spec(), shardshuffle=True, seed=7)
+    loader = wds.StatefulLoader(ds, batch_size=2)
+    for expected in (1, 2):
+        list(loader)
+        assert ds.__dict__["_loader_passes"] == expected

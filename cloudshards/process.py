@@ -155,8 +155,11 @@ def frozen_for_fork(workers: int, context: Any = None) -> Iterator[None]:
 
 def _start_method(context: Any) -> str | None:
     if context is None:
-        return multiprocessing.get_start_method(allow_none=True) or (
-            multiprocessing.get_context().get_start_method()
+        # Without fixing the default as get_context() would (a later set_start_method
+        # would then fail): the first of get_all_start_methods() is the default.
+        return (
+            multiprocessing.get_start_method(allow_none=True)
+            or (multiprocessing.get_all_start_methods()[0])
         )
     if isinstance(context, str):
         return context

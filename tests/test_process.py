@@ -177,3 +177,21 @@ def test_freezing_for_fork_leaves_what_the_user_froze_and_other_start_methods() 
         assert gc.get_freeze_count() == theirs
     finally:
         gc.unfreeze()
+
+
+def test_freezing_for_fork_leaves_the_start_method_to_the_program() -> None:
+    """Asking which start method the workers use does not fix the default: the program can
+    still choose one afterwards (set_start_method raises once the default is fixed)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import multiprocessing\n"
+        "from cloudshards.process import frozen_for_fork\n"
+        "with frozen_for_fork(2):\n"
+        "    pass\n"
+        "assert multiprocessing.get_start_method(allow_none=True) is None\n"
+        "multiprocessing.set_start_method('spawn')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

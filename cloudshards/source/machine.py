@@ -66,15 +66,17 @@ def _cgroup_limit_files(base: Path) -> list[Path]:
 
 
 def link_bytes_per_s(root: str = "/") -> int | None:
-    """The bytes per second of the node's fastest network interface that is up (its speed as
-    the driver reports it, in ``/sys/class/net/*/speed``; loopback and interfaces without a
-    speed are skipped), or None when none reports one (many virtual NICs do not)."""
+    """The bytes per second of the node's fastest network device that is up (its speed as the
+    driver reports it, in ``/sys/class/net/*/speed``), or None when none reports one (many
+    virtual NICs do not). Only interfaces backed by a device count: loopback, bridges and the
+    veth pair of a container (whose fixed 10 Gbit/s says nothing of the host's NIC) have
+    none, so a container on its own network sees no speed."""
     best = 0
     with contextlib.suppress(OSError):
         for entry in os.scandir(Path(root) / "sys/class/net"):
-            if entry.name == "lo":
-                continue
             directory = Path(entry.path)
+            if not (directory / "device").exists():
+                continue
             with contextlib.suppress(OSError, ValueError):
                 if (directory / "operstate").read_text().strip() not in ("up", "unknown"):
                     continue

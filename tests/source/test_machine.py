@@ -86,18 +86,22 @@ def test_memory_unknown_is_none_and_damaged_files_are_skipped(tmp_path: Path) ->
     assert machine.memory_bytes(root) is None
 
 
-def test_link_speed_is_the_fastest_interface_that_is_up(tmp_path: Path) -> None:
+def _interface(name: str, speed: str, state: str = "up", device: bool = True) -> dict[str, str]:
+    files = {f"sys/class/net/{name}/speed": speed, f"sys/class/net/{name}/operstate": state}
+    if device:
+        files[f"sys/class/net/{name}/device/vendor"] = "0x1d0f\n"
+    return files
+
+
+def test_link_speed_is_the_fastest_device_that_is_up(tmp_path: Path) -> None:
     root = _write(
         tmp_path,
         {
-            "sys/class/net/lo/speed": "100000\n",  # loopback carries no store's bytes
-            "sys/class/net/lo/operstate": "unknown\n",
-            "sys/class/net/eth0/speed": "25000\n",
-            "sys/class/net/eth0/operstate": "up\n",
-            "sys/class/net/eth1/speed": "100000\n",
-            "sys/class/net/eth1/operstate": "down\n",  # not cabled
-            "sys/class/net/ens5/speed": "-1\n",  # a virtual NIC without a speed
-            "sys/class/net/ens5/operstate": "up\n",
+            **_interface("lo", "100000\n", "unknown", device=False),  # carries no store's bytes
+            **_interface("eth0", "25000\n"),
+            **_interface("eth1", "100000\n", "down"),  # not cabled
+            **_interface("ens5", "-1\n"),  # a virtual NIC without a speed
+            **_interface("docker0", "40000\n", device=False),  # a bridge
         },
     )
     assert machine.link_bytes_per_s(root) == 25_000 * 125_000  # 25 Gbit/s
@@ -105,10 +109,10 @@ def test_link_speed_is_the_fastest_interface_that_is_up(tmp_path: Path) -> None:
 
 def test_link_speed_unknown_is_none(tmp_path: Path) -> None:
     assert machine.link_bytes_per_s(str(tmp_path)) is None
-    root = _write(
-        tmp_path, {"sys/class/net/ens5/speed": "-1\n", "sys/class/net/ens5/operstate": "up\n"}
-    )
-    assert machine.link_bytes_per_s(root) is None
+    assert machine.link_bytes_per_s(_write(tmp_path / "a", _interface("ens5", "-1\n"))) is None
+    # A container's veth reports 10 Gbit/s whatever the host's NIC: it has no device.
+    veth = _interface("eth0", "10000\n", device=False)
+    assert machine.link_bytes_per_s(_write(tmp_path / "b", veth)) is None
 
 
 @pytest.mark.parametrize(

@@ -17,20 +17,14 @@ number is an elastic restore).
 
 from __future__ import annotations
 
-import faulthandler
 import json
 import os
-import signal
 import sys
 
 import pytorch_lightning as pl
 import torch
 
 import cloudshards as wds
-
-# On a hang the test sends SIGUSR1: every process (ranks, their forked DataLoader workers)
-# prints its threads' stacks.
-faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 class Model(pl.LightningModule):

@@ -11,9 +11,7 @@ to ``OUT_DIR/rank{r}.json``.
 
 from __future__ import annotations
 
-import faulthandler
 import json
-import signal
 import sys
 from collections import defaultdict
 
@@ -21,10 +19,6 @@ import pytorch_lightning as pl
 import torch
 
 import cloudshards as wds
-
-# On a hang the test sends SIGUSR1: every process (ranks, their forked DataLoader workers)
-# prints its threads' stacks.
-faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 class Model(pl.LightningModule):

@@ -843,12 +843,15 @@ if os.environ["RANK"] == "0":
 
 
 def test_launcher_kills_a_hung_run(tmp_path: Path) -> None:
-    """A run that hangs ends at the timeout as a failure naming it, with every rank killed."""
+    """A run that hangs ends at the timeout as a failure naming it, with every rank killed,
+    after each printed where it waited."""
     script = tmp_path / "hang.py"
     script.write_text(HANG_SCRIPT)
     result = torchrun(script, [str(tmp_path)], nproc_per_node=2, timeout_s=10)
     assert result.timed_out
     assert not result.ok
+    stderr = result.nodes[0].stderr
+    assert re.search(r'File ".*hang\.py", line 6 in <module>', stderr), stderr[-3000:]
     with pytest.raises(AssertionError, match="TIMED OUT"):
         result.check(2)
     pids = [int((tmp_path / f"pid{rank}").read_text()) for rank in range(2)]

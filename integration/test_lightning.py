@@ -26,6 +26,7 @@ import cloudshards as wds
 SIZES = [3, 40, 11, 7, 29, 5, 16]  # 111 samples: no even split across 2 ranks x 2 workers
 SCRIPT = Path(__file__).with_name("lightning_train.py")
 RESUME_SCRIPT = Path(__file__).with_name("lightning_resume.py")
+HANGDUMP = Path(__file__).with_name("hangdump")
 TIMEOUT_S = 240
 
 
@@ -44,6 +45,8 @@ def _lightning(tmp_path: Path, script: Path, *args: str, devices: int = 2) -> st
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CLOUDSHARDS_", "WDS_"))}
     env["CLOUDSHARDS_COUNTS_DIR"] = str(tmp_path / "counts")
     env["DEVICES"] = str(devices)
+    # Every process prints its threads' stacks on SIGUSR1 (hangdump/sitecustomize.py).
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HANGDUMP), env.get("PYTHONPATH")]))
     process = subprocess.Popen(
         [sys.executable, str(script), *args],
         cwd=tmp_path,
@@ -56,7 +59,7 @@ def _lightning(tmp_path: Path, script: Path, *args: str, devices: int = 2) -> st
         output, _ = process.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
         # Every process of the run (ranks and their DataLoader workers) prints its threads'
-        # stacks (the scripts register faulthandler on SIGUSR1), then all are killed.
+        # stacks (see hangdump/sitecustomize.py), then all are killed.
         os.killpg(process.pid, signal.SIGUSR1)
         try:
             output, _ = process.communicate(timeout=5)

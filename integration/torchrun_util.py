@@ -60,6 +60,10 @@ SUMMARY_LINE = re.compile(
 )
 _TAIL_CHARS = 6000
 
+#: Where the sitecustomize that dumps stacks on SIGUSR1 lives, and how long a dump may take.
+_HANGDUMP = Path(__file__).with_name("hangdump")
+_DUMP_S = 2.0
+
 
 class TorchrunError(AssertionError):
     """A launch failed, timed out, or printed no summary; the message has the logs."""
@@ -167,6 +171,8 @@ def _child_env(extra: Mapping[str, str] | None) -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"  # lines reach the log as they happen (seen after a kill)
     env["OMP_NUM_THREADS"] = "1"  # 2 cores; also silences torchrun's warning about it
     env.update(extra or {})
+    # Every process prints its threads' stacks on SIGUSR1 (hangdump/sitecustomize.py).
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_HANGDUMP), env.get("PYTHONPATH")]))
     return env
 
 
@@ -227,6 +233,14 @@ def is_running(pid: int) -> bool:
     except OSError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _dump_stacks(process: subprocess.Popen[bytes]) -> None:
+    """Have every Python process below ``process`` print its threads' stacks (see
+    hangdump/sitecustomize.py), and give them a moment to."""
+    for pid in descendants(process.pid):
+        _signal(pid, signal.SIGUSR1)
+    time.sleep(_DUMP_S)
 
 
 def _kill(process: subprocess.Popen[bytes]) -> None:
@@ -320,6 +334,8 @@ def _launch_once(
         finally:
             for node, process, node_out, node_err in running:
                 if process.poll() is None:
+                    if timed_out:
+                        _dump_stacks(process)
                     _kill(process)
                     node.returncode = None
                     node.killed = "timeout" if timed_out else "a peer failed"

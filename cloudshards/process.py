@@ -4,17 +4,15 @@ fork-reset scheme of the package."""
 
 from __future__ import annotations
 
-import contextlib
 import gc
-import multiprocessing
 import os
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
-__all__ = ["ForkFrozen", "PerProcess", "freeze_inherited_objects", "frozen_for_fork"]
+__all__ = ["PerProcess", "freeze_inherited_objects"]
 
 T = TypeVar("T")
 
@@ -120,59 +118,3 @@ def freeze_inherited_objects() -> None:
 
     if env_bool("GC_FREEZE", True):
         gc.freeze()
-
-
-@contextlib.contextmanager
-def frozen_for_fork(workers: int, context: Any = None) -> Iterator[None]:
-    """Around the start of a DataLoader's forked workers: every object of the parent is
-    frozen (``gc.freeze()``) while they fork, and unfrozen in the parent after. Python's own
-    recipe for fork without exec: the workers start with the parent's heap out of their
-    collector's reach, so no full collection walks it and copies its pages.
-    :func:`freeze_inherited_objects` does the same from inside a worker, but only once a
-    cloudshards dataset is iterated there, and a worker often ran its first full collection
-    before (measured here: one per worker and epoch, 90 ms each, at every warm epoch with 2
-    workers, a fifth of their CPU).
-
-    Does nothing for start methods that do not fork, without workers, where the user froze
-    objects already (unfreezing would undo theirs), or with ``CLOUDSHARDS_GC_FREEZE=0``. In
-    the parent the unfreeze puts the young objects in the oldest generation: cycles among
-    them wait for the next full collection.
-    """
-    if workers <= 0 or gc.get_freeze_count() or _start_method(context) != "fork":
-        yield
-        return
-    from cloudshards.config import env_bool
-
-    if not env_bool("GC_FREEZE", True):
-        yield
-        return
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
-
-
-def _start_method(context: Any) -> str | None:
-    if context is None:
-        # Without fixing the default as get_context() would (a later set_start_method
-        # would then fail): the first of get_all_start_methods() is the default.
-        return (
-            multiprocessing.get_start_method(allow_none=True)
-            or (multiprocessing.get_all_start_methods()[0])
-        )
-    if isinstance(context, str):
-        return context
-    method = getattr(context, "get_start_method", None)
-    return method() if callable(method) else None
-
-
-class ForkFrozen:
-    """A mixin for torch DataLoaders: workers start under :func:`frozen_for_fork`."""
-
-    num_workers: int
-    multiprocessing_context: Any
-
-    def _get_iterator(self) -> Any:
-        with frozen_for_fork(self.num_workers, self.multiprocessing_context):
-            return super()._get_iterator()  # type: ignore[misc]

@@ -9,7 +9,6 @@ import weakref
 from typing import Any
 
 import pytest
-from torch.utils.data import DataLoader, IterableDataset
 
 from cloudshards.process import PerProcess
 
@@ -109,89 +108,3 @@ def test_dataloader_workers_freeze_what_they_inherited(
         assert in_workers == [before] * 4
     in_process, _ = _worker_freeze_counts(urls, 0)
     assert in_process == [before] * 4  # no worker: nothing frozen
-
-
-class _FreezeCount(IterableDataset):  # type: ignore[type-arg]
-    """A plain torch dataset (nothing of cloudshards freezes in it) that yields the count of
-    frozen objects as its worker starts."""
-
-    def __iter__(self) -> Any:
-        import gc
-
-        yield gc.get_freeze_count()
-
-
-def _counts(loader: Any) -> tuple[list[int], list[int]]:
-    """What each worker saw as it started, and the parent's count while it read."""
-    import gc
-
-    seen, parent = [], []
-    for count in loader:
-        seen.append(int(count))
-        parent.append(gc.get_freeze_count())
-    return seen, parent
-
-
-@pytest.mark.parametrize("loader_class", ["WebLoader", "StatefulLoader"])
-def test_workers_fork_with_the_parents_objects_frozen(
-    monkeypatch: pytest.MonkeyPatch, loader_class: str
-) -> None:
-    """cloudshards' loaders fork their workers with the parent's objects frozen (Python's
-    recipe for fork without exec), so a worker starts with no full collection to run over the
-    parent's heap, whatever dataset it reads; the parent unfreezes at once."""
-    import gc
-
-    import cloudshards as wds
-
-    monkeypatch.delenv("CLOUDSHARDS_GC_FREEZE", raising=False)
-    before = gc.get_freeze_count()
-    make = getattr(wds, loader_class)
-    seen, parent = _counts(make(_FreezeCount(), batch_size=None, num_workers=2))
-    assert len(seen) == 2
-    assert all(count > 1000 for count in seen), seen
-    assert parent == [before] * 2
-    assert gc.get_freeze_count() == before
-    # torch's own DataLoader does not: the workers start with nothing frozen.
-    seen, _ = _counts(DataLoader(_FreezeCount(), batch_size=None, num_workers=2))
-    assert seen == [before] * 2
-
-
-def test_freezing_for_fork_leaves_what_the_user_froze_and_other_start_methods() -> None:
-    import gc
-
-    from cloudshards.process import frozen_for_fork
-
-    assert gc.get_freeze_count() == 0
-    with frozen_for_fork(2, "spawn"):
-        assert gc.get_freeze_count() == 0  # a spawned worker inherits no heap
-    with frozen_for_fork(0):
-        assert gc.get_freeze_count() == 0  # no workers
-    with frozen_for_fork(2, "fork"):
-        assert gc.get_freeze_count() > 1000
-    assert gc.get_freeze_count() == 0
-    gc.freeze()  # the user's own freeze: kept as it is
-    try:
-        theirs = gc.get_freeze_count()
-        with frozen_for_fork(2, "fork"):
-            pass
-        assert gc.get_freeze_count() == theirs
-    finally:
-        gc.unfreeze()
-
-
-def test_freezing_for_fork_leaves_the_start_method_to_the_program() -> None:
-    """Asking which start method the workers use does not fix the default: the program can
-    still choose one afterwards (set_start_method raises once the default is fixed)."""
-    import subprocess
-    import sys
-
-    code = (
-        "import multiprocessing\n"
-        "from cloudshards.process import frozen_for_fork\n"
-        "with frozen_for_fork(2):\n"
-        "    pass\n"
-        "assert multiprocessing.get_start_method(allow_none=True) is None\n"
-        "multiprocessing.set_start_method('spawn')\n"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr

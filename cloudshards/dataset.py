@@ -24,6 +24,7 @@ from cloudshards.errors import ConfigError
 from cloudshards.handlers import as_handler, reraise_exception
 from cloudshards.multishard import MultiShardSample
 from cloudshards.pipeline import DataPipeline, FluidInterface
+from cloudshards.process import SettledFork
 from cloudshards.shards import (
     ResampledShards,
     ShardList,
@@ -288,6 +289,10 @@ def _check_urls(urls: Any) -> None:
         raise ConfigError(f"cannot handle urls of type {type(urls).__name__}")
 
 
+class _Loader(SettledFork, DataLoader[Any]):
+    """torch's DataLoader, each epoch's workers forked once the last epoch's threads ended."""
+
+
 class WebLoader(DataPipeline, FluidInterface):
     """A torch DataLoader with the fluent methods: ``WebLoader(ds, batch_size=None, ...)``.
 
@@ -300,7 +305,7 @@ class WebLoader(DataPipeline, FluidInterface):
             # Batches come from the pipeline (.batched): torch would pass each through
             # default_convert, ~5 us a sample for a batch of bytes; convert_batch gives the same.
             kw.setdefault("collate_fn", convert_batch)
-        super().__init__(DataLoader(*args, **kw))
+        super().__init__(_Loader(*args, **kw))
         self._count_free = CountFree()
 
     def __iter__(self) -> Iterator[Any]:

@@ -21,6 +21,7 @@ from cloudshards.countfree import CountFree
 from cloudshards.dist import effective_info
 from cloudshards.errors import StateMismatchError
 from cloudshards.pipeline import DataPipeline
+from cloudshards.process import SettledFork
 from cloudshards.stages.elastic import ELASTIC_KEY
 
 try:
@@ -36,7 +37,7 @@ __all__ = ["StatefulLoader"]
 RANKS_KEY = "cloudshards_ranks"
 
 
-class StatefulLoader(StatefulDataLoader):  # type: ignore[misc]
+class StatefulLoader(SettledFork, StatefulDataLoader):  # type: ignore[misc]
     """torchdata's ``StatefulDataLoader`` (same arguments) whose ``state_dict()`` holds every
     rank's state when ``torch.distributed`` runs on more than one rank, so that a single
     checkpoint (Lightning's, or one file saved by rank 0) restores each rank exactly.

@@ -8,11 +8,12 @@ import gc
 import os
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
-__all__ = ["PerProcess", "freeze_inherited_objects"]
+__all__ = ["PerProcess", "SettledFork", "freeze_inherited_objects", "settle_queue_threads"]
 
 T = TypeVar("T")
 
@@ -118,3 +119,47 @@ def freeze_inherited_objects() -> None:
 
     if env_bool("GC_FREEZE", True):
         gc.freeze()
+
+
+#: Longest wait for the threads the previous epoch's DataLoader iterator left ending.
+SETTLE_TIMEOUT_S = 2.0
+#: After they ended: time for their last teardown in C, which takes the interpreter's
+#: thread-list lock after ``join()`` has already returned.
+_SETTLE_PAUSE_S = 0.002
+
+
+def settle_queue_threads(queues: list[Any]) -> None:
+    """Wait (at most :data:`SETTLE_TIMEOUT_S`) for the feeder threads of the closed
+    multiprocessing queues among ``queues`` to end: the index queues of a DataLoader
+    iterator that was shut down, whose threads end on their own, unjoined.
+
+    Forking while another thread ends can hang the child for good: on CPython up to 3.11.7
+    (gh-112275) the child takes the interpreter's thread-list lock, inherited as the ending
+    thread held it, before it resets it. Seen in CI: a 2-rank Lightning run whose next epoch's
+    worker never returned from ``fork()`` (its rank waiting for it in the iterator's reset, the
+    other rank in a collective), as the last epoch's index-queue threads were ending.
+    """
+    waited = False
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    for queue in queues:
+        thread = getattr(queue, "_thread", None)
+        if thread is None or not getattr(queue, "_closed", False):
+            continue  # never fed, or still open (its iterator lives on): not ending
+        thread.join(max(0.0, deadline - time.monotonic()))
+        waited = True
+    if waited:
+        time.sleep(_SETTLE_PAUSE_S)
+
+
+class SettledFork:
+    """A mixin for torch DataLoaders: a new iterator forks its workers only after the threads
+    the previous one left ending have ended (see :func:`settle_queue_threads`)."""
+
+    num_workers: int
+
+    def _get_iterator(self) -> Any:
+        settle_queue_threads(self.__dict__.pop("_previous_index_queues", []))
+        iterator = super()._get_iterator()  # type: ignore[misc]
+        if self.num_workers > 0:
+            self.__dict__["_previous_index_queues"] = list(getattr(iterator, "_index_queues", []))
+        return iterator

@@ -5,10 +5,13 @@ from __future__ import annotations
 import os
 import pickle
 import threading
+import time
 import weakref
 from typing import Any
 
 import pytest
+import torch
+from torch.utils.data import IterableDataset
 
 from cloudshards.process import PerProcess
 
@@ -108,3 +111,55 @@ def test_dataloader_workers_freeze_what_they_inherited(
         assert in_workers == [before] * 4
     in_process, _ = _worker_freeze_counts(urls, 0)
     assert in_process == [before] * 4  # no worker: nothing frozen
+
+
+#: While a test records: the feeder threads alive at each fork of this process.
+_FEEDERS_AT_FORK: list[list[int]] = []
+_RECORDING: list[bool] = []
+
+
+def _record_feeders_at_fork() -> None:
+    if _RECORDING:
+        _FEEDERS_AT_FORK.append(
+            [t.ident or 0 for t in threading.enumerate() if t.name == "QueueFeederThread"]
+        )
+
+
+os.register_at_fork(before=_record_feeders_at_fork)
+
+
+class _Numbers(IterableDataset):  # type: ignore[type-arg]
+    def __iter__(self) -> Any:
+        info = torch.utils.data.get_worker_info()
+        yield from range(info.id if info else 0, 8, info.num_workers if info else 1)
+
+
+@pytest.mark.parametrize("loader_class", ["WebLoader", "StatefulLoader"])
+def test_next_epochs_workers_fork_after_the_last_epochs_threads_ended(
+    monkeypatch: pytest.MonkeyPatch, loader_class: str
+) -> None:
+    """A forked child can hang for good if another thread was ending as it forked (CPython
+    up to 3.11.7, gh-112275): cloudshards' loaders fork an epoch's workers only after the
+    index-queue threads of the last epoch's iterator (closed at its end, never joined by
+    torch) have ended. Here they take 0.5 s to end."""
+    import multiprocessing.queues
+
+    import cloudshards as wds
+
+    feed = multiprocessing.queues.Queue._feed
+
+    def slow_feed(*args: Any) -> None:
+        feed(*args)
+        time.sleep(0.5)  # a thread that ends late (a loaded machine)
+
+    monkeypatch.setattr(multiprocessing.queues.Queue, "_feed", staticmethod(slow_feed))
+    loader = getattr(wds, loader_class)(_Numbers(), batch_size=None, num_workers=2)
+    assert sorted(loader) == list(range(8))
+    _FEEDERS_AT_FORK.clear()
+    _RECORDING.append(True)
+    try:
+        assert sorted(loader) == list(range(8))
+    finally:
+        _RECORDING.clear()
+    assert len(_FEEDERS_AT_FORK) == 2  # the second epoch's two workers
+    assert _FEEDERS_AT_FORK == [[], []]  # no thread of the first epoch was still ending

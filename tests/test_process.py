@@ -139,9 +139,9 @@ def test_next_epochs_workers_fork_after_the_last_epochs_threads_ended(
     monkeypatch: pytest.MonkeyPatch, loader_class: str
 ) -> None:
     """A forked child can hang for good if another thread was ending as it forked (CPython
-    up to 3.11.7, gh-112275): cloudshards' loaders fork an epoch's workers only after the
-    index-queue threads of the last epoch's iterator (closed at its end, never joined by
-    torch) have ended. Here they take 0.5 s to end."""
+    3.8-3.11 before the fix for gh-112275): cloudshards' loaders fork an epoch's workers only
+    after the index-queue threads of the last epoch's iterator (closed at its end, never
+    joined by torch) have ended. Here they take 0.5 s to end."""
     import multiprocessing.queues
 
     import cloudshards as wds

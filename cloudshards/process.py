@@ -130,8 +130,8 @@ _SETTLE_PAUSE_S = 0.002
 
 def settle_queue_threads(queues: list[Any]) -> None:
     """Wait (at most :data:`SETTLE_TIMEOUT_S`) for the feeder threads of the closed
-    multiprocessing queues among ``queues`` to end: the index queues of a DataLoader
-    iterator that was shut down, whose threads end on their own, unjoined.
+    multiprocessing queues among ``queues`` to end: the queues of a DataLoader iterator that
+    was shut down, whose threads end on their own, unjoined.
 
     Forking while another thread ends can hang the child for good: on CPython 3.8-3.11 before
     the fix for gh-112275 (3.11.7 among them; 3.12 is not affected) the child takes the
@@ -159,8 +159,12 @@ class SettledFork:
     num_workers: int
 
     def _get_iterator(self) -> Any:
-        settle_queue_threads(self.__dict__.pop("_previous_index_queues", []))
+        settle_queue_threads(self.__dict__.pop("_previous_queues", []))
         iterator = super()._get_iterator()  # type: ignore[misc]
         if self.num_workers > 0:
-            self.__dict__["_previous_index_queues"] = list(getattr(iterator, "_index_queues", []))
+            # The index queues, and the result queue (fed here when pin_memory's thread is
+            # told to stop): the queues with feeder threads in this process.
+            queues = [*getattr(iterator, "_index_queues", [])]
+            queues.append(getattr(iterator, "_worker_result_queue", None))
+            self.__dict__["_previous_queues"] = queues
         return iterator

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import IterableDataset
+from torch.utils.data import DataLoader, IterableDataset
 
 from cloudshards.process import PerProcess
 
@@ -163,3 +163,89 @@ def test_next_epochs_workers_fork_after_the_last_epochs_threads_ended(
         _RECORDING.clear()
     assert len(_FEEDERS_AT_FORK) == 2  # the second epoch's two workers
     assert _FEEDERS_AT_FORK == [[], []]  # no thread of the first epoch was still ending
+
+
+class _FreezeCount(IterableDataset):  # type: ignore[type-arg]
+    """A plain torch dataset (nothing of cloudshards freezes in it) that yields the count of
+    frozen objects as its worker starts."""
+
+    def __iter__(self) -> Any:
+        import gc
+
+        yield gc.get_freeze_count()
+
+
+def _counts(loader: Any) -> tuple[list[int], list[int]]:
+    """What each worker saw as it started, and the parent's count while it read."""
+    import gc
+
+    seen, parent = [], []
+    for count in loader:
+        seen.append(int(count))
+        parent.append(gc.get_freeze_count())
+    return seen, parent
+
+
+@pytest.mark.parametrize("loader_class", ["WebLoader", "StatefulLoader"])
+def test_workers_fork_with_the_parents_objects_frozen(
+    monkeypatch: pytest.MonkeyPatch, loader_class: str
+) -> None:
+    """cloudshards' loaders fork their workers with the parent's objects frozen (Python's
+    recipe for fork without exec), so a worker starts with no full collection to run over the
+    parent's heap, whatever dataset it reads; the parent unfreezes at once."""
+    import gc
+
+    import cloudshards as wds
+
+    monkeypatch.delenv("CLOUDSHARDS_GC_FREEZE", raising=False)
+    before = gc.get_freeze_count()
+    make = getattr(wds, loader_class)
+    seen, parent = _counts(make(_FreezeCount(), batch_size=None, num_workers=2))
+    assert len(seen) == 2
+    assert all(count > 1000 for count in seen), seen
+    assert parent == [before] * 2
+    assert gc.get_freeze_count() == before
+    # torch's own DataLoader does not: the workers start with nothing frozen.
+    seen, _ = _counts(DataLoader(_FreezeCount(), batch_size=None, num_workers=2))
+    assert seen == [before] * 2
+
+
+def test_freezing_for_fork_leaves_what_the_user_froze_and_other_start_methods() -> None:
+    import gc
+
+    from cloudshards.process import frozen_for_fork
+
+    assert gc.get_freeze_count() == 0
+    with frozen_for_fork(2, "spawn"):
+        assert gc.get_freeze_count() == 0  # a spawned worker inherits no heap
+    with frozen_for_fork(0):
+        assert gc.get_freeze_count() == 0  # no workers
+    with frozen_for_fork(2, "fork"):
+        assert gc.get_freeze_count() > 1000
+    assert gc.get_freeze_count() == 0
+    gc.freeze()  # the user's own freeze: kept as it is
+    try:
+        theirs = gc.get_freeze_count()
+        with frozen_for_fork(2, "fork"):
+            pass
+        assert gc.get_freeze_count() == theirs
+    finally:
+        gc.unfreeze()
+
+
+def test_freezing_for_fork_leaves_the_start_method_to_the_program() -> None:
+    """Asking which start method the workers use does not fix the default: the program can
+    still choose one afterwards (set_start_method raises once the default is fixed)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import multiprocessing\n"
+        "from cloudshards.process import frozen_for_fork\n"
+        "with frozen_for_fork(2):\n"
+        "    pass\n"
+        "assert multiprocessing.get_start_method(allow_none=True) is None\n"
+        "multiprocessing.set_start_method('spawn')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

@@ -144,9 +144,9 @@ def settle_queue_threads(queues: list[Any]) -> None:
     Forking while another thread ends can hang the child for good: on CPython 3.8-3.11 before
     the fix for gh-112275 (3.11.7 among them; 3.12 is not affected) the child takes the
     interpreter's thread-list lock, inherited as the ending thread held it, before it resets
-    it. Seen in CI: a 2-rank Lightning run whose next epoch's
-    worker never returned from ``fork()`` (its rank waiting for it in the iterator's reset, the
-    other rank in a collective), as the last epoch's index-queue threads were ending.
+    it. Seen in CI: a 2-rank Lightning run whose next epoch's worker never returned from
+    ``fork()`` (its rank waiting for it in the iterator's reset, the other rank in a
+    collective), as the last epoch's index-queue threads were ending.
     """
     waited = False
     deadline = time.monotonic() + SETTLE_TIMEOUT_S

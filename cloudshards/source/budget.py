@@ -217,7 +217,10 @@ class NodeBudget:
         """The slots requests may use now: the :meth:`ceiling`, or fewer after the store
         throttled (halved at each throttling, one more back after each round of successes;
         the cut lapses after ``_STALE_S`` without news, so a new job starts at full speed)."""
-        ceiling = self.ceiling()
+        return self._cut(self.ceiling())
+
+    def _cut(self, ceiling: int) -> int:
+        """:meth:`limit` for a ``ceiling`` already known."""
         shared = self._shared()
         if time.time() - shared["changed"] > _STALE_S:
             return ceiling
@@ -252,8 +255,9 @@ class NodeBudget:
 
     def _succeeded(self) -> None:
         self._successes += 1
-        limit = self.limit()
-        if limit >= self.ceiling() or self._successes < max(_ROUND, limit):
+        ceiling = self.ceiling()
+        limit = self._cut(ceiling)
+        if limit >= ceiling or self._successes < max(_ROUND, limit):
             return
         self._successes = 0
 

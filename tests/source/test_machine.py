@@ -23,54 +23,47 @@ def _write(root: Path, files: dict[str, str]) -> str:
 MEMINFO = "MemTotal:       65536000 kB\nMemFree:         1000 kB\n"  # 62.5 GiB
 
 
-def test_memory_is_the_machines_without_a_limit(tmp_path: Path) -> None:
-    root = _write(
-        tmp_path,
-        {
-            "proc/meminfo": MEMINFO,
-            "proc/self/cgroup": "0::/user.slice\n",
-            "sys/fs/cgroup/user.slice/memory.max": "max\n",
-            # cgroup v1's "no limit" is a page-rounded 2**63
-            "sys/fs/cgroup/memory/memory.limit_in_bytes": "9223372036854771712\n",
-        },
-    )
-    assert machine.memory_bytes(root) == 65536000 * 1024
-
-
-def test_memory_is_a_cgroup_v2_limit_where_lower(tmp_path: Path) -> None:
-    root = _write(
-        tmp_path,
-        {
-            "proc/meminfo": MEMINFO,
-            "proc/self/cgroup": "0::/kubepods/pod1/ctr\n",
-            "sys/fs/cgroup/kubepods/pod1/ctr/memory.max": str(8 * GIB),
-        },
-    )
-    assert machine.memory_bytes(root) == 8 * GIB
-
-
-def test_memory_is_a_cgroup_v1_limit_where_lower(tmp_path: Path) -> None:
-    root = _write(
-        tmp_path,
-        {
-            "proc/meminfo": MEMINFO,
-            "proc/self/cgroup": "5:cpu,cpuacct:/\n4:memory:/docker/abc\n0::/\n",
-            "sys/fs/cgroup/memory/docker/abc/memory.limit_in_bytes": str(16 * GIB),
-        },
-    )
-    assert machine.memory_bytes(root) == 16 * GIB
-
-
-def test_memory_limit_of_a_container_namespace_sits_at_the_mount_root(tmp_path: Path) -> None:
-    root = _write(
-        tmp_path,
-        {
-            "proc/meminfo": MEMINFO,
-            "proc/self/cgroup": "0::/\n",
-            "sys/fs/cgroup/memory.max": str(4 * GIB),
-        },
-    )
-    assert machine.memory_bytes(root) == 4 * GIB
+@pytest.mark.parametrize(
+    ("files", "expected"),
+    [
+        pytest.param(
+            {
+                "proc/self/cgroup": "0::/user.slice\n",
+                "sys/fs/cgroup/user.slice/memory.max": "max\n",
+                # cgroup v1's "no limit" is a page-rounded 2**63
+                "sys/fs/cgroup/memory/memory.limit_in_bytes": "9223372036854771712\n",
+            },
+            65536000 * 1024,
+            id="the-machines-without-a-limit",
+        ),
+        pytest.param(
+            {
+                "proc/self/cgroup": "0::/kubepods/pod1/ctr\n",
+                "sys/fs/cgroup/kubepods/pod1/ctr/memory.max": str(8 * GIB),
+            },
+            8 * GIB,
+            id="a-cgroup-v2-limit-where-lower",
+        ),
+        pytest.param(
+            {
+                "proc/self/cgroup": "5:cpu,cpuacct:/\n4:memory:/docker/abc\n0::/\n",
+                "sys/fs/cgroup/memory/docker/abc/memory.limit_in_bytes": str(16 * GIB),
+            },
+            16 * GIB,
+            id="a-cgroup-v1-limit-where-lower",
+        ),
+        pytest.param(
+            {"proc/self/cgroup": "0::/\n", "sys/fs/cgroup/memory.max": str(4 * GIB)},
+            4 * GIB,
+            id="a-container-namespaces-limit-at-the-mount-root",
+        ),
+    ],
+)
+def test_memory_is_the_lowest_of_the_machine_and_its_cgroup_limits(
+    tmp_path: Path, files: dict[str, str], expected: int
+) -> None:
+    root = _write(tmp_path, {"proc/meminfo": MEMINFO, **files})
+    assert machine.memory_bytes(root) == expected
 
 
 def test_memory_unknown_is_none_and_damaged_files_are_skipped(tmp_path: Path) -> None:

@@ -179,6 +179,10 @@ def _narrow_previous(stages: list[Any], kept: tuple[Any, ...]) -> None:
     for_fields = getattr(stages[-2], "for_fields", None)
     if not callable(for_fields):
         return
-    narrowed = for_fields({name for spec in kept for name in spec.split(";")})
+    # The names as to_tuple reads them: "jpg;png cls" (one string) is two fields, and a
+    # field's alternatives are split on ";".
+    narrowed = for_fields(
+        {name for spec in kept for word in spec.split() for name in word.split(";")}
+    )
     if narrowed is not None:
         stages[-2] = narrowed

@@ -315,6 +315,13 @@ def test_decode_then_to_tuple_decodes_only_the_kept_fields(make_shards: Any) -> 
     assert list(narrowed) == list(full)
     assert set(decoded) == {".cls"}
     assert len(decoded) == 7
+    # webdataset's own spelling, one string of space-separated fields: every field decoded.
+    decoded.clear()
+    spaced = wds.WebDataset(shards.spec(), shardshuffle=False).decode(spy).to_tuple("bin cls")
+    both = list(wds.WebDataset(shards.spec(), shardshuffle=False).decode().to_tuple("bin", "cls"))
+    assert list(spaced) == both
+    assert all(isinstance(c, int) for _, c in both)
+    assert set(decoded) == {".bin", ".cls"}
     # Nothing narrows a decode that is not directly followed by to_tuple.
     decoded.clear()
     ds = wds.WebDataset(shards.spec(), shardshuffle=False).decode(spy)

@@ -120,7 +120,19 @@ class _Split:
             return "drop"  # a subsample is a run of the epoch's sample sequence: counted
         if context is None or context.bounded or context.info.world_size < 2:
             return None
+        if self.nodesplitter is None:
+            # The user's "no node splitting" (webdataset's nodesplitter=None): each rank reads
+            # every shard it was given, as on one node; its own split keeps its ranks equal.
+            return None
         return "drop"
+
+    def consumer(self, info: WorkerInfo) -> tuple[int, int]:
+        """This consumer's index among those the epoch's samples are balanced over, and
+        their number: ranks x workers, or only the kind whose splitter is not None (a rank
+        with ``nodesplitter=None`` shares the epoch only among its own workers)."""
+        ranks = (info.rank, info.world_size) if self.nodesplitter is not None else (0, 1)
+        workers = (info.worker, info.num_workers) if self.workersplitter is not None else (0, 1)
+        return ranks[0] * workers[1] + workers[0], ranks[1] * workers[1]
 
     def limit(self, total: int) -> int | None:
         """Samples of the epoch to use (``subsample``'s fraction of ``total``, at most
@@ -154,11 +166,12 @@ class _Split:
             return _noting(_split(src, self.nodesplitter, self.workersplitter), self.urls)
         if mode is not None:
             counts = self.counts()
+            consumer, num_consumers = self.consumer(info)
             return assign_samples(
                 src,
                 dict(enumerate(counts)),
-                consumer=info.global_worker,
-                num_consumers=info.num_consumers,
+                consumer=consumer,
+                num_consumers=num_consumers,
                 mode=mode,
                 limit=self.limit(sum(counts)),
             )

@@ -353,31 +353,35 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
             result.append(arg)
         return result
 
+    # with_length, with_epoch and repeat change the pipeline itself and return it, as
+    # webdataset's do: programs call ``ds.with_epoch(n)`` without using the result. The other
+    # fluent methods return copies (compose), as webdataset's do.
+
     def with_length(self, n: int, silent: bool = False) -> Any:
-        """Return a copy whose ``len()`` is ``n`` (it does not change what is iterated)."""
-        result = self.compose()
-        result._length = int(n)
+        """Make ``len()`` of this pipeline ``n`` (it does not change what is iterated);
+        returns the pipeline."""
+        self._length = int(n)
         if not silent:
             logger.info("with_length(%d) sets __len__ only; the epoch is unchanged", n)
-        return result
+        return self
 
     def with_epoch(self, nsamples: int = -1, nbatches: int = -1) -> Any:
-        """Return a copy whose epochs are exactly ``max(nsamples, nbatches)`` items long.
+        """Make this pipeline's epochs exactly ``max(nsamples, nbatches)`` items long;
+        returns the pipeline.
 
         The data is repeated (restarting its passes) as often as needed to fill the epoch,
         so every worker of every rank yields the same count: the fix for DDP hangs.
         """
-        result = self.compose()
-        result.repetitions = sys.maxsize
-        result.nsamples = max(nsamples, nbatches)
-        return result
+        self.repetitions = sys.maxsize
+        self.nsamples = max(nsamples, nbatches)
+        return self
 
     def repeat(self, nepochs: int = -1, nbatches: int = -1) -> Any:
-        """Return a copy that makes ``nepochs`` passes (forever if < 1), capped at ``nbatches``."""
-        result = self.compose()
-        result.repetitions = nepochs if nepochs > 0 else sys.maxsize
-        result.nsamples = nbatches
-        return result
+        """Make this pipeline run ``nepochs`` passes (forever if < 1), capped at ``nbatches``;
+        returns the pipeline."""
+        self.repetitions = nepochs if nepochs > 0 else sys.maxsize
+        self.nsamples = nbatches
+        return self
 
     def close(self) -> None:
         """Close every stage that has a ``close`` method."""

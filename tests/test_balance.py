@@ -580,3 +580,47 @@ def test_subsample_and_limit_are_checked(make_shards: Any) -> None:
             wds.WebDataset(spec, **kw)
     with pytest.raises(ConfigError, match="resampled"):
         wds.WebDataset(spec, resampled=True, limit=3)
+
+
+@pytest.mark.parametrize("balance", ["auto", "drop", None])
+def test_nodesplitter_none_lets_each_rank_read_the_shards_it_was_given(
+    make_shards: Any, monkeypatch: pytest.MonkeyPatch, balance: str | None
+) -> None:
+    """webdataset programs that split the URL list per rank themselves turn node splitting
+    off with nodesplitter=None: no rank may then lose half of its own shards to a second split;
+    its workers still share them without duplicates."""
+    shards = make_shards([3, 1, 4, 2])
+    urls = [str(p) for p in shards.paths]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank in range(2):
+        monkeypatch.setenv("RANK", str(rank))
+        mine = urls[rank::2]
+        expected = [
+            k for k in shards.keys if any(k.startswith(f"s{i:04d}_") for i in range(rank, 4, 2))
+        ]
+
+        def build(mine: list[str] = mine) -> Any:
+            return wds.WebDataset(mine, shardshuffle=False, nodesplitter=None, balance=balance)
+
+        assert keys_of(build()) == expected
+        read = keys_of(wds.WebLoader(build(), batch_size=None, num_workers=2))
+        assert len(set(read)) == len(read)
+        assert set(read) <= set(expected)
+        # "drop" gives the rank's 2 workers equal runs (one of 7 samples left out).
+        assert len(read) == (len(expected) // 2 * 2 if balance == "drop" else len(expected))
+
+
+def test_workersplitter_none_balances_over_ranks_only(
+    make_shards: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shards = make_shards([3, 1, 4, 2])
+    per_rank = ranks_keys(shards.spec(), monkeypatch, 2, balance="drop", workersplitter=None)
+    assert [len(k) for k in per_rank] == [5, 5]
+    assert sorted(per_rank[0] + per_rank[1]) == sorted(shards.keys)
+    monkeypatch.setenv("RANK", "1")
+    loader = wds.WebLoader(
+        wds.WebDataset(shards.spec(), seed=3, balance="drop", workersplitter=None),
+        batch_size=None,
+        num_workers=2,
+    )
+    assert sorted(keys_of(loader)) == sorted(per_rank[1] * 2)  # each worker reads it all

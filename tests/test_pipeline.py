@@ -108,16 +108,27 @@ def test_with_epoch_gives_exact_counts_and_repeats(make_shards: Any) -> None:
     assert len(batches) == 6
 
 
-def test_fluent_methods_do_not_mutate(make_shards: Any) -> None:
+def test_epoch_and_length_change_the_pipeline_other_fluent_methods_copy(
+    make_shards: Any,
+) -> None:
+    """As webdataset's: ``ds.with_epoch(n)`` unassigned still sets the epoch (programs rely on
+    it: a resampled dataset would otherwise never end an epoch); to_tuple, batched... copy."""
     shards = make_shards([5])
     ds = wds.WebDataset(shards.spec(), shardshuffle=False)
-    ds.with_epoch(2)
     ds.to_tuple("cls")
-    ds.with_length(1, silent=True)
+    ds.batched(2)
     assert keys_of(ds) == shards.keys
     with pytest.raises(TypeError, match="with_length"):
         len(ds)
-    assert len(ds.with_length(42)) == 42
+    assert ds.with_epoch(2) is ds
+    assert keys_of(ds) == shards.keys[:2]
+    assert ds.with_length(42, silent=True) is ds
+    assert len(ds) == 42
+    assert ds.repeat(2) is ds
+    assert keys_of(ds) == shards.keys * 2
+    resampled = wds.WebDataset(shards.spec(), resampled=True, seed=1)
+    resampled.with_epoch(7)
+    assert len(keys_of(resampled)) == 7
 
 
 def test_resampled_with_epoch(make_shards: Any) -> None:

@@ -132,6 +132,10 @@ class ShardFormatError(ShardError, tarfile.ReadError, OSError, ValueError):
     ``io.UnsupportedOperation``.
     """
 
+    #: True once the pipeline's error handler was asked about this error and said stop (a
+    #: duplicated member, asked where it was found): the reader does not ask again.
+    handled: bool = False
+
 
 class DecodeError(ShardError, ValueError):
     """A field of a sample could not be decoded.

@@ -17,6 +17,7 @@ __all__ = [
     "group_members",
     "is_meta_name",
     "make_name_filter",
+    "skip_duplicate",
     "skip_meta",
     "split_key",
 ]
@@ -111,6 +112,7 @@ def group_members(
     lowercase_fields: bool = True,
     shard_index: int | None = None,
     name_filter: NameFilter | None = None,
+    on_duplicate: Callable[[Exception], bool] | None = None,
 ) -> Iterator[Sample]:
     """Group consecutive members with the same key into samples.
 
@@ -129,6 +131,8 @@ def group_members(
         name_filter: The filter ``members`` were read with: errors name members as in the
             archive, and this maps such a name to the one grouping would have seen (None:
             the member would have been skipped, so it proves nothing).
+        on_duplicate: The pipeline's error handler, asked about a field that appears twice
+            (see :func:`skip_duplicate`); None raises.
 
     Yields:
         ``{"__key__": key, "__url__": url, field: bytes, ...}`` samples, in member order.
@@ -154,8 +158,10 @@ def group_members(
                 key = member_key
                 sample = {"__key__": key, "__url__": url}
             if field in sample:
-                # Raised below, outside the handler for errors of ``members``.
-                duplicate = duplicate_field(field, key, url, shard_index, offset, name)
+                error = duplicate_field(field, key, url, shard_index, offset, name)
+                if skip_duplicate(error, on_duplicate):
+                    continue
+                duplicate = error  # raised below, outside the handler for errors of ``members``
                 break
             sample[field] = data
         else:
@@ -180,6 +186,19 @@ def duplicate_field(
         offset=offset,
         member=member,
     )
+
+
+def skip_duplicate(error: ShardFormatError, handler: Callable[[Exception], bool] | None) -> bool:
+    """Whether to go on past a duplicated member, keeping the field's first value, as
+    webdataset's ``group_by_keys`` does when its handler returns True. A handler that returns
+    False has answered: the error is marked (``handled``) so the reader stops without asking
+    it again."""
+    if handler is None:
+        return False
+    if handler(error):
+        return True
+    error.handled = True
+    return False
 
 
 def _starts_another_sample(damaged: str | None, key: str, name_filter: NameFilter | None) -> bool:

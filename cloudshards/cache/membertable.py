@@ -23,7 +23,7 @@ import operator
 import os
 import sys
 from array import array
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from cloudshards.errors import ShardFormatError
@@ -31,6 +31,7 @@ from cloudshards.grouping import (
     duplicate_field,
     group_members,
     is_meta_name,
+    skip_duplicate,
     skip_meta,
     split_key,
 )
@@ -267,6 +268,7 @@ def table_samples(
     name_filter: NameFilter | None,
     max_member_bytes: int,
     shard_index: int | None = None,
+    on_duplicate: Callable[[Exception], bool] | None = None,
 ) -> Iterator[Sample]:
     """The samples of the file open at ``fd``, sliced by ``table``: what
     :func:`~cloudshards.grouping.group_members` makes of :func:`iter_table`'s members, in one
@@ -280,6 +282,7 @@ def table_samples(
             url=url,
             shard_index=shard_index,
             name_filter=name_filter,
+            on_duplicate=on_duplicate,
         )
         return
     if os.fstat(fd).st_size == 0:
@@ -303,7 +306,10 @@ def table_samples(
                 key = member_key
                 sample = {"__key__": key, "__url__": url}
             if field in sample:
-                raise duplicate_field(field, key, url, shard_index, offset, name)
+                error = duplicate_field(field, key, url, shard_index, offset, name)
+                if skip_duplicate(error, on_duplicate):
+                    continue
+                raise error
             sample[field] = view[offset : offset + length]
     if sample is not None:
         yield sample

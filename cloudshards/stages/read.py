@@ -282,7 +282,7 @@ def _read_opened(
                 members_filter = selecting(name_filter, chosen)
             else:
                 members_filter = skipping(name_filter, skip) if skip else name_filter
-            samples = _samples_by_table(stream, url, members_filter, options, index)
+            samples = _samples_by_table(stream, url, members_filter, options, index, handler)
             if samples is None:
                 if hasattr(stream, "save_member_table"):
                     record = MemberTable()  # a complete parse lets later epochs slice by offset
@@ -295,7 +295,11 @@ def _read_opened(
                     record=record,
                 )
                 samples = group_members(
-                    members, url=url, shard_index=index, name_filter=members_filter
+                    members,
+                    url=url,
+                    shard_index=index,
+                    name_filter=members_filter,
+                    on_duplicate=handler,
                 )
             if chosen is not None:  # stop after the last one: the rest is not needed
                 samples = itertools.islice(samples, len(chosen))
@@ -326,7 +330,8 @@ def _read_opened(
         except ConfigError:
             raise
         except Exception as exn:
-            if not handler(exn):
+            # A duplicated member the handler already answered (False: stop) is not asked again.
+            if getattr(exn, "handled", False) or not handler(exn):
                 return
             logger.debug("skipped rest of shard %s after error", redact_url(url))
         finally:
@@ -339,6 +344,7 @@ def _samples_by_table(
     name_filter: NameFilter | None,
     options: OpenOptions,
     shard_index: int | None,
+    handler: ExceptionHandler,
 ) -> Iterator[Sample] | None:
     """A cached shard's samples sliced by its saved member table, or None to parse it."""
     member_table = getattr(stream, "member_table", None)
@@ -355,6 +361,7 @@ def _samples_by_table(
         name_filter=name_filter,
         max_member_bytes=options.member_limit(),
         shard_index=shard_index,
+        on_duplicate=handler,
     )
 
 

@@ -5,7 +5,9 @@ corrupt table, a gzip shard or an early stop fall back to parsing."""
 from __future__ import annotations
 
 import gzip
+import io
 import json
+import tarfile
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,7 @@ import pytest
 
 import cloudshards as wds
 from cloudshards.cache.membertable import iter_table, load_table
+from cloudshards.errors import ShardFormatError
 from cloudshards.grouping import make_name_filter, split_key
 
 
@@ -56,6 +59,27 @@ def test_second_epoch_slices_by_the_table_with_identical_samples(
     forbid_parsing(monkeypatch)  # the warm epoch must come from the tables alone
     assert samples(dataset(urls, cache_dir)) == first
     assert [key for key, _ in first] == shards.keys
+
+
+def test_a_duplicated_member_skipped_by_the_handler_is_skipped_by_the_table_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "dup-000000.tar"
+    with tarfile.open(path, "w") as tar:
+        for key, data in [("a", b"1"), ("b", b"2"), ("b", b"twice"), ("c", b"3")]:
+            info = tarfile.TarInfo(f"{key}.txt")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    urls = [fakes.url_of(path)]
+    cache_dir = tmp_path / "cache"
+    handler = wds.ignore_and_continue
+    first = samples(dataset(urls, cache_dir, handler=handler))
+    assert first == [("a", {"txt": b"1"}), ("b", {"txt": b"2"}), ("c", {"txt": b"3"})]
+    assert len(tables(cache_dir)) == 1
+    forbid_parsing(monkeypatch)
+    assert samples(dataset(urls, cache_dir, handler=handler)) == first
+    with pytest.raises(ShardFormatError, match="duplicate field 'txt'"):
+        list(dataset(urls, cache_dir))
 
 
 def test_balanced_and_resumed_reads_skip_by_the_table(

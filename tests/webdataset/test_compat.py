@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader
 
 import cloudshards
 from cloudshards.decoders import allow_unsafe_decoders
+from cloudshards.errors import ShardFormatError
 
 Build = Callable[[Any], Any]
 MakeShards = Callable[..., Any]
@@ -524,6 +525,50 @@ def test_truncated_shard_keeps_its_complete_samples(
     assert set(shards.keys) <= set(keys_of(actual))
     # Every complete sample webdataset reads, in the same order; no partial sample.
     assert canon_list(actual) == canon_list(complete)
+
+
+def duplicate_member_shard(path: Path) -> str:
+    """``s1.txt`` twice (the second b"second"), then three more samples."""
+    members = [("s0", b"a"), ("s1", b"b"), ("s1", b"second"), ("s2", b"c"), ("s3", b"d")]
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+        for key, data in [*members, ("s4", b"e")]:
+            info = tarfile.TarInfo(f"{key}.txt")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return str(path)
+
+
+@pytest.mark.parametrize("handler", ["warn_and_continue", "ignore_and_continue"])
+def test_duplicate_member_skips_only_that_member(tmp_path: Path, handler: str) -> None:
+    """As webdataset: a continuing handler drops the duplicated member (the field keeps its
+    first value) and the shard goes on; the rest of the shard is not lost."""
+    url = duplicate_member_shard(tmp_path / "dup-000000.tar")
+
+    def build(wds: Any) -> Any:
+        return wds.WebDataset(url, shardshuffle=False, handler=getattr(wds, handler))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected, actual = run_both(build)
+    assert keys_of(expected) == ["s0", "s1", "s2", "s3", "s4"]
+    assert [s["txt"] for s in expected][1] == b"b"
+    assert canon_list(actual) == canon_list(expected)
+
+
+def test_duplicate_member_asks_a_stopping_handler_once(tmp_path: Path) -> None:
+    url = duplicate_member_shard(tmp_path / "dup-000000.tar")
+    asked: list[BaseException] = []
+
+    def stop(exn: BaseException) -> bool:
+        asked.append(exn)
+        return False
+
+    assert keys_of(cloudshards.WebDataset(url, shardshuffle=False, handler=stop)) == ["s0"]
+    assert len(asked) == 1
+    assert "duplicate field 'txt'" in str(asked[0])
+    assert "s1.txt" in str(asked[0])
+    with pytest.raises(ShardFormatError, match="duplicate"):
+        list(cloudshards.WebDataset(url, shardshuffle=False))
 
 
 def test_corrupt_shard_raises_by_default(make_shards: MakeShards, tmp_path: Path) -> None:

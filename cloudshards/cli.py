@@ -16,7 +16,7 @@ from typing import Any
 
 from cloudshards import __version__
 from cloudshards.cache import cache_info, clear_cache
-from cloudshards.errors import CloudShardsError, ConfigError
+from cloudshards.errors import CloudShardsError, ConfigError, ShardError
 from cloudshards.grouping import group_members
 from cloudshards.redact import redact_text, redact_url
 from cloudshards.source import open_shard, shard_size
@@ -378,7 +378,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.debug:
             raise
         print(f"cloudshards: error: {redact_text(str(exc))}", file=sys.stderr)
-        return 2
+        return 1 if isinstance(exc, ShardError) else 2  # a missing shard is not a usage error
     except (CloudShardsError, OSError) as exc:
         if args.debug:
             raise

@@ -7,6 +7,7 @@
     │   └── UnsupportedError(ConfigError, NotImplementedError)  a webdataset name left out
     ├── ShardError                                  .url, .shard_index, .offset, .member
     │   ├── ShardOpenError(ShardError, OSError)     open/read failed (missing object, auth, network)
+    │   │   └── ShardNotFoundError(ShardOpenError, FileNotFoundError)   missing object
     │   ├── ShardFormatError(ShardError, ReadError, OSError, ValueError)
     │   │                                           truncated tar, bad header, duplicate field
     │   └── DecodeError(ShardError, ValueError)     .key, .field
@@ -32,6 +33,7 @@ __all__ = [
     "DecodeError",
     "ShardError",
     "ShardFormatError",
+    "ShardNotFoundError",
     "ShardOpenError",
     "StateMismatchError",
     "UnsupportedError",
@@ -122,6 +124,12 @@ def _rebuild_shard_error(
 
 class ShardOpenError(ShardError, OSError):
     """A shard could not be opened or read: missing object, bad credentials, network failure."""
+
+
+class ShardNotFoundError(ShardOpenError, FileNotFoundError):
+    """The shard does not exist (a missing file or object, HTTP 404). Also a
+    ``FileNotFoundError``, which is what webdataset code catches (webdataset lets ``open``
+    or fsspec raise it)."""
 
 
 class ShardFormatError(ShardError, tarfile.ReadError, OSError, ValueError):

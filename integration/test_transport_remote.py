@@ -138,6 +138,7 @@ def test_a_missing_object_is_named_and_not_retried(
     with pytest.raises(ShardOpenError, match="object not found") as info:
         keys_of(url, s3_dataset.storage_options)
     assert url in str(info.value)
+    assert isinstance(info.value, FileNotFoundError)  # S3's 404, as webdataset code catches it
     assert "retrying" not in caplog.text.lower()
 
 

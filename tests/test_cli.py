@@ -240,8 +240,9 @@ def test_debug_shows_the_traceback(tmp_path: Any, capsys: pytest.CaptureFixture[
     assert capsys.readouterr().err.splitlines() == [
         f"cloudshards: error: object not found (shard {tmp_path}/missing.tar)"
     ]
-    with pytest.raises(ShardOpenError, match="object not found"):
+    with pytest.raises(ShardOpenError, match="object not found") as info:
         main(["--debug", "cat", str(tmp_path / "missing.tar")])
+    assert isinstance(info.value, FileNotFoundError)  # what webdataset code catches
 
 
 def test_progress_bars_show_on_a_terminal(make_shards: Any) -> None:

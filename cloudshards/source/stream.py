@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import IO, TYPE_CHECKING, Any, Protocol
 
-from cloudshards.errors import CloudShardsError, ShardOpenError
+from cloudshards.errors import CloudShardsError, ShardNotFoundError, ShardOpenError
 from cloudshards.redact import raise_redacted, redact_text
 
 if TYPE_CHECKING:
@@ -145,8 +145,10 @@ def map_backend_error(
     if isinstance(exc, CloudShardsError):
         return exc
     if isinstance(exc, FileNotFoundError):
-        reason = "object not found"
-    elif isinstance(exc, IsADirectoryError):
+        return ShardNotFoundError(
+            "object not found", url=url, shard_index=shard_index, offset=offset
+        )
+    if isinstance(exc, IsADirectoryError):
         reason = "is a directory, not a shard"
     elif isinstance(exc, PermissionError) or any(
         marker in f"{type(exc).__name__} {exc}" for marker in _AUTH_MARKERS

@@ -11,7 +11,7 @@ import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 
 import cloudshards as wds
-from cloudshards.errors import ConfigError, ShardFormatError, ShardOpenError
+from cloudshards.errors import ConfigError, ShardFormatError, ShardNotFoundError, ShardOpenError
 from cloudshards.source import OpenOptions, open_shard
 
 
@@ -50,7 +50,12 @@ def test_missing_object_names_the_url(tmp_path: Path, memory_dir: MemoryFileSyst
             open_shard(url, shard_index=3)
         assert "missing.tar" in str(info.value)
         assert info.value.shard_index == 3
-        assert isinstance(info.value, OSError)
+        # webdataset lets open() or fsspec raise FileNotFoundError: code that catches it still does.
+        assert isinstance(info.value, FileNotFoundError)
+        assert isinstance(info.value, ShardNotFoundError)
+        copy = pickle.loads(pickle.dumps(info.value))  # from a DataLoader worker
+        assert isinstance(copy, ShardNotFoundError)
+        assert str(copy) == str(info.value)
 
 
 def test_directory_is_not_a_shard(tmp_path: Path) -> None:

@@ -6,22 +6,9 @@ directory's layout, budget, streams, entry keys and counters each have a module 
 
 from __future__ import annotations
 
-from typing import Any
-
 from cloudshards.cache.admin import cache_info, clear_cache
 from cloudshards.cache.keys import entry_name
 from cloudshards.cache.shardcache import ShardCache
 from cloudshards.cache.stats import CacheStats
 
 __all__ = ["CacheStats", "ShardCache", "cache_info", "clear_cache", "entry_name"]
-
-
-def __getattr__(name: str) -> Any:
-    """webdataset's ``webdataset.cache`` names (``wds.cache.FileCache`` after ``import
-    cloudshards as wds``), from :mod:`cloudshards.webdataset.cache`, imported on first use
-    (it imports this package)."""
-    from cloudshards.webdataset import cache as webdataset_cache
-
-    if name in webdataset_cache.__all__:
-        return getattr(webdataset_cache, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -381,20 +381,6 @@ def test_top_level_gopen_is_the_function_and_version_is_webdataset_api() -> None
     )
 
 
-def test_top_level_cache_module_has_webdatasets_cache_names() -> None:
-    """``import cloudshards as wds`` makes ``wds.cache`` cloudshards' cache package; the names
-    of webdataset's ``wds.cache`` are there too."""
-    import cloudshards
-    import cloudshards.webdataset.cache as wds_cache
-
-    for name in ("FileCache", "StreamingOpen", "default_cache_dir", "url_to_cache_name"):
-        assert hasattr(webdataset.cache, name)
-        assert getattr(cloudshards.cache, name) is getattr(wds_cache, name)
-    assert cloudshards.cache.ShardCache is cloudshards.ShardCache
-    with pytest.raises(AttributeError, match="no_such_name"):
-        _ = cloudshards.cache.no_such_name
-
-
 # --- tariterators ----------------------------------------------------------------------------
 
 

@@ -26,7 +26,7 @@ from cloudshards.fluid import FluidInterface
 from cloudshards.process import freeze_inherited_objects
 from cloudshards.seeding import default_seed, epoch_context
 from cloudshards.stages import base, elastic
-from cloudshards.stages.base import IterationContext, PipelineStage
+from cloudshards.stages.base import IterationContext, PipelineStage, flush_checkpoint_warnings
 from cloudshards.stages.elastic import ELASTIC_KEY, gathered
 from cloudshards.stages.epoch import EpochLimiter
 from cloudshards.stages.rebuffer import connect, is_reader, read_again, snapshot
@@ -268,6 +268,7 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
         """
         live = self._live
         digest, layout = self._fingerprint()
+        flush_checkpoint_warnings()  # met while the pipeline snapshot itself: told now
         state: dict[str, Any] = {"version": STATE_VERSION, "fingerprint": digest}
         state["layout"] = layout
         if live is None:

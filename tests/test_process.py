@@ -210,27 +210,54 @@ def test_workers_fork_with_the_parents_objects_frozen(
     assert seen == [before] * 2
 
 
-def test_freezing_for_fork_leaves_what_the_user_froze_and_other_start_methods() -> None:
-    import gc
+class _Collector:
+    """The gc functions frozen_for_fork uses, on a count of its own: the real freeze count is
+    the whole process's, which other threads' loaders (left by other tests) may change."""
 
-    from cloudshards.process import frozen_for_fork
+    def __init__(self, frozen: int = 0) -> None:
+        self.frozen = frozen
+        self.calls: list[str] = []
 
-    assert gc.get_freeze_count() == 0
-    with frozen_for_fork(2, "spawn"):
-        assert gc.get_freeze_count() == 0  # a spawned worker inherits no heap
-    with frozen_for_fork(0):
-        assert gc.get_freeze_count() == 0  # no workers
-    with frozen_for_fork(2, "fork"):
-        assert gc.get_freeze_count() > 1000
-    assert gc.get_freeze_count() == 0
-    gc.freeze()  # the user's own freeze: kept as it is
-    try:
-        theirs = gc.get_freeze_count()
-        with frozen_for_fork(2, "fork"):
-            pass
-        assert gc.get_freeze_count() == theirs
-    finally:
-        gc.unfreeze()
+    def get_freeze_count(self) -> int:
+        return self.frozen
+
+    def freeze(self) -> None:
+        self.calls.append("freeze")
+        self.frozen += 5000
+
+    def unfreeze(self) -> None:
+        self.calls.append("unfreeze")
+        self.frozen = 0
+
+
+def test_freezing_for_fork_leaves_what_the_user_froze_and_other_start_methods(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import cloudshards.process as process
+
+    monkeypatch.delenv("CLOUDSHARDS_GC_FREEZE", raising=False)
+    collector = _Collector()
+    monkeypatch.setattr(process, "gc", collector)
+    with process.frozen_for_fork(2, "spawn"):
+        assert collector.frozen == 0  # a spawned worker inherits no heap
+    with process.frozen_for_fork(0):
+        assert collector.frozen == 0  # no workers
+    assert collector.calls == []
+    with process.frozen_for_fork(2, "fork"):
+        assert collector.frozen == 5000
+    assert collector.calls == ["freeze", "unfreeze"]
+    assert collector.frozen == 0
+    theirs = _Collector(frozen=123)  # the user's own freeze: kept as it is
+    monkeypatch.setattr(process, "gc", theirs)
+    with process.frozen_for_fork(2, "fork"):
+        pass
+    assert (theirs.frozen, theirs.calls) == (123, [])
+    switched_off = _Collector()
+    monkeypatch.setattr(process, "gc", switched_off)
+    monkeypatch.setenv("CLOUDSHARDS_GC_FREEZE", "0")
+    with process.frozen_for_fork(2, "fork"):
+        pass
+    assert switched_off.calls == []
 
 
 def test_freezing_for_fork_leaves_the_start_method_to_the_program() -> None:

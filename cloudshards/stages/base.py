@@ -19,6 +19,7 @@ position: positions are the stages' own state.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import os
 import random
@@ -39,7 +40,10 @@ __all__ = [
     "Stage",
     "StageIterator",
     "StatefulIterator",
+    "automatic_snapshot",
+    "checkpoint_warning",
     "current_context",
+    "flush_checkpoint_warnings",
     "iteration_context",
     "make_rng",
     "one_item_per_sample",
@@ -52,6 +56,39 @@ __all__ = [
 ]
 
 _T = TypeVar("_T")
+
+#: True while the pipeline takes its stages' states for itself (an epoch's end, a running
+#: pipeline pickled for DataLoader workers), not for a checkpoint the user asked for.
+_AUTOMATIC = contextvars.ContextVar("cloudshards_automatic_snapshot", default=False)
+#: Warnings about what a checkpoint cannot hold, met during such snapshots, by key.
+_DEFERRED: dict[str, Callable[[], None]] = {}
+
+
+@contextmanager
+def automatic_snapshot() -> Iterator[None]:
+    """States taken inside are the pipeline's own (see :func:`checkpoint_warning`)."""
+    token = _AUTOMATIC.set(True)
+    try:
+        yield
+    finally:
+        _AUTOMATIC.reset(token)
+
+
+def checkpoint_warning(key: str, warn: Callable[[], None]) -> None:
+    """A stage's warning about what its state cannot hold: given now when a checkpoint was
+    asked for, kept for the next :func:`flush_checkpoint_warnings` when the pipeline only
+    snapshots itself (a program that never checkpoints is not told)."""
+    if _AUTOMATIC.get():
+        _DEFERRED.setdefault(key, warn)
+    else:
+        warn()
+
+
+def flush_checkpoint_warnings() -> None:
+    """Give the warnings kept by :func:`checkpoint_warning` (a checkpoint is being taken)."""
+    while _DEFERRED:
+        _DEFERRED.pop(next(iter(_DEFERRED)))()
+
 
 #: Filter functions and stage classes known to give at most one item per item they take,
 #: decided by that item alone (see :func:`one_item_per_sample`).

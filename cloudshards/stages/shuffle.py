@@ -19,7 +19,13 @@ from typing import Any
 
 from cloudshards.errors import StateMismatchError
 from cloudshards.redact import redact_url
-from cloudshards.stages.base import PipelineStage, make_rng, rng_state, set_rng_state
+from cloudshards.stages.base import (
+    PipelineStage,
+    checkpoint_warning,
+    make_rng,
+    rng_state,
+    set_rng_state,
+)
 
 __all__ = ["ShuffleIterator", "Shuffler", "detshuffle", "pick", "shuffle"]
 
@@ -312,10 +318,13 @@ _WARNED: set[str] = set()
 
 
 def _warn_inexact(why: str) -> None:
-    if why not in _WARNED:
-        _WARNED.add(why)
-        logger.warning(
-            "shuffle: a checkpoint does not hold this buffer (%s); a restore loses the samples "
-            "in it (at most its size per worker)",
-            why,
-        )
+    def warn() -> None:
+        if why not in _WARNED:
+            _WARNED.add(why)
+            logger.warning(
+                "shuffle: a checkpoint does not hold this buffer (%s); a restore loses the "
+                "samples in it (at most its size per worker)",
+                why,
+            )
+
+    checkpoint_warning(f"shuffle: {why}", warn)

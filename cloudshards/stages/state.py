@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from cloudshards.dist import derive_seed
-from cloudshards.stages.base import stateful_key
+from cloudshards.stages.base import automatic_snapshot, stateful_key
 
 __all__ = [
     "STATE_VERSION",
@@ -258,13 +258,15 @@ class LiveEpoch:
         if isinstance(self.registry, _Snapshot):
             return
         try:
-            states = self.registry.state_dict()
+            with automatic_snapshot():
+                states = self.registry.state_dict()
         except Exception:  # e.g. while the epoch is torn down at interpreter exit
             states = {}
         self.registry = _Snapshot(states)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        states = self.registry.state_dict()
+        with automatic_snapshot():
+            states = self.registry.state_dict()
         return (_thawed, (self.epoch, self.seed, self.info, states, self.plan))
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import io
 import json
+import logging
+import pickle
 import tarfile
 from pathlib import Path
 from typing import Any
@@ -310,3 +312,30 @@ def test_a_shuffle_with_its_own_kind_of_rng_is_left_out_of_the_state(
         state = ds.state_dict()
     assert "shuffle" not in state["stages"]
     assert any("random.Random" in r.getMessage() for r in caplog.records)
+
+
+def _forty() -> Any:
+    return iter(range(40))
+
+
+def test_an_unheld_buffer_is_warned_about_when_a_checkpoint_is_taken_only(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A buffer no shard reader feeds cannot be saved: the user hears it when they save a
+    state, not when the pipeline snapshots itself (an epoch's end, a pickle for workers) in a
+    program that never checkpoints."""
+    from cloudshards.stages import shuffle as shuffle_module
+
+    monkeypatch.setattr(shuffle_module, "_WARNED", set())
+    ds = wds.DataPipeline(_forty, wds.shuffle(8))
+    warning = "does not hold this buffer (no shard reader feeds it)"
+    with caplog.at_level(logging.WARNING, logger="cloudshards"):
+        assert sorted(ds) == list(range(40))  # the epoch ends: it snapshots itself
+        pickle.dumps(ds)  # handed to DataLoader workers after an epoch
+        running = iter(ds)
+        next(running)
+        pickle.dumps(ds)  # and while one runs
+        assert warning not in caplog.text
+        ds.state_dict()
+        ds.state_dict()
+    assert caplog.text.count(warning) == 1

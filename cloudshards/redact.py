@@ -31,7 +31,12 @@ __all__ = [
 ]
 
 _URL_START = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
-_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>]+")
+_SCHEME = r"[A-Za-z][A-Za-z0-9+.\-]*://"
+# A URL in quotes ends at its closing quote ('s3://b/k' in a repr); any other URL ends only at
+# white space or <>": a quote is legal unencoded in a password or a query string
+# (filename='a.tar'&Signature=...), and stopping there would leave the rest in clear.
+_QUOTED_URL_IN_TEXT = re.compile(rf"(['\"])({_SCHEME}[^\s<>]*?)(?=\1|[\s<>]|$)")
+_URL_IN_TEXT = re.compile(rf"(?<![\w+.\-'\"]){_SCHEME}[^\s\"<>]+")
 # "user:" at the start of the authority that is not "host:port".
 _USER_COLON = re.compile(r"[^/?#@:]*:")
 _HOST_PORT = re.compile(r"[^/?#@:]*:\d*(?:[/?#]|$)")
@@ -44,7 +49,8 @@ _MASKED_FIELDS = (
     r"authorization|proxy-authorization|cookie|set-cookie|x-amz-security-token|x-amz-signature"
     r"|x-amz-credential|x-goog-signature|x-goog-credential|x-api-key|aws_secret_access_key"
     r"|aws_session_token|secret_access_key|session_token|secret|password|passwd"
-    r"|access_token|refresh_token|id_token|client_secret|private_key|sig"
+    r"|access_token|refresh_token|id_token|client_secret|private_key|sig|token|signature"
+    r"|key-pair-id|policy|credential"
 )
 # name, separator, then a quoted value (masked to its closing quote) ...
 _QUOTED_SECRET = re.compile(rf"(?i)(?<![\w-])({_MASKED_FIELDS})(['\"]?\s*[:=]\s*b?)(['\"])(.*?)\3")
@@ -91,6 +97,7 @@ def redact_text(text: str) -> str:
     fields (``Authorization: ...``, ``'x-amz-security-token': '...'``, ``password=...``) are
     masked. Everything else is left as it was.
     """
+    text = _QUOTED_URL_IN_TEXT.sub(lambda m: m.group(1) + redact_url(m.group(2)), text)
     text = _URL_IN_TEXT.sub(lambda m: redact_url(m.group(0)), text)
     text = _QUOTED_SECRET.sub(
         lambda m: f"{m.group(1)}{m.group(2)}{m.group(3)}{_MASK}{m.group(3)}", text

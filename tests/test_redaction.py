@@ -70,6 +70,30 @@ def test_redact_text_masks_secret_headers_and_nothing_else() -> None:
     assert redact_text(plain) == plain
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        # A quote is legal unencoded in a password and a query string (RFC 3986).
+        f"FileNotFoundError: http://alice:hun'{SECRET}@h:1/missing.tar?X-Amz-Signature=s&t=1",
+        f"GET http://h/x.tar?filename='a.tar'&Signature={SECRET}&Key-Pair-Id=KP1 failed",
+        f"https://h/x?response-content-disposition=attachment;filename='a'&token={SECRET}",
+        f'url="http://alice:it\'s{SECRET}@host/x.tar"',
+        f"('gs://b/k.tar?X-Goog-Signature={SECRET}', 3)",
+        # CloudFront and token query fields outside a URL, as a backend may print them.
+        f"token={SECRET}",
+        f"Signature: {SECRET}",
+        f"Key-Pair-Id={SECRET}&Policy={SECRET}",
+    ],
+)
+def test_redact_text_masks_urls_with_quotes_in_them(text: str) -> None:
+    assert SECRET not in redact_text(text)
+
+
+def test_quoted_urls_end_at_their_closing_quote() -> None:
+    text = "opening 's3://bucket/train-000.tar' failed (shard 3), see 'https://h/doc'"
+    assert redact_text(text) == text
+
+
 def backend_failure() -> OSError:
     """A backend error chained the way aiohttp's are, its URL holding a password."""
     try:

@@ -4,6 +4,10 @@ to s3fs; errors stay clear and secret-free; a forked worker never hangs on obsto
 
 from __future__ import annotations
 
+import io
+import os
+import shutil
+import tarfile
 import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -209,3 +213,61 @@ def test_an_empty_object_is_a_truncated_tar_not_a_range_error(
     with pytest.raises(ShardFormatError, match="truncated tar") as info:
         keys_of(url, s3_dataset.storage_options, empty_check=False)
     assert url in str(info.value)
+
+
+def _changing_tar(path: Path, fill: int) -> None:
+    """24 samples of 64 KiB of ``fill``: the same size and names for every ``fill``."""
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+        for number in range(24):
+            info = tarfile.TarInfo(f"k{number:04d}.bin")
+            info.size = 64 << 10
+            info.mtime = 1_700_000_000
+            tar.addfile(info, io.BytesIO(bytes([fill]) * info.size))
+
+
+@pytest.mark.parametrize("remote", ["s3", "http"])
+def test_an_object_replaced_while_it_is_read_is_never_stitched(
+    request: pytest.FixtureRequest, tmp_path: Path, remote: str
+) -> None:
+    """Each part after the first is asked for only while the object's ETag is the first
+    part's (If-Match): when the object is replaced mid-read, the read fails and names the
+    change, instead of handing on members made of both versions; the cache keeps nothing."""
+    dataset: RemoteDataset = request.getfixturevalue(f"{remote}_dataset")
+    old, new = tmp_path / "old.tar", tmp_path / "new.tar"
+    _changing_tar(old, 1)
+    _changing_tar(new, 2)
+    assert old.stat().st_size == new.stat().st_size
+    name = f"changing-{remote}.tar"
+    url = dataset.url_for(name)
+
+    def publish(source: Path, mtime: int) -> None:
+        if remote == "s3":
+            dataset.server.filesystem().put(str(source), f"cloudshards-it/{name}")
+        else:
+            target = dataset.server.root / "cloudshards-it" / name
+            shutil.copyfile(source, target)
+            os.utime(target, (mtime, mtime))  # nginx's ETag is the mtime and size
+
+    cache = tmp_path / "cache"
+    for cache_dir in (None, cache):
+        publish(old, 1_700_000_000)
+        samples = iter(
+            wds.WebDataset(
+                url,
+                shardshuffle=False,
+                storage_options=dataset.storage_options,
+                part_bytes=64 << 10,
+                concurrency=1,
+                prefetch=0,
+                cache_dir=str(cache_dir) if cache_dir else None,
+            )
+        )
+        first = next(samples)
+        assert bytes(first["bin"][:1]) == b"\x01"
+        publish(new, 1_700_000_500)
+        read = [first]
+        with pytest.raises(ShardOpenError, match="changed while it was read") as info:
+            read.extend(samples)
+        assert name in str(info.value)
+        assert all(bytes(s["bin"]) == b"\x01" * (64 << 10) for s in read)  # never version 2
+    assert not [p for p in (cache / "data").glob("*") if not p.name.endswith(".partial")]

@@ -182,6 +182,9 @@ def _details(meta: Mapping[str, Any]) -> dict[str, Any]:
 class ObstoreObject:
     """One store object read through obstore (see the module doc)."""
 
+    #: Ranged GETs can be made conditional on the ETag (``if_match=``).
+    conditional = True
+
     def __init__(self, store: Any, key: str, url: str) -> None:
         self.store = store
         self.key = key
@@ -193,17 +196,25 @@ class ObstoreObject:
 
         return _details(_call(obstore.head, self.store, self.key))
 
-    def cat_range(self, start: int, end: int, timeout: float | None = None) -> bytes:
-        """Bytes ``[start, end)`` (fewer when the object ends first), in one ranged GET."""
+    def cat_range(
+        self, start: int, end: int, timeout: float | None = None, if_match: str | None = None
+    ) -> bytes:
+        """Bytes ``[start, end)`` (fewer when the object ends first), in one ranged GET (only
+        while the object's ETag is ``if_match``, when given: else HTTP 412)."""
         del timeout  # the store's read timeout is the stall timeout
-        return bytes(self.cat_range_view(start, end))
+        return bytes(self.cat_range_view(start, end, if_match))
 
-    def cat_range_view(self, start: int, end: int) -> memoryview:
+    def cat_range_view(self, start: int, end: int, if_match: str | None = None) -> memoryview:
         """:meth:`cat_range` without the copy into ``bytes``: a read-only view of the buffer
         obstore filled (the parts of a shard the tar reader slices members from)."""
         import obstore
 
-        return memoryview(_call(obstore.get_range, self.store, self.key, start=start, end=end))
+        if if_match is None:
+            data = _call(obstore.get_range, self.store, self.key, start=start, end=end)
+            return memoryview(data)
+        options = {"range": (start, end), "if_match": if_match}
+        result = _call(obstore.get, self.store, self.key, options=options)
+        return memoryview(_call(result.bytes))
 
     def cat_first(
         self, end: int, on_details: Callable[[dict[str, Any]], None]

@@ -20,6 +20,7 @@ from cloudshards.errors import ShardOpenError
 from cloudshards.redact import redact_url
 from cloudshards.source import adapt
 from cloudshards.source.options import FetchOptions
+from cloudshards.source.remote import object_etag
 from cloudshards.source.retries import IOStats, RangeIgnoredError
 from cloudshards.source.stream import ShardSource
 from cloudshards.source.transport import StoreObject, fetch_range
@@ -157,6 +158,14 @@ class PartStream(ClosingStream):
         size = future.result().get("size")
         return None if size is None else int(size)
 
+    def _etag(self) -> str | None:
+        """The object's strong ETag from its first answer, which every later part must match
+        (a weak ``W/`` one never matches If-Match), or None."""
+        etag = object_etag(self.details) if self._details.done() else None
+        if isinstance(etag, str) and etag and not etag.startswith("W/"):
+            return etag
+        return None
+
     def _fill(self) -> None:
         size = self._known_size()
         if size is None:
@@ -184,6 +193,7 @@ class PartStream(ClosingStream):
                     stats=self._stats,
                     cancel=self._cancel_event,
                     view=True,
+                    etag=self._etag(),
                 )
                 self._window.append((future, start, end - start))
 

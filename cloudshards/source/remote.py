@@ -33,18 +33,28 @@ class FsspecObject:
         details: dict[str, Any] = self.fs.info(self.path)
         return details
 
-    def cat_range(self, start: int, end: int, timeout: float | None = None) -> bytes:
+    @property
+    def conditional(self) -> bool:
+        """Whether ranged GETs can be conditional on the ETag: over HTTP (fsspec's HTTP
+        filesystem sends the request's headers); s3fs and gcsfs take no such argument."""
+        return protocol_of(self.url) in ("http", "https")
+
+    def cat_range(
+        self, start: int, end: int, timeout: float | None = None, if_match: str | None = None
+    ) -> bytes:
         """Bytes ``[start, end)`` (fewer when the object ends first) in one ranged GET; on
         async backends (s3fs, gcsfs, HTTP) bounded by ``timeout``, so a connection that stops
-        delivering is abandoned instead of hanging."""
+        delivering is abandoned instead of hanging. ``if_match`` (HTTP only, see
+        :attr:`conditional`): only while the object's ETag is this one (else HTTP 412)."""
         fs = self.fs
+        extra: dict[str, Any] = {"headers": {"If-Match": if_match}} if if_match else {}
         data: bytes
         if getattr(fs, "async_impl", False) and getattr(fs, "loop", None) is not None:
             data = fsspec.asyn.sync(
-                fs.loop, fs._cat_file, self.path, start=start, end=end, timeout=timeout
+                fs.loop, fs._cat_file, self.path, start=start, end=end, timeout=timeout, **extra
             )
         else:
-            data = fs.cat_file(self.path, start=start, end=end)
+            data = fs.cat_file(self.path, start=start, end=end, **extra)
         return data
 
     def cat(self) -> bytes:

@@ -150,6 +150,9 @@ def map_backend_error(
         )
     if isinstance(exc, IsADirectoryError):
         reason = "is a directory, not a shard"
+    elif (getattr(exc, "status", None) or getattr(exc, "code", None)) == 412:
+        # A part's If-Match (the ETag of the object's first part) failed: never stitched.
+        reason = "the object changed while it was read (its ETag is not the first part's)"
     elif isinstance(exc, PermissionError) or any(
         marker in f"{type(exc).__name__} {exc}" for marker in _AUTH_MARKERS
     ):

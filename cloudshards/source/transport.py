@@ -48,6 +48,9 @@ class StoreObject(Protocol):
 
     def cat_range(self, start: int, end: int, timeout: float | None = None) -> bytes: ...
 
+    # Transports that can make a ranged GET conditional on the object's ETag (``If-Match``)
+    # also have ``conditional = True`` and take ``if_match=`` in cat_range(_view).
+
     def cat(self) -> bytes: ...
 
     def open(self, block_bytes: int) -> IO[bytes]: ...
@@ -127,9 +130,14 @@ def fetch_range(
     stats: IOStats,
     cancel: threading.Event | None = None,
     view: bool = False,
+    etag: str | None = None,
 ) -> bytes | memoryview:
     """Fetch bytes ``[start, end)`` of an object of ``size`` bytes, verified and retried;
     with ``view``, as a read-only memoryview where the transport has one (no copy).
+
+    With ``etag`` (the object's, from its first part) and a transport that can, the GET is
+    conditional on it (``If-Match``): parts of an object replaced while it is read are never
+    stitched together; the store answers 412 and the read fails, naming the change.
 
     Each attempt is bounded by ``stall_timeout_s``, so a connection that stops delivering is
     abandoned (and retried) instead of hanging.
@@ -141,6 +149,7 @@ def fetch_range(
     expected = end - start
 
     fetch = getattr(source, "cat_range_view", None) if view else None
+    condition = {"if_match": etag} if etag and getattr(source, "conditional", False) else {}
 
     def call() -> bytes | memoryview:
         with node_budget().slot():  # one of the node's requests in flight
@@ -148,9 +157,9 @@ def fetch_range(
             began = time.perf_counter()
             data: bytes | memoryview
             if fetch is not None:
-                data = fetch(start, end)
+                data = fetch(start, end, **condition)
             else:
-                data = source.cat_range(start, end, timeout=options.stall_timeout_s)
+                data = source.cat_range(start, end, timeout=options.stall_timeout_s, **condition)
         _answered(source, stats, len(data), began)
         if len(data) == expected:
             return data

@@ -101,8 +101,9 @@ def decode_image(data: bytes, imagespec: str) -> Any:
         floats are float32 in [0, 1], integers uint8.
 
     Raises:
-        DecodeError: The image has more than twice ``PIL.Image.MAX_IMAGE_PIXELS`` pixels
-            (Pillow's decompression-bomb check; setting that to None turns it off).
+        DecodeError: The image has more than ``PIL.Image.MAX_IMAGE_PIXELS`` pixels (read
+            from its header, before any decoding; Pillow itself only warns below twice that).
+            Setting it to None turns the check off.
         ImportError: Pillow is not installed.
         KeyError: ``imagespec`` is unknown (:class:`ImageHandler` validates it up front).
     """
@@ -112,14 +113,23 @@ def decode_image(data: bytes, imagespec: str) -> Any:
         raise ImportError('decoding images needs Pillow: pip install "cloudshards[image]"') from exc
 
     atype, etype, mode = IMAGE_SPECS[imagespec]
+    limit = PIL.Image.MAX_IMAGE_PIXELS
+    advice = (
+        f"(Pillow's PIL.Image.MAX_IMAGE_PIXELS = {limit}; raise it in every worker if such "
+        "images are expected)"
+    )
     try:
         opened = PIL.Image.open(io.BytesIO(data))
+        width, height = opened.size
+        if limit is not None and width * height > limit:
+            # Pillow only warns up to twice the limit, and decodes: a 21 KB PNG of 13,000^2
+            # pixels became a 2.6 GiB tensor. Refused from the header, before any decoding.
+            raise DecodeError(
+                f"image of {width}x{height} = {width * height} pixels is over the limit {advice}"
+            )
         opened.load()  # decodes everything; the in-memory stream needs no closing
     except PIL.Image.DecompressionBombError as exc:
-        raise DecodeError(
-            f"{exc} (Pillow's PIL.Image.MAX_IMAGE_PIXELS = {PIL.Image.MAX_IMAGE_PIXELS}; raise "
-            "it in every worker if such images are expected)"
-        ) from exc
+        raise DecodeError(f"{exc} {advice}") from exc
     if atype == "pil":
         # A plain Image like webdataset's (it converts a second time to the same mode; that
         # only copies).

@@ -294,3 +294,25 @@ def test_image_bomb_is_a_decode_error() -> None:
     with pytest.raises(DecodeError) as info:
         make_decoder("rgb8")({"__key__": "k", "png": bomb})
     assert (info.value.key, info.value.field) == ("k", "png")
+
+
+@pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")  # Pillow's, at open
+def test_an_image_over_max_image_pixels_is_refused_not_only_warned(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Pillow only warns between MAX_IMAGE_PIXELS and twice that, and decodes: refused here
+    from the header (as docs/security.md says), at the limit itself."""
+    import PIL.Image
+
+    def png(width: int, height: int) -> bytes:
+        out = io.BytesIO()
+        PIL.Image.new("RGB", (width, height)).save(out, format="PNG")
+        return out.getvalue()
+
+    small, large = png(10, 10), png(11, 10)
+    monkeypatch.setattr(PIL.Image, "MAX_IMAGE_PIXELS", 100)
+    assert decode_image(small, "rgb8").shape == (10, 10, 3)
+    with pytest.raises(DecodeError, match="11x10 = 110 pixels is over the limit"):
+        decode_image(large, "rgb8")
+    monkeypatch.setattr(PIL.Image, "MAX_IMAGE_PIXELS", None)  # turned off
+    assert decode_image(large, "rgb8").shape == (10, 11, 3)

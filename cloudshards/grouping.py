@@ -113,6 +113,7 @@ def group_members(
     shard_index: int | None = None,
     name_filter: NameFilter | None = None,
     on_duplicate: Callable[[Exception], bool] | None = None,
+    max_sample_bytes: int | None = None,
 ) -> Iterator[Sample]:
     """Group consecutive members with the same key into samples.
 
@@ -133,6 +134,9 @@ def group_members(
             the member would have been skipped, so it proves nothing).
         on_duplicate: The pipeline's error handler, asked about a field that appears twice
             (see :func:`skip_duplicate`); None raises.
+        max_sample_bytes: Most bytes one sample's fields may hold together (None: no
+            limit): each member is bounded by its reader, but a compressed shard could
+            otherwise inflate many fields of one sample (16 fields of 1 GiB from 16 MB).
 
     Yields:
         ``{"__key__": key, "__url__": url, field: bytes, ...}`` samples, in member order.
@@ -144,6 +148,8 @@ def group_members(
     """
     sample: Sample | None = None
     key = ""
+    held = 0  # bytes of the sample being built
+    limit = max_sample_bytes
     try:
         for name, data, offset in members:
             parts = split_key(name)
@@ -157,12 +163,25 @@ def group_members(
                     yield sample
                 key = member_key
                 sample = {"__key__": key, "__url__": url}
+                held = 0
             if field in sample:
                 error = duplicate_field(field, key, url, shard_index, offset, name)
                 if skip_duplicate(error, on_duplicate):
                     continue
-                duplicate = error  # raised below, outside the handler for errors of ``members``
+                failure = error  # raised below, outside the handler for errors of ``members``
                 break
+            if limit is not None:
+                held += len(data)
+                if held > limit:
+                    failure = ShardFormatError(
+                        f"sample {key!r} holds more than {limit} bytes (its fields together "
+                        "may hold twice max_member_bytes)",
+                        url=url,
+                        shard_index=shard_index,
+                        offset=offset,
+                        member=name,
+                    )
+                    break
             sample[field] = data
         else:
             if sample is not None:
@@ -172,7 +191,7 @@ def group_members(
         if sample is not None and _starts_another_sample(exc.member, key, name_filter):
             yield sample
         raise
-    raise duplicate
+    raise failure
 
 
 def duplicate_field(

@@ -300,6 +300,8 @@ def _read_opened(
                     shard_index=index,
                     name_filter=members_filter,
                     on_duplicate=handler,
+                    # One field at the member limit and its small companions fit.
+                    max_sample_bytes=2 * options.member_limit(),
                 )
             if chosen is not None:  # stop after the last one: the rest is not needed
                 samples = itertools.islice(samples, len(chosen))

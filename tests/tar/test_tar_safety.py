@@ -582,3 +582,31 @@ def test_member_table_path_keeps_the_samples_before_an_oversized_member(
         )
         assert got == expected_samples(expected), limit
         assert warned == (len(expected) < 4)
+
+
+def test_a_compressed_sample_of_many_fields_is_bounded_as_a_whole(tmp_path: Path) -> None:
+    """Each member is bounded by max_member_bytes, and a sample's fields together by twice
+    that: a small .tar.gz cannot inflate many big fields into one sample (16 x 1 GiB from
+    16 MB)."""
+    path = tmp_path / "bomb.tar.gz"
+    with tarfile.open(path, "w:gz") as tar:
+        fields = [("k0", "a", 10_000), ("k1", "a", 30_000), ("k1", "b", 30_000)]
+        fields += [("k2", f"f{n}", 30_000) for n in range(8)] + [("k3", "a", 10)]
+        for key, field, size in fields:
+            info = tarfile.TarInfo(f"{key}.{field}")
+            info.size = size
+            tar.addfile(info, io.BytesIO(bytes(size)))
+    assert path.stat().st_size < 5_000  # zeros compress: 300 KB in a few KB
+
+    def read(**kw: Any) -> list[str]:
+        ds = wds.WebDataset(str(path), shardshuffle=False, max_member_bytes=100_000, **kw)
+        return [sample["__key__"] for sample in ds]
+
+    with pytest.raises(ShardFormatError, match="sample 'k2' holds more than 200000 bytes") as info:
+        read()
+    assert info.value.member == "k2.f6"  # the seventh field crosses the limit
+    assert path.name in str(info.value)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        # The samples before it are delivered, the over-limit one never is.
+        assert read(handler=wds.warn_and_continue) == ["k0", "k1"]

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
+from cloudshards import config
 from cloudshards.errors import ShardOpenError
 from cloudshards.redact import redact_url
 from cloudshards.source import adapt
@@ -82,6 +83,9 @@ class PartStream(ClosingStream):
         self._source = source
         self._executor = executor
         self._options = options
+        # CLOUDSHARDS_IF_MATCH=0: for HTTP replicas behind one name whose ETags differ (an
+        # mtime-based ETag on each host) while their bytes are the same.
+        self._if_match = config.env_bool("IF_MATCH", True)
         self._plan = plan or fixed_plan(options)
         self._open_tail = open_tail
         # Per-shard counters; every increment also lands in the process totals.
@@ -161,7 +165,7 @@ class PartStream(ClosingStream):
     def _etag(self) -> str | None:
         """The object's strong ETag from its first answer, which every later part must match
         (a weak ``W/`` one never matches If-Match), or None."""
-        etag = object_etag(self.details) if self._details.done() else None
+        etag = object_etag(self.details) if self._if_match and self._details.done() else None
         if isinstance(etag, str) and etag and not etag.startswith("W/"):
             return etag
         return None

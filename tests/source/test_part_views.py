@@ -160,3 +160,48 @@ def test_a_download_into_the_cache_hands_parts_on_as_views(
     assert handed.count(memoryview) >= len(data) // PART - 1
     assert committed == [len(data)]
     assert partial.read_bytes() == data
+
+
+class ConditionalSource(ViewSource):
+    """A source whose ranged GETs can be conditional on the ETag (as obstore's and HTTP's)."""
+
+    conditional = True
+
+    def __init__(self, data: bytes, etag: str) -> None:
+        super().__init__(data)
+        self.etag = etag
+        self.conditions: list[str | None] = []
+
+    def info(self) -> dict[str, Any]:
+        return {"size": len(self.data), "ETag": self.etag}
+
+    def cat_range_view(self, start: int, end: int, if_match: str | None = None) -> memoryview:
+        self.conditions.append(if_match)
+        return super().cat_range_view(start, end)
+
+
+@pytest.mark.parametrize(
+    ("etag", "setting", "sent"),
+    [
+        ('"abc"', None, '"abc"'),
+        ('W/"abc"', None, None),  # a weak ETag never matches If-Match
+        ('"abc"', "0", None),  # CLOUDSHARDS_IF_MATCH=0
+    ],
+)
+def test_parts_ask_for_the_first_answers_etag(
+    executor: cf.ThreadPoolExecutor,
+    monkeypatch: pytest.MonkeyPatch,
+    etag: str,
+    setting: str | None,
+    sent: str | None,
+) -> None:
+    if setting is None:
+        monkeypatch.delenv("CLOUDSHARDS_IF_MATCH", raising=False)
+    else:
+        monkeypatch.setenv("CLOUDSHARDS_IF_MATCH", setting)
+    data = shard(MEMBERS)
+    source = ConditionalSource(data, etag)
+    stream = part_stream(source, executor)
+    assert b"".join(bytes(stream.read_view()) for _ in range(len(data) // PART + 2)) == data
+    assert len(source.conditions) == -(-len(data) // PART)
+    assert set(source.conditions) == {sent}

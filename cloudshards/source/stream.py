@@ -144,22 +144,32 @@ def map_backend_error(
     """Translate any backend exception into a cloudshards error naming the (redacted) URL."""
     if isinstance(exc, CloudShardsError):
         return exc
-    if isinstance(exc, FileNotFoundError):
+    denied = _status(exc.__cause__) in (401, 403)
+    if isinstance(exc, FileNotFoundError) and not denied:
+        # fsspec's HTTP info() turns every failure into FileNotFoundError: a 401 or 403 under
+        # it is a credentials problem, not a missing object.
         return ShardNotFoundError(
             "object not found", url=url, shard_index=shard_index, offset=offset
         )
     if isinstance(exc, IsADirectoryError):
         reason = "is a directory, not a shard"
-    elif (getattr(exc, "status", None) or getattr(exc, "code", None)) == 412:
+    elif _status(exc) == 412:
         # A part's If-Match (the ETag of the object's first part) failed: never stitched.
         reason = "the object changed while it was read (its ETag is not the first part's)"
-    elif isinstance(exc, PermissionError) or any(
-        marker in f"{type(exc).__name__} {exc}" for marker in _AUTH_MARKERS
+    elif (
+        denied
+        or isinstance(exc, PermissionError)
+        or any(marker in f"{type(exc).__name__} {exc}" for marker in _AUTH_MARKERS)
     ):
         reason = f"access denied (check credentials and permissions): {_describe(exc)}"
     else:
         reason = f"{action}: {_describe(exc)}"
     return ShardOpenError(reason, url=url, shard_index=shard_index, offset=offset)
+
+
+def _status(exc: BaseException | None) -> Any:
+    """An exception's HTTP status (``status`` or ``code``), or None."""
+    return getattr(exc, "status", None) or getattr(exc, "code", None)
 
 
 def discard(stream: Any, count: int) -> int:

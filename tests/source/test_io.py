@@ -127,3 +127,31 @@ def test_errors_pickle_with_their_fields() -> None:
     assert type(clone) is ShardFormatError
     assert str(clone) == str(error)
     assert (clone.url, clone.offset, clone.member) == (error.url, 1024, "k.jpg")
+
+
+@pytest.mark.parametrize(
+    ("status", "missing"), [(None, True), (404, True), (401, False), (403, False)]
+)
+def test_a_refusal_under_fsspecs_not_found_is_access_denied(
+    status: int | None, missing: bool
+) -> None:
+    """fsspec's HTTP info() raises FileNotFoundError for any failure, its cause the answer: a
+    401 or 403 is a credentials problem, reported as one, not a missing object."""
+    from cloudshards.source import map_backend_error
+
+    class Answer(Exception):
+        def __init__(self, status: int | None) -> None:
+            super().__init__(f"{status}, message='Unauthorized'")
+            self.status = status
+
+    try:
+        try:
+            raise Answer(status)
+        except Answer as answer:
+            raise FileNotFoundError("https://h/x.tar") from answer
+    except FileNotFoundError as exc:
+        error = map_backend_error(exc, "https://h/x.tar")
+    assert isinstance(error, ShardNotFoundError) is missing
+    assert isinstance(error, ShardOpenError)
+    if not missing:
+        assert "access denied" in str(error)

@@ -267,13 +267,10 @@ def test_s3_sse_kms_etag_is_not_a_checksum(
                 exchange.body.replace(b"&quot;", b'"'),
             )
 
-    def conditional(exchange: Exchange) -> None:  # If-Match with an ETag the client saw
-        for name in ("if-match", "if-none-match"):
-            value = exchange.request_headers.get(name)
-            if value in real_of:
-                exchange.request_headers[name] = real_of[value]
-
-    proxy = proxies(server.endpoint_url, on_request=conditional, on_response=kms)
+    # If-Match headers go upstream as the client sent them (the opaque ETag): they are signed
+    # (SigV4), so a proxy cannot translate them; moto answers 412 for an ETag it never made,
+    # and the reader goes on without the condition once the object's ETag proves unchanged.
+    proxy = proxies(server.endpoint_url, on_response=kms)
     assert s3_dataset.storage_options is not None
     options = {"s3": {**s3_dataset.storage_options["s3"], "endpoint_url": proxy.url}}
     urls = s3_dataset.shard_urls()
@@ -286,7 +283,9 @@ def test_s3_sse_kms_etag_is_not_a_checksum(
         gets = [e for e in proxy.take() if e.method == "GET" and "list-type" not in e.path]
         if epoch == 0:
             assert gets
-            assert all(e.header("x-amz-server-side-encryption") for e in gets)
+            served = [e for e in gets if e.status in (200, 206)]  # not a refused If-Match
+            assert served
+            assert all(e.header("x-amz-server-side-encryption") for e in served)
         else:
             assert gets == [], f"second epoch fetched {[e.path for e in gets]}"
     assert _entries(cache_dir) == sorted(entry_name(u, proxy.url) for u in urls)

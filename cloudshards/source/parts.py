@@ -24,7 +24,7 @@ from cloudshards.source.options import FetchOptions
 from cloudshards.source.remote import object_etag
 from cloudshards.source.retries import IOStats, RangeIgnoredError
 from cloudshards.source.stream import ShardSource
-from cloudshards.source.transport import StoreObject, fetch_range
+from cloudshards.source.transport import IfMatch, StoreObject, fetch_range
 from cloudshards.types import ClosingStream
 
 __all__ = ["FIRST_PART_BYTES", "PartStream", "fixed_plan"]
@@ -86,6 +86,7 @@ class PartStream(ClosingStream):
         # CLOUDSHARDS_IF_MATCH=0: for HTTP replicas behind one name whose ETags differ (an
         # mtime-based ETag on each host) while their bytes are the same.
         self._if_match = config.env_bool("IF_MATCH", True)
+        self._if_match_state: IfMatch | None = None
         self._plan = plan or fixed_plan(options)
         self._open_tail = open_tail
         # Per-shard counters; every increment also lands in the process totals.
@@ -162,13 +163,14 @@ class PartStream(ClosingStream):
         size = future.result().get("size")
         return None if size is None else int(size)
 
-    def _etag(self) -> str | None:
+    def _condition(self) -> IfMatch | None:
         """The object's strong ETag from its first answer, which every later part must match
-        (a weak ``W/`` one never matches If-Match), or None."""
-        etag = object_etag(self.details) if self._if_match and self._details.done() else None
-        if isinstance(etag, str) and etag and not etag.startswith("W/"):
-            return etag
-        return None
+        (a weak ``W/`` one never matches If-Match), shared by the parts; None without one."""
+        if self._if_match_state is None and self._details.done():
+            etag = object_etag(self.details) if self._if_match else None
+            strong = isinstance(etag, str) and etag and not etag.startswith("W/")
+            self._if_match_state = IfMatch(etag if strong else None)
+        return self._if_match_state
 
     def _fill(self) -> None:
         size = self._known_size()
@@ -197,7 +199,7 @@ class PartStream(ClosingStream):
                     stats=self._stats,
                     cancel=self._cancel_event,
                     view=True,
-                    etag=self._etag(),
+                    if_match=self._condition(),
                 )
                 self._window.append((future, start, end - start))
 

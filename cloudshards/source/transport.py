@@ -9,17 +9,18 @@ transport carried the bytes.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import IO, Any, Protocol
 
-from cloudshards.redact import raise_redacted
+from cloudshards.redact import raise_redacted, redact_url
 from cloudshards.source import adapt
 from cloudshards.source.budget import node_budget
 from cloudshards.source.objstore import s3_object
 from cloudshards.source.options import FetchOptions, OpenOptions
-from cloudshards.source.remote import fsspec_object
+from cloudshards.source.remote import fsspec_object, object_etag
 from cloudshards.source.retries import IOStats, RangeIgnoredError, retry
 from cloudshards.source.stream import map_backend_error
 
@@ -120,6 +121,31 @@ def _answered(source: StoreObject, stats: IOStats, nbytes: int, began: float) ->
     stats.add(bytes=nbytes)
 
 
+logger = logging.getLogger("cloudshards.fetch")
+
+
+class IfMatch:
+    """The ETag one shard's later parts ask for (``If-Match``), shared by its parts: cleared
+    when the store refuses the ETag it still reports (see :func:`fetch_range`)."""
+
+    __slots__ = ("etag",)
+
+    def __init__(self, etag: str | None) -> None:
+        self.etag = etag
+
+
+def _status(exc: BaseException) -> Any:
+    return getattr(exc, "status", None) or getattr(exc, "code", None)
+
+
+def _unchanged(source: StoreObject, etag: str | None) -> bool:
+    """Whether the object's ETag, asked again, is still ``etag`` (False if the lookup fails)."""
+    try:
+        return bool(object_etag(source.info()) == etag)
+    except Exception:
+        return False
+
+
 def fetch_range(
     source: StoreObject,
     start: int,
@@ -130,14 +156,16 @@ def fetch_range(
     stats: IOStats,
     cancel: threading.Event | None = None,
     view: bool = False,
-    etag: str | None = None,
+    if_match: IfMatch | None = None,
 ) -> bytes | memoryview:
     """Fetch bytes ``[start, end)`` of an object of ``size`` bytes, verified and retried;
     with ``view``, as a read-only memoryview where the transport has one (no copy).
 
-    With ``etag`` (the object's, from its first part) and a transport that can, the GET is
-    conditional on it (``If-Match``): parts of an object replaced while it is read are never
-    stitched together; the store answers 412 and the read fails, naming the change.
+    With ``if_match`` (the object's ETag, from its first part) and a transport that can, the
+    GET is conditional on it: parts of an object replaced while it is read are never stitched
+    together; the store answers 412 and the read fails, naming the change. A store that
+    refuses the ETag it still reports (a proxy or CDN that rewrites ETags) gets the part again
+    without the condition, as do the shard's later parts.
 
     Each attempt is bounded by ``stall_timeout_s``, so a connection that stops delivering is
     abandoned (and retried) instead of hanging.
@@ -149,17 +177,35 @@ def fetch_range(
     expected = end - start
 
     fetch = getattr(source, "cat_range_view", None) if view else None
+    etag = if_match.etag if if_match is not None else None
     condition = {"if_match": etag} if etag and getattr(source, "conditional", False) else {}
+
+    def get() -> bytes | memoryview:
+        if fetch is not None:
+            return fetch(start, end, **condition)  # type: ignore[no-any-return]
+        return source.cat_range(start, end, timeout=options.stall_timeout_s, **condition)
 
     def call() -> bytes | memoryview:
         with node_budget().slot():  # one of the node's requests in flight
             stats.add(requests=1)
             began = time.perf_counter()
             data: bytes | memoryview
-            if fetch is not None:
-                data = fetch(start, end, **condition)
-            else:
-                data = source.cat_range(start, end, timeout=options.stall_timeout_s, **condition)
+            try:
+                data = get()
+            except Exception as exc:
+                if not (condition and _status(exc) == 412 and _unchanged(source, etag)):
+                    raise  # a 412 for an object whose ETag is no longer the first part's
+                # The store refuses the ETag it still reports: a proxy or CDN that rewrites
+                # ETags. The object has not changed; the shard's parts go unconditioned.
+                logger.info(
+                    "%s refuses If-Match with the ETag it reports; reading it without (a "
+                    "change while it is read is then not detected)",
+                    redact_url(source.url),
+                )
+                if if_match is not None:
+                    if_match.etag = None
+                condition.clear()
+                data = get()
         _answered(source, stats, len(data), began)
         if len(data) == expected:
             return data

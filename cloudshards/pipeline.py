@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from cloudshards import config
 from cloudshards.dist import check_ranks, effective_info
 from cloudshards.fluid import FluidInterface
-from cloudshards.process import freeze_inherited_objects
+from cloudshards.process import freeze_inherited_objects, in_dataloader_worker
 from cloudshards.seeding import default_seed, epoch_context
 from cloudshards.stages import base, elastic
 from cloudshards.stages.base import IterationContext, PipelineStage, flush_checkpoint_warnings
@@ -92,8 +92,6 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
             else:
                 self.pipeline.append(arg)
 
-    # --- epochs ------------------------------------------------------------------------------
-
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch of the next ``iter()``; later iterations count up from it.
 
@@ -120,16 +118,14 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
             self._epoch if epoch is None else epoch,
             info=effective_info(self._ranks, self.replication),
             seed_given=self._seed_given,
-            # A StatefulLoader's first pass needs no set_epoch (the default epoch 0 is right);
-            # frameworks (Lightning) start its workers before their epoch-start hooks.
+            # A StatefulLoader's first pass needs no set_epoch (epoch 0 is right; Lightning
+            # starts its workers before its epoch-start hooks).
             epoch_set=self._epoch_set or self.__dict__.get("_loader_passes") == 1,
             stages=self.pipeline,
         )
         # An epoch without sample counts, that a loader ends for every rank at once.
         context.count_free = self.__dict__.get("_count_free") == context.epoch
         return context
-
-    # --- iteration ---------------------------------------------------------------------------
 
     def invoke(self, f: Any, *args: Any, **kwargs: Any) -> Any:
         """Apply one stage to the output of the previous one (or start a source)."""
@@ -227,8 +223,12 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
             live.freeze()
         if self._live is live:
             self._live = None
+        self.__dict__["_ended"] = context.epoch  # ran to its end: see load_state_dict
 
     def __iter__(self) -> Iterator[Any]:
+        if self.__dict__.pop("_skip_ended", False):
+            return iter(())  # torchdata's one more batch after the share ended: none
+        self.__dict__["_ended"] = None
         for stage in self.pipeline:
             # WebLoader: keep the wrapped dataset's epoch in step with ours. An epoch the user
             # set on the dataset since our last push wins (a job restarted at epoch k calls
@@ -248,11 +248,8 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
         self._epoch += 1
         return it
 
-    # --- state ---------------------------------------------------------------------------------
-
     def _fingerprint(self) -> tuple[str, list[str]]:
-        """What a state must match (see :func:`~cloudshards.stages.state.pipeline_fingerprint`)."""
-        return pipeline_fingerprint(self)
+        return pipeline_fingerprint(self)  # what a state must match
 
     def state_dict(self) -> dict[str, Any]:
         """Where this process's stream is: the epoch, its effective seed, and each stateful
@@ -288,6 +285,8 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
             state.update(live.plan)  # this consumer's part of an elastic restore's epoch
         if self.__dict__.get("_count_free") == epoch:
             state["count_free"] = True  # its restore is one too (cloudshards.countfree)
+        if live is None and self.__dict__.get("_ended") is not None:
+            state["ended"] = self.__dict__["_ended"]  # the epoch whose pass it finished
         if seed is None and self._resume is not None:  # a restore not started yet: keep it
             pending = self._resume
             keep = elastic.PENDING if ELASTIC_KEY in pending else elastic.KEPT
@@ -319,6 +318,9 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
         else:
             state = check(state)
         self._epoch = int(state["epoch"])
+        # Saved by a DataLoader worker after its share ended (not the loader's epoch): in a
+        # worker it yields nothing more this epoch; elsewhere it is the next epoch's start.
+        self.__dict__["_skip_ended"] = state.get("ended") is not None and in_dataloader_worker()
         self._epoch_set = True
         self._epoch_from_user = True  # a WebLoader around it continues from this epoch
         self.__dict__["_count_free"] = self._epoch if state.get("count_free") else None
@@ -336,8 +338,6 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
             )
         return self._length
 
-    # --- building ----------------------------------------------------------------------------
-
     def stage(self, i: int) -> Any:
         """Return stage ``i``."""
         return self.pipeline[i]
@@ -354,32 +354,26 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
             result.append(arg)
         return result
 
-    # with_length, with_epoch and repeat change the pipeline itself and return it, as
-    # webdataset's do: programs call ``ds.with_epoch(n)`` without using the result. The other
-    # fluent methods return copies (compose), as webdataset's do.
+    # with_length, with_epoch and repeat change the pipeline and return it, as webdataset's
+    # do (programs call ds.with_epoch(n) without using the result); the others copy.
 
     def with_length(self, n: int, silent: bool = False) -> Any:
-        """Make ``len()`` of this pipeline ``n`` (it does not change what is iterated);
-        returns the pipeline."""
+        """Make ``len()`` of this pipeline ``n`` (not what is iterated); returns it."""
         self._length = int(n)
         if not silent:
             logger.info("with_length(%d) sets __len__ only; the epoch is unchanged", n)
         return self
 
     def with_epoch(self, nsamples: int = -1, nbatches: int = -1) -> Any:
-        """Make this pipeline's epochs exactly ``max(nsamples, nbatches)`` items long;
-        returns the pipeline.
-
-        The data is repeated (restarting its passes) as often as needed to fill the epoch,
-        so every worker of every rank yields the same count: the fix for DDP hangs.
-        """
+        """Make this pipeline's epochs exactly ``max(nsamples, nbatches)`` items long (its
+        passes repeated as needed: every worker of every rank yields the same count, the fix
+        for DDP hangs); returns the pipeline."""
         self.repetitions = sys.maxsize
         self.nsamples = max(nsamples, nbatches)
         return self
 
     def repeat(self, nepochs: int = -1, nbatches: int = -1) -> Any:
-        """Make this pipeline run ``nepochs`` passes (forever if < 1), capped at ``nbatches``;
-        returns the pipeline."""
+        """Run ``nepochs`` passes (forever if < 1), at most ``nbatches``; returns it."""
         self.repetitions = nepochs if nepochs > 0 else sys.maxsize
         self.nsamples = nbatches
         return self

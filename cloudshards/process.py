@@ -20,6 +20,7 @@ __all__ = [
     "SettledFork",
     "freeze_inherited_objects",
     "frozen_for_fork",
+    "in_dataloader_worker",
     "settle_queue_threads",
 ]
 
@@ -100,6 +101,12 @@ os.register_at_fork(after_in_child=_reset_after_fork)
 _FREEZE_ASKED_BY = -1
 
 
+def in_dataloader_worker() -> bool:
+    """Whether this process is a torch DataLoader worker (asked without importing torch)."""
+    data = sys.modules.get("torch.utils.data")  # a worker has it: no import just to ask
+    return data is not None and data.get_worker_info() is not None
+
+
 def freeze_inherited_objects() -> None:
     """In a DataLoader worker, take every object it has so far (those inherited from the
     parent above all) out of the cyclic garbage collector's reach, with ``gc.freeze()``;
@@ -120,8 +127,7 @@ def freeze_inherited_objects() -> None:
     if pid == _FREEZE_ASKED_BY:
         return
     _FREEZE_ASKED_BY = pid
-    data = sys.modules.get("torch.utils.data")  # a worker has it: no import just to ask
-    if data is None or data.get_worker_info() is None:
+    if not in_dataloader_worker():
         return
     from cloudshards.config import env_bool
 

@@ -179,6 +179,35 @@ def test_stateful_dataloader_resumes_exactly(make_shards: Any, workers: int) -> 
     assert keys(head) + keys(second) == everything
 
 
+def test_a_worker_whose_share_ended_resumes_with_nothing_more(make_shards: Any) -> None:
+    """Loader-side batches, 2 workers, uneven shares: a state saved after one worker sent
+    its last batch, while the other still reads, restores that worker empty for the rest of
+    the epoch (torchdata asks it for one more batch; a new pass would repeat its share)."""
+    shards = make_shards([5, 13, 7, 11, 3, 9])
+
+    def loader(epoch: int = 0) -> StatefulDataLoader:
+        ds = wds.WebDataset(shards.spec(), shardshuffle=True, seed=5).to_tuple("__key__")
+        ds.set_epoch(epoch)
+        return wds.StatefulLoader(ds, batch_size=4, num_workers=2)
+
+    def batches(source: Any) -> list[list[str]]:
+        return [list(batch[0]) for batch in source]
+
+    everything, following = batches(loader()), batches(loader(1))
+    assert sorted(key for batch in everything for key in batch) == sorted(shards.keys)
+    for k in range(len(everything) - 4, len(everything)):  # the last ones: a share has ended
+        first = loader()
+        it = iter(first)
+        head = [list(next(it)[0]) for _ in range(k)]
+        state = first.state_dict()
+        del it
+        second = loader()
+        second.load_state_dict(state)
+        assert head + batches(second) == everything, k
+        second.dataset.set_epoch(1)
+        assert batches(second) == following, k
+
+
 def test_plain_dataloader_still_works_without_state(make_shards: Any) -> None:
     shards = make_shards(UNEVEN)
     ds = wds.WebDataset(shards.spec(), shardshuffle=False)

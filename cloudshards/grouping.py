@@ -149,7 +149,6 @@ def group_members(
     sample: Sample | None = None
     key = ""
     held = 0  # bytes of the sample being built
-    limit = max_sample_bytes
     try:
         for name, data, offset in members:
             parts = split_key(name)
@@ -170,12 +169,12 @@ def group_members(
                     continue
                 failure = error  # raised below, outside the handler for errors of ``members``
                 break
-            if limit is not None:
+            if max_sample_bytes is not None:
                 held += len(data)
-                if held > limit:
+                if held > max_sample_bytes:
                     failure = ShardFormatError(
-                        f"sample {key!r} holds more than {limit} bytes (its fields together "
-                        "may hold twice max_member_bytes)",
+                        f"sample {key!r} holds more than {max_sample_bytes} bytes (its fields "
+                        "together may hold twice max_member_bytes)",
                         url=url,
                         shard_index=shard_index,
                         offset=offset,

@@ -20,7 +20,7 @@ from cloudshards.errors import CloudShardsError, ConfigError, ShardOpenError
 from cloudshards.process import PerProcess
 from cloudshards.redact import RedactedError, raise_redacted, redact_text, redact_url
 from cloudshards.source.options import FetchOptions
-from cloudshards.source.stream import map_backend_error
+from cloudshards.source.stream import http_status, map_backend_error
 
 __all__ = [
     "IOStats",
@@ -125,7 +125,7 @@ def is_retryable(exc: BaseException) -> bool:
         kind = exc.original_type
     if issubclass(kind, (*_NOT_RETRYABLE, RangeIgnoredError)):
         return False
-    status = getattr(exc, "status", None) or getattr(exc, "code", None)
+    status = http_status(exc)
     if isinstance(status, int) and 400 <= status < 500 and status not in (408, 429):
         return False
     text = f"{kind.__name__} {exc}"
@@ -140,7 +140,7 @@ def is_throttled(exc: BaseException) -> bool:
     cause = exc.__cause__ if isinstance(exc, ShardOpenError) else None
     if cause is not None:
         return is_throttled(cause)
-    status = getattr(exc, "status", None) or getattr(exc, "code", None)
+    status = http_status(exc)
     if status in (429, 503):
         return True
     text = f"{type(exc).__name__} {exc}"

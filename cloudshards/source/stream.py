@@ -144,7 +144,7 @@ def map_backend_error(
     """Translate any backend exception into a cloudshards error naming the (redacted) URL."""
     if isinstance(exc, CloudShardsError):
         return exc
-    denied = _status(exc.__cause__) in (401, 403)
+    denied = http_status(exc.__cause__) in (401, 403)
     if isinstance(exc, FileNotFoundError) and not denied:
         # fsspec's HTTP info() turns every failure into FileNotFoundError: a 401 or 403 under
         # it is a credentials problem, not a missing object.
@@ -153,7 +153,7 @@ def map_backend_error(
         )
     if isinstance(exc, IsADirectoryError):
         reason = "is a directory, not a shard"
-    elif _status(exc) == 412:
+    elif http_status(exc) == 412:
         # A part's If-Match (the ETag of the object's first part) failed: never stitched.
         reason = "the object changed while it was read (its ETag is not the first part's)"
     elif (
@@ -167,8 +167,8 @@ def map_backend_error(
     return ShardOpenError(reason, url=url, shard_index=shard_index, offset=offset)
 
 
-def _status(exc: BaseException | None) -> Any:
-    """An exception's HTTP status (``status`` or ``code``), or None."""
+def http_status(exc: BaseException | None) -> Any:
+    """A backend exception's HTTP status (aiohttp's ``status``, urllib's ``code``), or None."""
     return getattr(exc, "status", None) or getattr(exc, "code", None)
 
 

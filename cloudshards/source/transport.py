@@ -22,7 +22,7 @@ from cloudshards.source.objstore import s3_object
 from cloudshards.source.options import FetchOptions, OpenOptions
 from cloudshards.source.remote import fsspec_object, object_etag
 from cloudshards.source.retries import IOStats, RangeIgnoredError, retry
-from cloudshards.source.stream import map_backend_error
+from cloudshards.source.stream import http_status, map_backend_error
 
 __all__ = [
     "StoreObject",
@@ -134,10 +134,6 @@ class IfMatch:
         self.etag = etag
 
 
-def _status(exc: BaseException) -> Any:
-    return getattr(exc, "status", None) or getattr(exc, "code", None)
-
-
 def _unchanged(source: StoreObject, etag: str | None) -> bool:
     """Whether the object's ETag, asked again, is still ``etag`` (False if the lookup fails)."""
     try:
@@ -193,7 +189,7 @@ def fetch_range(
             try:
                 data = get()
             except Exception as exc:
-                if not (condition and _status(exc) == 412 and _unchanged(source, etag)):
+                if not (condition and http_status(exc) == 412 and _unchanged(source, etag)):
                     raise  # a 412 for an object whose ETag is no longer the first part's
                 # The store refuses the ETag it still reports: a proxy or CDN that rewrites
                 # ETags. The object has not changed; the shard's parts go unconditioned.

@@ -146,17 +146,19 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
         return iter(self._chain(None))
 
     def _chain(self, registry: StageRegistry | None, pipeline: list[Any] | None = None) -> Any:
-        # The chain of one pass (``pipeline``: the stages of an elastic restore's plan);
-        # each stage's stateful iterator goes to the registry.
+        # One pass's chain (``pipeline``: an elastic restore's plan); iterators to ``registry``.
         pipeline = self.pipeline if pipeline is None else pipeline
         if not pipeline:
             raise ValueError("DataPipeline has no source")
-        # A restored buffer reads its samples again through copies of the stages taken now
-        # (a stage counting its calls, detshuffle, must see this pass's count there too).
+        # A restored buffer is read again through copies of the stages taken now (snapshot).
         steps = snapshot(pipeline) if registry is not None and registry.restores else []
+        context = base.current_context()
+        draws = context.draws if context else 0  # before this chain's (see read_again)
         source: Any = None
         reader: tuple[int, Any] | None = None
         for number, step in enumerate(pipeline):
+            if context is not None:
+                context.shard_level = reader is None
             source = self.invoke(step, source) if number else self.invoke(step)
             if is_reader(source):
                 reader = (number, source)
@@ -165,7 +167,10 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
             if registry is not None:
                 registry.track(source)
                 if isinstance(source, ShuffleIterator) and source.pending:
-                    source.refill(*read_again(self.invoke, steps, number, source.pending))
+                    found = read_again(self.invoke, steps, number, source.pending, draws)
+                    source.refill(*found)
+        if context is not None:
+            context.shard_level = False  # (a chain without a reader) lazy draws are per worker
         return iter(source)
 
     def iterator(self, epoch: int | None = None) -> Iterator[Any]:
@@ -201,7 +206,8 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
             for repetition in range(passes.repetition, self.repetitions):
                 if yielded >= limit:
                     break
-                context.repetition = passes.repetition = repetition
+                passes.repetition = repetition
+                context.start_pass(repetition)
                 # Only the first pass of a restored epoch resumes its stages.
                 registry = live.registry = StageRegistry(saved, {passes.state_key: passes})
                 build = self.iterator1 if custom else partial(self._chain, registry, pipeline)

@@ -176,7 +176,10 @@ class ResampledShards:
             repetition = context.repetition if context is not None else 0
             rng = random.Random(derive_seed("resampled", self.seed, epoch, repetition, worker))
         else:
-            rng = make_rng("resampled")
+            rng = make_rng("resampled")  # drawn as the chain is built (see _resampled)
+        return self._draws(rng)
+
+    def _draws(self, rng: random.Random) -> Iterator[dict[str, Any]]:
         for _ in range(self.nshards):
             index = rng.randrange(len(self.urls))
             yield {"url": self.urls[index], "shard_index": index}
@@ -226,8 +229,12 @@ def non_empty(src: Iterable[Any]) -> Iterator[Any]:
 
 
 def _resampled(src: Iterable[Any], n: int = sys.maxsize) -> Iterator[Any]:
-    """Collect ``src`` and yield ``n`` items drawn from it with replacement."""
-    rng = make_rng("resampled")
+    """Collect ``src`` and yield ``n`` items drawn from it with replacement (the seed is drawn
+    as the chain is built, see :func:`~cloudshards.webdataset.tariterators.shardlist`)."""
+    return _draw_from(src, n, make_rng("resampled"))
+
+
+def _draw_from(src: Iterable[Any], n: int, rng: random.Random) -> Iterator[Any]:
     items = list(src)
     if not items:
         return

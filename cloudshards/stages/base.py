@@ -304,19 +304,35 @@ class IterationContext:
     resumed: bool = False
     #: This epoch runs without sample counts; the loader ends it for every rank at once.
     count_free: bool = False
+    #: The stage being built comes before the shard reader: it orders shards (a shuffle there
+    #: draws one seed for every rank and worker, so that the splitters after it partition).
+    shard_level: bool = False
 
-    def stage_seed(self, salt: str) -> int:
-        """A fresh seed for the next random stage: same on a rerun, new per epoch and worker."""
+    def stage_seed(self, salt: str, shared: bool = False) -> int:
+        """A fresh seed for the next random stage: same on a rerun, new per epoch and pass,
+        and per rank and worker unless ``shared``."""
         self._draws += 1
-        return derive_seed(
-            self.seed,
-            self.epoch,
-            self.repetition,
-            self.info.rank,
-            self.info.worker,
-            salt,
-            self._draws,
-        )
+        rank, worker = (None, None) if shared else (self.info.rank, self.info.worker)
+        return derive_seed(self.seed, self.epoch, self.repetition, rank, worker, salt, self._draws)
+
+    @property
+    def draws(self) -> int:
+        """How many seeds this pass's stages have drawn so far."""
+        return self._draws
+
+    def start_pass(self, repetition: int) -> None:
+        """Begin a pass: its draws restart (a restore into this pass draws the same seeds)."""
+        self.repetition, self._draws = repetition, 0
+
+    @contextmanager
+    def drawing_from(self, draws: int) -> Iterator[None]:
+        """Draw as if ``draws`` were drawn, then go on where this was: a second chain over the
+        same stages (one reading a shuffle buffer again) gets the first one's seeds."""
+        now, self._draws = self._draws, draws
+        try:
+            yield
+        finally:
+            self._draws = now
 
 
 _local = threading.local()
@@ -338,11 +354,12 @@ def iteration_context(context: IterationContext) -> Iterator[IterationContext]:
         _local.context = previous
 
 
-def make_rng(salt: str) -> random.Random:
-    """An RNG for a random stage: deterministic inside a pipeline, else seeded from the OS."""
+def make_rng(salt: str, shared: bool = False) -> random.Random:
+    """An RNG for a random stage: deterministic inside a pipeline (the same on every rank and
+    worker if ``shared``), else seeded from the OS."""
     context = current_context()
     if context is not None:
-        return random.Random(context.stage_seed(salt))
+        return random.Random(context.stage_seed(salt, shared))
     # Outside a pipeline (a filter called by hand) behave like webdataset: a fresh seed.
     return random.Random(derive_seed(os.getpid(), time.time_ns(), os.urandom(8)))
 

@@ -10,10 +10,11 @@ rebuilds the stages before the shuffle with the reader told to deliver only thos
 from __future__ import annotations
 
 import copy
+import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from cloudshards.stages.base import one_item_per_sample
+from cloudshards.stages.base import IterationContext, current_context, one_item_per_sample
 from cloudshards.stages.shuffle import ShuffleIterator
 from cloudshards.stages.state import describe_stage
 
@@ -26,14 +27,22 @@ def is_reader(source: Any) -> bool:
 
 
 def snapshot(steps: Sequence[Any]) -> list[Any]:
-    """Shallow copies of ``steps`` as they are before this pass invokes them (a stage that
-    cannot be copied is used as it is)."""
+    """Shallow copies of ``steps`` as they are before this pass invokes them (a stage counting
+    its calls, detshuffle, sees this pass's count in both chains), each with its own copy of
+    an ``rng`` it holds; a stage that cannot be copied is used as it is."""
     copies = []
     for step in steps:
         try:
-            copies.append(copy.copy(step))
+            twin = copy.copy(step)
         except Exception:  # an object that refuses copying: the pass's own is used
             copies.append(step)
+            continue
+        rng = getattr(step, "rng", None)
+        if isinstance(rng, random.Random) and twin is not step:
+            # A user's generator (shuffle(rng=...)): the copy draws from its state as the pass
+            # found it, not after the pass's own draws.
+            twin.rng = copy.deepcopy(rng)
+        copies.append(twin)
     return copies
 
 
@@ -61,20 +70,41 @@ def read_again(
     steps: Sequence[Any],
     stop: int,
     places: list[tuple[int, int]],
+    draws: int = 0,
 ) -> tuple[dict[tuple[int, int], Any], dict[int, str]]:
     """The items that ``steps[0..stop-1]`` give for the samples at ``places`` (shard number,
     sample number in this pass), by place, and the URLs of the shards reached, by number: a
     second chain (built with ``invoke``, in the running epoch's context) whose shard reader
-    delivers only those samples."""
+    delivers only those samples. ``draws``: the seeds the pass had drawn before its chain, so
+    that its random stages draw here what they drew there (a URL shuffle: the same shards).
+    """
+    context = current_context()
+    if context is None:
+        return _read_again(invoke, steps, stop, places, None)
+    with context.drawing_from(draws):
+        return _read_again(invoke, steps, stop, places, context)
+
+
+def _read_again(
+    invoke: Callable[..., Any],
+    steps: Sequence[Any],
+    stop: int,
+    places: list[tuple[int, int]],
+    context: IterationContext | None,
+) -> tuple[dict[tuple[int, int], Any], dict[int, str]]:
     wanted = sorted(set(places))
     reader: Any = None
-    source = invoke(steps[0])
-    for step in [*steps[1:stop], None]:
+    source: Any = None
+    for number, step in enumerate([*steps[:stop], None]):
         if reader is None and is_reader(source):
             reader = source
             reader.select(wanted)
         if step is not None:
-            source = invoke(step, source)
+            if context is not None:
+                context.shard_level = reader is None  # as the pass built it
+            source = invoke(step, source) if number else invoke(step)
+    if context is not None:
+        context.shard_level = False
     found: dict[tuple[int, int], Any] = {}
     if reader is None:
         return found, {}

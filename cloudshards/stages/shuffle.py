@@ -22,6 +22,7 @@ from cloudshards.redact import redact_url
 from cloudshards.stages.base import (
     PipelineStage,
     checkpoint_warning,
+    current_context,
     make_rng,
     rng_state,
     set_rng_state,
@@ -82,9 +83,14 @@ class Shuffler:
         rng = self.rng
         if rng is not None and self.seed is not None:
             raise ValueError("pass either rng or seed to shuffle, not both")
-        if rng is None:
+        if rng is None and self.seed is None:
             # Drawn now, while the pipeline's context is current, not lazily on first next().
-            rng = make_rng("shuffle") if self.seed is None else random.Random(self.seed)
+            # Shuffling shards (before the reader: webdataset's README shuffles URLs, then
+            # splits them by worker): one order for all, or the workers' shares would overlap.
+            context = current_context()
+            rng = make_rng("shuffle", shared=context is not None and context.shard_level)
+        elif rng is None:
+            rng = random.Random(self.seed)
         return ShuffleIterator(data, self.bufsize, self.initial, rng)
 
     def stage_config(self) -> dict[str, Any]:

@@ -47,12 +47,14 @@ meta_suffix = "__"
 
 
 def shardlist(urls: str | Iterable[str], *, shuffle: bool = False) -> Iterator[dict[str, Any]]:
-    """Yield ``{"url": url}`` for each URL of a brace spec or list, shuffled if asked."""
+    """Yield ``{"url": url}`` for each URL of a brace spec or list, shuffled if asked.
+
+    The order is drawn when this is called (as the chain is built), not on the first item:
+    a chain built again to restore a shuffle buffer then draws the same seed."""
     expanded = list(braceexpand.braceexpand(urls)) if isinstance(urls, str) else list(urls)
     if shuffle:
         make_rng("shardlist").shuffle(expanded)
-    for url in expanded:
-        yield {"url": url}
+    return ({"url": url} for url in expanded)
 
 
 def base_plus_ext(path: str) -> tuple[str, str] | tuple[None, None]:

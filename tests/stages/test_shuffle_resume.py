@@ -19,6 +19,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 import cloudshards as wds
 from cloudshards.errors import StateMismatchError
+from cloudshards.webdataset.tariterators import shardlist
 
 
 @pytest.mark.parametrize("k", [0, 1, 2, 7, 10, 25, 29, 30, 31])
@@ -339,3 +340,135 @@ def test_an_unheld_buffer_is_warned_about_when_a_checkpoint_is_taken_only(
         ds.state_dict()
         ds.state_dict()
     assert caplog.text.count(warning) == 1
+
+
+@pytest.mark.parametrize("k", [0, 2, 5, 8, 11, 15])
+def test_urls_shuffled_before_the_reader_are_shuffled_the_same_when_read_again(
+    make_shards: Any, k: int
+) -> None:
+    """webdataset's README pipeline: shard URLs through ``wds.shuffle``, samples through a
+    second one. The URL shuffle holds no state: a restore draws its order again, in the main
+    chain and in the chain that reads the buffered samples again, and both must be the order
+    the checkpointed run drew (an unsaved stage drawing a new seed there gave other shards)."""
+    shards = make_shards(UNEVEN)
+    urls = [str(p) for p in shards.paths]
+
+    def build() -> Any:
+        return wds.DataPipeline(
+            wds.SimpleShardList(urls),
+            wds.shuffle(100),
+            wds.split_by_worker,
+            wds.tarfile_to_samples(),
+            wds.shuffle(5),
+            wds.to_tuple("__key__"),
+        )
+
+    everything, resumed = resume_after(build, k, epoch=1)
+    assert resumed == everything
+
+
+@pytest.mark.parametrize("k", [3, 31, 40, 55])
+def test_a_later_pass_of_the_epoch_draws_the_seeds_it_drew_before(make_shards: Any, k: int) -> None:
+    """A restore in the second pass of a repeated epoch: each pass draws its random stages'
+    seeds afresh, so the restored pass's URL order is the one the checkpointed pass had."""
+    shards = make_shards(UNEVEN)  # 31 samples a pass
+    urls = [str(p) for p in shards.paths]
+
+    def build() -> Any:
+        return wds.DataPipeline(
+            wds.SimpleShardList(urls),
+            wds.shuffle(100),
+            wds.tarfile_to_samples(),
+            wds.shuffle(4),
+            wds.to_tuple("__key__"),
+        ).repeat(2)
+
+    everything, resumed = resume_after(build, k)
+    assert len(everything) == 62
+    assert resumed == everything
+
+
+@pytest.mark.parametrize("source", ["shardlist", "resampled", "ResampledShards"])
+def test_random_stages_before_the_buffer_draw_their_seeds_as_the_chain_is_built(
+    make_shards: Any, source: str
+) -> None:
+    """Stages that drew lazily (on their first item) drew other seeds in the chain that reads
+    the buffer again, which builds fewer stages: shardlist(shuffle=True), resampled and
+    ResampledShards draw when the chain is built."""
+    shards = make_shards(UNEVEN)
+    urls = [str(p) for p in shards.paths]
+
+    def build() -> Any:
+        if source == "shardlist":
+            head = [lambda: shardlist(urls, shuffle=True)]
+        elif source == "resampled":
+            head = [wds.SimpleShardList(urls), wds.resampled(8)]
+        else:
+            head = [wds.ResampledShards(urls, nshards=8, deterministic=False)]
+        return wds.DataPipeline(
+            *head, wds.tarfile_to_samples(), wds.shuffle(6), wds.to_tuple("__key__")
+        )
+
+    for k in (2, 9):
+        everything, resumed = resume_after(build, k, epoch=3)
+        assert resumed == everything, k
+
+
+def _readme_pipeline(urls: list[str]) -> Any:
+    """webdataset's README pipeline: shuffle the URLs, split them, read, shuffle samples."""
+    return wds.DataPipeline(
+        wds.SimpleShardList(urls),
+        wds.shuffle(100),
+        wds.split_by_node,
+        wds.split_by_worker,
+        wds.tarfile_to_samples(),
+        wds.shuffle(5),
+        wds.to_tuple("__key__"),
+    )
+
+
+def test_a_shuffle_of_shard_urls_before_the_splitters_is_one_order_for_every_worker(
+    make_shards: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each worker shuffling the URLs its own way made their shares overlap (half the samples
+    twice, a quarter never, with webdataset 1.0.2 as well): a shuffle before the shard reader
+    draws one order for all ranks and workers, new each epoch."""
+    shards = make_shards([3, 4, 5, 6, 7, 8, 9, 10])
+    urls = [str(p) for p in shards.paths]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    orders = []
+    for epoch in range(2):
+        seen: list[str] = []
+        for rank in range(2):
+            monkeypatch.setenv("RANK", str(rank))
+            ds = _readme_pipeline(urls)
+            ds.set_epoch(epoch)
+            loader = wds.StatefulLoader(ds, batch_size=None, num_workers=2)
+            seen.extend(key for (key,) in loader)
+        assert sorted(seen) == sorted(shards.keys)
+        orders.append(seen)
+    assert orders[0] != orders[1]
+
+
+@pytest.mark.parametrize("k", [3, 9, 14])
+def test_the_readme_pipeline_resumes_exactly_in_dataloader_workers(
+    make_shards: Any, k: int
+) -> None:
+    shards = make_shards([3, 4, 5, 6, 7, 8, 9, 10])
+    urls = [str(p) for p in shards.paths]
+
+    def run(state: dict[str, Any] | None = None, stop: int | None = None) -> Any:
+        ds = _readme_pipeline(urls)
+        loader = wds.StatefulLoader(ds, batch_size=None, num_workers=2)
+        if state is not None:
+            loader.load_state_dict(state)
+        if stop is None:
+            return [key for (key,) in loader]
+        it = iter(loader)
+        head = [next(it)[0] for _ in range(stop)]
+        return head, loader.state_dict()
+
+    everything = run()
+    head, state = run(stop=k)
+    assert head + run(state) == everything
+    assert sorted(everything) == sorted(shards.keys)

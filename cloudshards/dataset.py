@@ -306,7 +306,7 @@ class WebLoader(DataPipeline, FluidInterface):
             # default_convert, ~5 us a sample for a batch of bytes; convert_batch gives the same.
             kw.setdefault("collate_fn", convert_batch)
         super().__init__(_Loader(*args, **kw))
-        self._count_free = CountFree()
+        self._free_epochs = CountFree()  # not _count_free: DataPipeline state uses it
 
     def __iter__(self) -> Iterator[Any]:
         batches = super().__iter__()  # (hands the dataset its epoch; starts nothing yet)
@@ -314,8 +314,8 @@ class WebLoader(DataPipeline, FluidInterface):
         dataset = loader.dataset
         single = self.repetitions == 1 and self.nsamples <= 0  # one pass of the loader
         free = single and isinstance(dataset, DataPipeline)
-        if free and self._count_free.begin(dataset, loader.num_workers):
-            return self._count_free.run(batches, dataset)  # an epoch without counts
+        if free and self._free_epochs.begin(dataset, loader.num_workers):
+            return self._free_epochs.run(batches, dataset)  # an epoch without counts
         return batches
 
 

@@ -222,6 +222,9 @@ def skip_duplicate(error: ShardFormatError, handler: Callable[[Exception], bool]
 def _starts_another_sample(damaged: str | None, key: str, name_filter: NameFilter | None) -> bool:
     """Whether the damaged member (its name in the archive) would have begun a sample other
     than ``key``: only then is the sample with ``key`` known to be complete."""
+    moved_on = getattr(name_filter, "moved_on", None)
+    if moved_on is not None and moved_on():  # it skipped a later sample's members: complete
+        return True
     if damaged is None:
         return False
     if name_filter is not None:

@@ -58,15 +58,21 @@ def selected(
 
 
 def number_of(
-    numbered: deque[tuple[dict[str, Any], int, int]], shard: dict[str, Any]
+    numbered: deque[tuple[dict[str, Any], int, int]],
+    shard: dict[str, Any],
+    dropped: list[tuple[dict[str, Any], int, int]] | None = None,
 ) -> tuple[int, int] | None:
     """(number, samples skipped) of an opened shard; the shards yielded before it that never
-    opened (skipped after an open error) are dropped. By identity, else by URL."""
+    opened (skipped after an open error) are dropped, into ``dropped`` if given. By identity,
+    else by URL."""
     for same in (lambda entry: entry[0] is shard, lambda entry: entry[0]["url"] == shard["url"]):
         for i, entry in enumerate(numbered):
             if same(entry):
-                for _ in range(i + 1):
-                    numbered.popleft()
+                for _ in range(i):
+                    lost = numbered.popleft()
+                    if dropped is not None:
+                        dropped.append(lost)
+                numbered.popleft()
                 return entry[1], entry[2]
     return None
 
@@ -90,10 +96,11 @@ def _by_number(
     archive order) ``keep`` refuses; from sample ``all_from`` on every sample is kept, without
     looking at the names any more."""
     seen = 0  # samples begun
+    kept = -1  # the number of the last sample kept
     last: str | None = None
 
     def by_number(name: str) -> str | None:
-        nonlocal seen, last
+        nonlocal seen, last, kept
         mapped = name_filter(name) if name_filter is not None else name
         if mapped is None or (all_from is not None and seen > all_from):
             return mapped
@@ -103,6 +110,15 @@ def _by_number(
         if parts[0] != last:
             last = parts[0]
             seen += 1
-        return mapped if keep(seen - 1) else None
+        if not keep(seen - 1):
+            return None
+        kept = seen - 1
+        return mapped
 
+    def moved_on() -> bool:
+        """A sample after the last one kept has begun (its members skipped): the kept one is
+        complete, which group_members cannot see when the archive fails after them."""
+        return seen - 1 > kept
+
+    by_number.moved_on = moved_on  # type: ignore[attr-defined]
     return by_number

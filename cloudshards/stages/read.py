@@ -36,6 +36,7 @@ from cloudshards.stages.positions import (
     selecting,
     skipping,
 )
+from cloudshards.stages.shortfall import Shortfall
 from cloudshards.tar import iter_members
 from cloudshards.types import ExceptionHandler, NameFilter, Sample
 
@@ -136,6 +137,9 @@ class ShardReader(Iterator[Sample]):
         self._fetch = fetch
         #: [shards begun, samples delivered from the last]; updated by the generator.
         self._position = [0, 0]
+        #: [repeats put off to the end, repeats given since the last sample] (see Shortfall).
+        self._repeats = [0, 0]
+        self._quiet = False  # restored among repeats: read the repeated sample again, quietly
         self._resume: tuple[int, int] | None = None
         self._select: dict[int, frozenset[int]] | None = None
         #: In select mode, the URL of each shard number selected (once it is reached).
@@ -174,6 +178,8 @@ class ShardReader(Iterator[Sample]):
                 self._fetch,
                 self._resume,
                 self._position,
+                self._repeats,
+                self._quiet,
                 self._select,
                 self.selected_urls,
             )
@@ -190,8 +196,14 @@ class ShardReader(Iterator[Sample]):
 
     def state_dict(self) -> dict[str, Any]:
         """``{"shards": shards begun, "samples": delivered from the last}``; ``{}`` before any."""
-        shards, samples = self._position
-        return {"shards": shards, "samples": samples} if shards else {}
+        position, (owed, given) = self._position, self._repeats
+        if len(position) > 2:  # repeating a sample: resume just before it (see Shortfall)
+            state = {"shards": position[0], "samples": position[1] - 1, "quiet": 1}
+            return {**state, "given": given, **({"owed": owed} if owed else {})}
+        shards, samples = position
+        if not shards:
+            return {}
+        return {"shards": shards, "samples": samples, **({"owed": owed} if owed else {})}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue after what :meth:`state_dict` said was delivered (before iterating)."""
@@ -199,6 +211,8 @@ class ShardReader(Iterator[Sample]):
             raise RuntimeError("a ShardReader is restored before it starts reading")
         shards = int(state.get("shards", 0))
         self._resume = (shards - 1, int(state.get("samples", 0))) if shards > 0 else None
+        self._repeats[:] = [int(state.get("owed", 0)), int(state.get("given", 0))]
+        self._quiet = bool(state.get("quiet"))
 
 
 def _read(
@@ -210,6 +224,8 @@ def _read(
     fetch: FetchOptions | None,
     resume: tuple[int, int] | None,
     position: list[int],
+    repeats: list[int],
+    quiet: bool = False,
     select: dict[int, frozenset[int]] | None = None,
     selected_urls: dict[int, str] | None = None,
 ) -> Iterator[Sample]:
@@ -228,35 +244,13 @@ def _read(
         fetch=fetch,
     )
     try:
-        yield from _read_opened(shards, handler, options, name_filter, position, numbered)
+        shortfall = Shortfall(position, repeats, repeats[1] if quiet else 0)
+        samples = _read_opened(shards, handler, options, name_filter, position, numbered, shortfall)
+        if quiet:
+            next(samples, None)  # the sample being repeated at the checkpoint: delivered then
+        yield from samples
     finally:
         shards.close()  # stops the prefetcher's threads now, not when garbage-collected
-
-
-def _limited(samples: Iterator[Sample], shard: dict[str, Any]) -> Iterator[Sample]:
-    """At most ``take`` samples; a shard with fewer than its count said repeats its last
-    sample so that every rank still yields the same number (and says so)."""
-    take = shard.get("take")
-    if take is None:
-        yield from samples
-        return
-    delivered = 0
-    last: Sample | None = None
-    for sample in itertools.islice(samples, take):
-        delivered += 1
-        last = sample
-        yield sample
-    if delivered < take and last is not None:
-        logger.warning(
-            "%s has fewer samples than its count said (%d of %d from sample %d); repeating "
-            "its last sample to keep ranks in step: rebuild the index or the counts",
-            redact_url(shard["url"]),
-            delivered,
-            take,
-            shard.get("skip", 0),
-        )
-        for _ in range(take - delivered):
-            yield dict(last)
 
 
 def _read_opened(
@@ -266,16 +260,24 @@ def _read_opened(
     name_filter: NameFilter | None,
     position: list[int],
     numbered: deque[tuple[dict[str, Any], int, int]],
+    shortfall: Shortfall,
 ) -> Iterator[Sample]:
+    dropped: list[tuple[dict[str, Any], int, int]] = []
     for shard, stream in shards:
         url = shard["url"]
         index = shard.get("shard_index")
-        number = number_of(numbered, shard)
+        number = number_of(numbered, shard, dropped)
+        for lost, lost_number, begun in dropped:  # never opened: the handler let it pass
+            position[0], position[1] = lost_number + 1, begun
+            yield from shortfall.pad(lost, lost.get("take", 0))
+        dropped.clear()
         position[0], position[1] = (position[0], 0) if number is None else number
         position[0] += 1
+        begun = position[1]
         skip = shard.get("skip", 0)
         chosen = shard.get("select")
         record: MemberTable | None = None
+        sample: Sample | None = None
         try:
             members_filter: NameFilter | None
             if chosen is not None:
@@ -307,7 +309,7 @@ def _read_opened(
                 samples = itertools.islice(samples, len(chosen))
                 record = None
             elif "take" in shard:
-                samples = _limited(samples, shard)
+                samples = itertools.islice(samples, shard["take"])
             path = local_path(url)
             places = shard.get("select_places")
             if places is not None:  # selected samples: their own numbers, in order
@@ -338,6 +340,15 @@ def _read_opened(
             logger.debug("skipped rest of shard %s after error", redact_url(url))
         finally:
             stream.close()
+        if sample is not None:
+            shortfall.note(sample)
+        if "take" in shard and chosen is None:
+            yield from shortfall.pad(shard, shard["take"] - (position[1] - begun))
+    for lost, lost_number, begun in numbered:  # after the last one opened, none did
+        position[0], position[1] = lost_number + 1, begun
+        yield from shortfall.pad(lost, lost.get("take", 0))
+    numbered.clear()
+    yield from shortfall.settle()
 
 
 def _samples_by_table(

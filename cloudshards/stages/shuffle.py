@@ -12,6 +12,7 @@ and seed are in the state fingerprint: a state saved with another shuffle is ref
 
 from __future__ import annotations
 
+import copy
 import logging
 import random
 from collections.abc import Iterable, Iterator, Mapping
@@ -247,7 +248,12 @@ class ShuffleIterator:
                 f"of shard {shard} ({where}); the shards changed since the checkpoint, or could "
                 "not be read"
             )
-        buffer.items = [items[place] for place in self.pending]
+        seen: set[tuple[int, int]] = set()
+        buffer.items = []
+        for place in self.pending:  # a sample the reader repeated is in it more than once
+            item = items[place]
+            buffer.items.append(copy.copy(item) if place in seen else item)
+            seen.add(place)
         buffer.places = [_pack(*place) for place in self.pending]
         set_rng_state(buffer.rng, state["rng"])
         buffer.pulled = int(state.get("pulled", len(self.pending)))
@@ -281,8 +287,9 @@ def _run(
                 done = buffer.done = True
                 break
             place = where[0] << 32 | where[1]
-            if place == last and buffer.exact:
-                # Two items from one sample: a stage in between is not one-to-one.
+            if place == last and buffer.exact and len(where) == 2:
+                # Two items from one sample: a stage in between is not one-to-one (a reader
+                # repeating a sample to keep ranks in step says so: see Shortfall).
                 buffer.exact = False
                 buffer.why = "a stage before it gives several items per sample"
             last = place

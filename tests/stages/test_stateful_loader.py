@@ -53,3 +53,19 @@ def test_one_rank_saves_its_own_state_and_a_gathered_one_must_match_the_world(
         _loader(shards.spec(), 0).load_state_dict(
             {"cloudshards_ranks": [state] * 3, "world_size": 3}
         )
+
+
+def test_a_webloader_restored_from_its_state_still_iterates(make_shards: Any) -> None:
+    """Lightning saves and restores any train loader with state_dict/load_state_dict (a
+    WebLoader has them, as a pipeline); a restore once left it failing on iter()
+    ('NoneType' object has no attribute 'begin'). It starts its epoch again, as webdataset's
+    WebLoader (which Lightning leaves alone) does."""
+    shards = make_shards([4, 4])
+    ds = wds.WebDataset(shards.spec(), shardshuffle=False).to_tuple("__key__").batched(2)
+    loader = wds.WebLoader(ds, batch_size=None, num_workers=0)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    fresh = wds.WebLoader(ds, batch_size=None, num_workers=0)
+    fresh.load_state_dict(state)
+    assert [key for (batch,) in fresh for key in batch] == sorted(shards.keys)

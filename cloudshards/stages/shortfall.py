@@ -1,0 +1,96 @@
+"""Keeping ranks in step when balanced shards give fewer samples than they were given.
+
+Balancing (:mod:`cloudshards.balance`) hands each reader ``take`` samples of each shard so that
+every rank yields the same number; a reader that yields fewer hangs DDP at the epoch's end.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from cloudshards.errors import ShardError
+from cloudshards.redact import redact_url
+from cloudshards.types import Sample
+
+__all__ = ["Shortfall"]
+
+logger = logging.getLogger(__name__)
+
+
+class Shortfall:
+    """What balanced shards (``take`` samples each) failed to give a reader: a shard with fewer
+    samples than its count, one cut short by an error the handler let pass, one that never
+    opened. Every rank must still yield the same number of samples (unequal counts hang DDP),
+    so the shortfall repeats the last sample read, right after the shard; before any sample
+    was read, at the end of the pass. A reader that read none at all raises rather than hang.
+
+    While it repeats, the reader's ``position`` is ``[*place, *resume]``: the repeated
+    sample's place (a shuffle buffer notes it: a restore reads that sample again) and where
+    the repeats have got to. A checkpoint taken then resumes just before the repeated sample:
+    the restored reader reads it again without delivering it, meets the same shortfall, and
+    skips the repeats already given (see :meth:`ShardReader.state_dict`).
+    """
+
+    def __init__(self, position: list[int], repeats: list[int], skip: int = 0) -> None:
+        self.position = position
+        #: [repeats put off to the end, repeats given since the last sample read]: state.
+        self.repeats = repeats
+        self.skip = skip  # repeats a restored reader gave before its checkpoint
+        self.last: Sample | None = None
+        self.place = (0, 0)
+        self.first_url: str | None = None
+
+    def note(self, sample: Sample) -> None:
+        """``sample`` was the last one the reader delivered, at the current position."""
+        self.last = sample
+        self.place = (self.position[0], self.position[1])
+        self.repeats[1] = 0
+
+    def pad(self, shard: dict[str, Any], short: int) -> Iterator[Sample]:
+        """Make up ``short`` samples that ``shard`` did not give (now, or at the end)."""
+        if short <= 0:
+            return
+        self.first_url = self.first_url or shard["url"]
+        logger.warning(
+            "%s gave %d fewer samples than balancing gave it (it has fewer samples than its "
+            "count said, or a read error was let pass); repeating %s to keep ranks in step",
+            redact_url(shard["url"]),
+            short,
+            "the last sample read" if self.last is not None else "a later sample at the end",
+        )
+        if self.last is None:
+            self.repeats[0] += short
+            return
+        yield from self._repeat(short, advance=True)
+
+    def settle(self) -> Iterator[Sample]:
+        """At the end of the pass: the repeats put off."""
+        if not self.repeats[0]:
+            return
+        if self.last is None:
+            raise ShardError(
+                f"none of the {self.repeats[0]} samples balanced to this reader could be read "
+                "(every shard of its share failed, see the warnings); its rank cannot be kept "
+                "in step with the others, so it stops here rather than hang",
+                url=self.first_url,
+            )
+        yield from self._repeat(self.repeats[0], advance=False)
+
+    def _repeat(self, count: int, advance: bool) -> Iterator[Sample]:
+        position, last, repeats = self.position, self.last, self.repeats
+        assert last is not None
+        resume = position[-2:]
+        for _ in range(count):
+            if advance:
+                resume[1] += 1
+                repeats[1] += 1
+                if self.skip:  # given before the checkpoint this reader was restored from
+                    self.skip -= 1
+                    continue
+            else:
+                repeats[0] -= 1
+            position[:] = [*self.place, *resume]
+            yield dict(last)
+        position[:] = resume

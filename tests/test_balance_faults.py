@@ -1,0 +1,143 @@
+"""Balanced epochs stay equal across ranks when shards fail: a shard cut short, missing, or
+holding fewer samples than its count, let pass by a continuing handler. Each rank must still
+yield its share (unequal counts hang DDP): the shortfall repeats the last sample read."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+import cloudshards as wds
+from cloudshards.errors import ShardError
+
+SIZES = [7, 13, 5, 11, 9]  # 45 samples: 22 a rank with 2 ranks ("drop")
+
+
+def truncate(path: Path) -> None:
+    """Cut a shard in the middle of a member (a partial upload)."""
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 3 + 100])
+
+
+def per_rank(
+    urls: list[str], monkeypatch: pytest.MonkeyPatch, world: int = 2, **kw: Any
+) -> list[list[str]]:
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    result = []
+    for rank in range(world):
+        monkeypatch.setenv("RANK", str(rank))
+        ds = wds.WebDataset(
+            urls, shardshuffle=False, sample_counts=SIZES, handler=wds.ignore_and_continue, **kw
+        )
+        result.append([sample["__key__"] for sample in ds])
+    return result
+
+
+@pytest.mark.parametrize("fault", ["truncated", "missing", "fewer"])
+def test_a_failed_shard_under_a_continuing_handler_keeps_ranks_equal(
+    make_shards: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    fault: str,
+) -> None:
+    shards = make_shards(SIZES)
+    bad = shards.paths[1]  # 13 samples, all read by rank 0
+    if fault == "truncated":
+        truncate(bad)
+    elif fault == "missing":
+        bad.unlink()
+    else:  # rewritten with 3 samples: the counts say 13
+        make_shards([3], directory=bad.parent / "short")
+        (bad.parent / "short" / "shard-000000.tar").replace(bad)
+    urls = [str(p) for p in shards.paths]
+    with caplog.at_level(logging.WARNING):
+        ranks = per_rank(urls, monkeypatch)
+    assert [len(keys) for keys in ranks] == [22, 22]
+    # Rank 1 read its share as usual; rank 0 repeated samples instead of the lost ones.
+    assert len(set(ranks[1])) == 22
+    counts = Counter(ranks[0])
+    lost = 22 - len(counts)
+    assert lost > 0
+    assert sum(n - 1 for n in counts.values()) == lost
+    assert set(counts) <= set(shards.keys)
+    assert "fewer samples than balancing gave it" in caplog.text
+    assert "shard-000001.tar" in caplog.text
+
+
+def test_a_share_that_starts_past_a_short_shards_end_is_padded_too(
+    make_shards: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1's share begins inside shard 1 (13 by its count), which really holds 3: it reads
+    none of its 7 samples there, has nothing read yet to repeat, and repeats its last sample
+    at the end instead."""
+    shards = make_shards([20, 3, 20])
+    urls = [str(p) for p in shards.paths]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    got = []
+    for rank in range(2):
+        monkeypatch.setenv("RANK", str(rank))
+        ds = wds.WebDataset(urls, shardshuffle=False, sample_counts=[20, 13, 20])
+        got.append([sample["__key__"] for sample in ds])
+    assert [len(keys) for keys in got] == [26, 26]
+    # Rank 0 reads shard 1's 3 samples and repeats the third at once.
+    assert "s0001_000002" in got[0]
+    assert got[0][-1] == "s0001_000002"
+    # Rank 1: shard 1's samples 6.. do not exist; shard 2's are read, then the last repeated.
+    real = [key for key in got[1] if key != got[1][-1]]
+    assert real == [f"s0002_{i:06d}" for i in range(len(real))]
+    assert len(real) >= 19
+    assert got[1][len(real) :] == [got[1][-1]] * (26 - len(real))
+    assert 26 - len(real) >= 6
+
+
+def test_a_reader_that_reads_nothing_at_all_raises_instead_of_hanging(
+    make_shards: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shards = make_shards(SIZES)
+    shards.paths[0].unlink()
+    shards.paths[1].unlink()
+    shards.paths[2].unlink()  # rank 0's whole share (7 + 13 + 2 of shard 2)
+    urls = [str(p) for p in shards.paths]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    ds = wds.WebDataset(
+        urls, shardshuffle=False, sample_counts=SIZES, handler=wds.ignore_and_continue
+    )
+    with pytest.raises(ShardError, match=r"none of the 22 samples .* rather than hang") as info:
+        list(ds)
+    assert "shard-000000.tar" in str(info.value)
+
+
+@pytest.mark.parametrize("k", [3, 9, 14, 20])
+def test_a_restore_after_a_failed_shard_is_exact(
+    make_shards: Any, monkeypatch: pytest.MonkeyPatch, k: int
+) -> None:
+    """The repeats count in the reader's position: a checkpoint taken among them restores
+    to the rest of them, and the rank still yields its share."""
+    shards = make_shards(SIZES)
+    truncate(shards.paths[1])
+    urls = [str(p) for p in shards.paths]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+
+    def build() -> Any:
+        ds = wds.WebDataset(
+            urls, shardshuffle=True, seed=1, sample_counts=SIZES, handler=wds.ignore_and_continue
+        )
+        return StatefulDataLoader(ds.shuffle(4), batch_size=None, num_workers=0)
+
+    everything = [s["__key__"] for s in build()]
+    loader = build()
+    it = iter(loader)
+    head = [next(it)["__key__"] for _ in range(k)]
+    state = loader.state_dict()
+    del it
+    restored = build()
+    restored.load_state_dict(state)
+    assert head + [s["__key__"] for s in restored] == everything
+    assert len(everything) == 22

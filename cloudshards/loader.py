@@ -11,6 +11,7 @@ and on restore each rank takes its own.
 
 from __future__ import annotations
 
+import sys
 from collections import deque
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -54,14 +55,15 @@ class StatefulLoader(SettledFork, StatefulDataLoader):  # type: ignore[misc]
     afresh.
 
     ``prefetched``: how many batches the training loop fetches ahead of the step it trains
-    (``state_dict()`` then describes the position after the batches actually trained).
-    PyTorch Lightning's fit loop fetches one ahead: pass ``prefetched=1`` there, or a restore
-    skips the batch that was fetched but not trained. It costs a copy of the loader's state
-    per batch.
+    (``state_dict()`` then describes the position after the batches actually trained), or
+    None (the default) to tell: PyTorch Lightning's data fetcher, when it iterates this
+    loader, says how many it fetches ahead (one in its fit loop; otherwise a restore would
+    skip the batch fetched but not trained); any other loop, none. Fetching ahead costs a
+    copy of the loader's state per batch.
     """
 
     def __init__(
-        self, *args: Any, all_ranks: bool = True, prefetched: int = 0, **kwargs: Any
+        self, *args: Any, all_ranks: bool = True, prefetched: int | None = None, **kwargs: Any
     ) -> None:
         super().__init__(*args, **kwargs)
         self._count_free = CountFree()
@@ -72,9 +74,10 @@ class StatefulLoader(SettledFork, StatefulDataLoader):  # type: ignore[misc]
 
     def _iter_lagging(self) -> Any:
         iterator = super().__iter__()
-        if self.prefetched <= 0:
+        ahead = self.prefetched if self.prefetched is not None else _fetched_ahead()
+        if ahead <= 0:
             return iterator
-        self._before = deque(maxlen=self.prefetched)
+        self._before = deque(maxlen=ahead)
         return self._lagging(iterator, self._before)
 
     def _lagging(self, iterator: Iterator[Any], before: deque[dict[str, Any]]) -> Iterator[Any]:
@@ -161,6 +164,23 @@ def _pipeline_states(state: Any) -> list[dict[str, Any]]:
     if isinstance(state, (list, tuple)):
         return [one for value in state for one in _pipeline_states(value)]
     return []
+
+
+def _fetched_ahead() -> int:
+    """How many batches the Lightning data fetcher iterating this loader (found on the call
+    stack) fetches ahead of the step it trains; 0 outside Lightning. Lightning restores a
+    stateful loader's state but does not say what it prefetched, so it is read here."""
+    frame: Any = sys._getframe(2)
+    for _ in range(40):
+        if frame is None:
+            break
+        module = str(frame.f_globals.get("__name__", ""))
+        if module.startswith(("lightning.pytorch.loops", "pytorch_lightning.loops")):
+            ahead = getattr(frame.f_locals.get("self"), "prefetch_batches", None)
+            if ahead is not None:
+                return max(0, int(ahead))
+        frame = frame.f_back
+    return 0
 
 
 def _world_size() -> int:

@@ -72,8 +72,10 @@ def main() -> None:
         .decode()
         .to_tuple("__key__", "npy", "cls")
     )
-    # Lightning's fit loop fetches one batch ahead of the step it trains.
-    loader = wds.StatefulLoader(dataset, batch_size=4, num_workers=workers, prefetched=1)
+    # Lightning's fit loop fetches one batch ahead of the step it trains: said explicitly, or
+    # (PREFETCHED=auto) left for the loader to read off Lightning's data fetcher.
+    ahead = None if os.environ.get("PREFETCHED") == "auto" else 1
+    loader = wds.StatefulLoader(dataset, batch_size=4, num_workers=workers, prefetched=ahead)
     callbacks: list[pl.Callback] = [EpochSetter(dataset)]
     options: dict[str, object] = {"max_epochs": 2}
     if mode == "stop":

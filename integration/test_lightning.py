@@ -39,12 +39,15 @@ def write_shards(root: Path) -> str:
     return str(root / f"shard-{{000000..{len(SIZES) - 1:06d}}}.tar")
 
 
-def _lightning(tmp_path: Path, script: Path, *args: str, devices: int = 2) -> str:
+def _lightning(
+    tmp_path: Path, script: Path, *args: str, devices: int = 2, prefetched: str = "1"
+) -> str:
     """Run a Lightning script in a session of its own; its output. A hang (past TIMEOUT_S)
     or a failed run fails the test, and every process the run started is killed."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CLOUDSHARDS_", "WDS_"))}
     env["CLOUDSHARDS_COUNTS_DIR"] = str(tmp_path / "counts")
     env["DEVICES"] = str(devices)
+    env["PREFETCHED"] = prefetched
     # Every process prints its threads' stacks on SIGUSR1 (hangdump/sitecustomize.py).
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HANGDUMP), env.get("PYTHONPATH")]))
     process = subprocess.Popen(
@@ -111,19 +114,27 @@ def _full_run(tmp_path: Path) -> tuple[str, Path, list[Any]]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(3 * TIMEOUT_S + 30)
-@pytest.mark.parametrize("stop", ["mid-epoch-0", "mid-epoch-1"])
-def test_lightning_checkpoint_mid_epoch_resumes_exactly(tmp_path: Path, stop: str) -> None:
+@pytest.mark.parametrize(
+    ("stop", "prefetched"), [("mid-epoch-0", "1"), ("mid-epoch-1", "1"), ("mid-epoch-0", "auto")]
+)
+def test_lightning_checkpoint_mid_epoch_resumes_exactly(
+    tmp_path: Path, stop: str, prefetched: str
+) -> None:
     """Lightning saves StatefulDataLoader's state in its checkpoint (every worker's dataset
     state, shuffle buffer included) and restores it with ``fit(ckpt_path=...)``: the steps
-    before the checkpoint and after the restore are exactly the uninterrupted run's."""
+    before the checkpoint and after the restore are exactly the uninterrupted run's. Also
+    without ``prefetched=1``: the loader reads the batch Lightning fetches ahead off its
+    data fetcher (it skipped that batch on restore)."""
     spec, out, full = _full_run(tmp_path)
     per_epoch = len(full[0]) // 2
     assert len(full[0]) == len(full[1]) == 2 * per_epoch
     steps = per_epoch // 2 if stop == "mid-epoch-0" else per_epoch + per_epoch // 2
-    _lightning(tmp_path, RESUME_SCRIPT, spec, "2", str(out), "stop", str(steps))
+    run = [spec, "2", str(out)]
+    _lightning(tmp_path, RESUME_SCRIPT, *run, "stop", str(steps), prefetched=prefetched)
     checkpoints = sorted((out / "ckpt").glob("*.ckpt"))
     assert len(checkpoints) == 1, checkpoints
-    _lightning(tmp_path, RESUME_SCRIPT, spec, "2", str(out), "resume", str(checkpoints[0]))
+    resume = ["resume", str(checkpoints[0])]
+    _lightning(tmp_path, RESUME_SCRIPT, *run, *resume, prefetched=prefetched)
     for rank in (0, 1):
         before = json.loads((out / f"stop-rank{rank}.json").read_text())
         after = json.loads((out / f"resume-rank{rank}.json").read_text())

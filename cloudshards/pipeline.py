@@ -157,8 +157,6 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
         source: Any = None
         reader: tuple[int, Any] | None = None
         for number, step in enumerate(pipeline):
-            if context is not None:
-                context.shard_level = reader is None
             source = self.invoke(step, source) if number else self.invoke(step)
             if is_reader(source):
                 reader = (number, source)
@@ -169,8 +167,6 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
                 if isinstance(source, ShuffleIterator) and source.pending:
                     found = read_again(self.invoke, steps, number, source.pending, draws)
                     source.refill(*found)
-        if context is not None:
-            context.shard_level = False  # (a chain without a reader) lazy draws are per worker
         return iter(source)
 
     def iterator(self, epoch: int | None = None) -> Iterator[Any]:

@@ -38,6 +38,18 @@ def per_rank(
     return result
 
 
+def stopped_and_restored(build: Any, k: int) -> list[str]:
+    """The keys of a loader stopped after ``k`` samples, then of one restored from its state."""
+    loader = build()
+    it = iter(loader)
+    head = [next(it)["__key__"] for _ in range(k)]
+    state = loader.state_dict()
+    del it
+    restored = build()
+    restored.load_state_dict(state)
+    return head + [s["__key__"] for s in restored]
+
+
 @pytest.mark.parametrize("fault", ["truncated", "missing", "fewer"])
 def test_a_failed_shard_under_a_continuing_handler_keeps_ranks_equal(
     make_shards: Any,
@@ -132,12 +144,67 @@ def test_a_restore_after_a_failed_shard_is_exact(
         return StatefulDataLoader(ds.shuffle(4), batch_size=None, num_workers=0)
 
     everything = [s["__key__"] for s in build()]
-    loader = build()
-    it = iter(loader)
-    head = [next(it)["__key__"] for _ in range(k)]
-    state = loader.state_dict()
-    del it
-    restored = build()
-    restored.load_state_dict(state)
-    assert head + [s["__key__"] for s in restored] == everything
+    assert stopped_and_restored(build, k) == everything
     assert len(everything) == 22
+
+
+@pytest.mark.parametrize("fault", ["truncated", "missing", "both"])
+def test_a_restore_at_any_point_of_a_faulty_share_is_exact(
+    make_shards: Any, monkeypatch: pytest.MonkeyPatch, fault: str
+) -> None:
+    """At every stop point, shard boundaries and the sample right before a shortfall
+    included: the restored reader reads the last sample again (quietly), so a shortfall
+    after it repeats the same sample, and the repeats already given are not given again."""
+    shards = make_shards(SIZES)
+    if fault in ("truncated", "both"):
+        truncate(shards.paths[1])
+    if fault in ("missing", "both"):
+        shards.paths[2].unlink()
+    urls = [str(p) for p in shards.paths]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+
+    def build() -> Any:
+        ds = wds.WebDataset(
+            urls, shardshuffle=False, sample_counts=SIZES, handler=wds.ignore_and_continue
+        )
+        return StatefulDataLoader(ds, batch_size=None, num_workers=0)
+
+    everything = [s["__key__"] for s in build()]
+    assert len(everything) == 22
+    for k in range(22):
+        assert stopped_and_restored(build, k) == everything, k
+
+
+def test_a_repeat_is_the_sample_as_read_not_as_a_later_stage_changed_it(
+    make_shards: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """map_dict changes a sample in place: a repeat made from the changed one would go
+    through it twice (json.loads of a dict: TypeError)."""
+    import json
+
+    shards = make_shards(SIZES)
+    truncate(shards.paths[1])
+    urls = [str(p) for p in shards.paths]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    ds = wds.WebDataset(
+        urls, shardshuffle=False, sample_counts=SIZES, handler=wds.ignore_and_continue
+    ).map_dict(json=json.loads)
+    samples = list(ds)
+    assert len(samples) == 22
+    assert all(isinstance(s["json"], dict) for s in samples)
+
+
+def test_a_handler_that_stops_ends_the_pass_without_repeats(
+    make_shards: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shards = make_shards([5] * 8)
+    shards.paths[1].unlink()
+    urls = [str(p) for p in shards.paths]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    ds = wds.WebDataset(
+        urls, shardshuffle=False, sample_counts=[5] * 8, handler=wds.ignore_and_stop
+    )
+    assert [s["__key__"] for s in ds] == [f"s0000_{i:06d}" for i in range(5)]

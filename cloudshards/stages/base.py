@@ -304,9 +304,6 @@ class IterationContext:
     resumed: bool = False
     #: This epoch runs without sample counts; the loader ends it for every rank at once.
     count_free: bool = False
-    #: The stage being built comes before the shard reader: it orders shards (a shuffle there
-    #: draws one seed for every rank and worker, so that the splitters after it partition).
-    shard_level: bool = False
 
     def stage_seed(self, salt: str, shared: bool = False) -> int:
         """A fresh seed for the next random stage: same on a rerun, new per epoch and pass,

@@ -36,7 +36,7 @@ from cloudshards.stages.positions import (
     selecting,
     skipping,
 )
-from cloudshards.stages.shortfall import Shortfall
+from cloudshards.stages.shortfall import Shortfall, reader_state, restore_point
 from cloudshards.tar import iter_members
 from cloudshards.types import ExceptionHandler, NameFilter, Sample
 
@@ -137,9 +137,10 @@ class ShardReader(Iterator[Sample]):
         self._fetch = fetch
         #: [shards begun, samples delivered from the last]; updated by the generator.
         self._position = [0, 0]
-        #: [repeats put off to the end, repeats given since the last sample] (see Shortfall).
-        self._repeats = [0, 0]
-        self._quiet = False  # restored among repeats: read the repeated sample again, quietly
+        #: [repeats put off to the end, repeats given since the last sample, 1 while in a
+        #: balanced shard] (see Shortfall).
+        self._repeats = [0, 0, 0]
+        self._quiet = False  # read the sample at the resume point again, without delivering it
         self._resume: tuple[int, int] | None = None
         self._select: dict[int, frozenset[int]] | None = None
         #: In select mode, the URL of each shard number selected (once it is reached).
@@ -195,24 +196,15 @@ class ShardReader(Iterator[Sample]):
             close()
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"shards": shards begun, "samples": delivered from the last}``; ``{}`` before any."""
-        position, (owed, given) = self._position, self._repeats
-        if len(position) > 2:  # repeating a sample: resume just before it (see Shortfall)
-            state = {"shards": position[0], "samples": position[1] - 1, "quiet": 1}
-            return {**state, "given": given, **({"owed": owed} if owed else {})}
-        shards, samples = position
-        if not shards:
-            return {}
-        return {"shards": shards, "samples": samples, **({"owed": owed} if owed else {})}
+        """``{"shards": shards begun, "samples": delivered from the last}``; ``{}`` before any
+        (and in a balanced shard where to read again: see :func:`reader_state`)."""
+        return reader_state(self._position, self._repeats)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue after what :meth:`state_dict` said was delivered (before iterating)."""
         if self._it is not None:
             raise RuntimeError("a ShardReader is restored before it starts reading")
-        shards = int(state.get("shards", 0))
-        self._resume = (shards - 1, int(state.get("samples", 0))) if shards > 0 else None
-        self._repeats[:] = [int(state.get("owed", 0)), int(state.get("given", 0))]
-        self._quiet = bool(state.get("quiet"))
+        self._resume, self._quiet = restore_point(state, self._repeats)
 
 
 def _read(
@@ -236,15 +228,15 @@ def _read(
         source = positioned(src, resume, numbered)
     else:
         source = selected(src, select, {} if selected_urls is None else selected_urls)
-    shards = open_shards(
-        source,
-        handler=handler,
-        options=options,
-        cache=cache,
-        fetch=fetch,
-    )
+    shortfall = Shortfall(position, repeats, repeats[1] if quiet else 0)
+
+    def opening(exn: BaseException) -> bool:  # a shard that fails to open: stop, or go on?
+        go = handler(exn)
+        shortfall.stopped = shortfall.stopped or not go
+        return go
+
+    shards = open_shards(source, handler=opening, options=options, cache=cache, fetch=fetch)
     try:
-        shortfall = Shortfall(position, repeats, repeats[1] if quiet else 0)
         samples = _read_opened(shards, handler, options, name_filter, position, numbered, shortfall)
         if quiet:
             next(samples, None)  # the sample being repeated at the checkpoint: delivered then
@@ -267,17 +259,23 @@ def _read_opened(
         url = shard["url"]
         index = shard.get("shard_index")
         number = number_of(numbered, shard, dropped)
+        if shortfall.stopped:  # a handler said stop: the pass ends here
+            break
         for lost, lost_number, begun in dropped:  # never opened: the handler let it pass
+            del position[2:]
             position[0], position[1] = lost_number + 1, begun
             yield from shortfall.pad(lost, lost.get("take", 0))
         dropped.clear()
+        del position[2:]  # no longer repeating a sample (see Shortfall)
         position[0], position[1] = (position[0], 0) if number is None else number
         position[0] += 1
         begun = position[1]
-        skip = shard.get("skip", 0)
         chosen = shard.get("select")
+        balanced = "take" in shard and chosen is None
+        shortfall.repeats[2] = balanced
+        held: Sample | None = None
+        skip = shard.get("skip", 0)
         record: MemberTable | None = None
-        sample: Sample | None = None
         try:
             members_filter: NameFilter | None
             if chosen is not None:
@@ -323,6 +321,8 @@ def _read_opened(
                     position[1] += 1
                 else:
                     position[1] = next(numbers) + 1
+                if balanced:  # as delivered: what a shortfall repeats (stages may change it)
+                    held = sample.copy()
                 yield sample
             if record is not None and record.complete:
                 stream.save_member_table(record)
@@ -340,11 +340,14 @@ def _read_opened(
             logger.debug("skipped rest of shard %s after error", redact_url(url))
         finally:
             stream.close()
-        if sample is not None:
-            shortfall.note(sample)
-        if "take" in shard and chosen is None:
+        if balanced:
+            if held is not None:
+                shortfall.note(held, position[1])
             yield from shortfall.pad(shard, shard["take"] - (position[1] - begun))
+    if shortfall.stopped:  # a handler said stop: the pass ends here
+        return
     for lost, lost_number, begun in numbered:  # after the last one opened, none did
+        del position[2:]
         position[0], position[1] = lost_number + 1, begun
         yield from shortfall.pad(lost, lost.get("take", 0))
     numbered.clear()

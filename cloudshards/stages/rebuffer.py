@@ -12,9 +12,10 @@ from __future__ import annotations
 import copy
 import random
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import Any
 
-from cloudshards.stages.base import IterationContext, current_context, one_item_per_sample
+from cloudshards.stages.base import current_context, one_item_per_sample
 from cloudshards.stages.shuffle import ShuffleIterator
 from cloudshards.stages.state import describe_stage
 
@@ -79,32 +80,22 @@ def read_again(
     that its random stages draw here what they drew there (a URL shuffle: the same shards).
     """
     context = current_context()
-    if context is None:
-        return _read_again(invoke, steps, stop, places, None)
-    with context.drawing_from(draws):
-        return _read_again(invoke, steps, stop, places, context)
+    with context.drawing_from(draws) if context is not None else nullcontext():
+        return _read_again(invoke, steps, stop, places)
 
 
 def _read_again(
-    invoke: Callable[..., Any],
-    steps: Sequence[Any],
-    stop: int,
-    places: list[tuple[int, int]],
-    context: IterationContext | None,
+    invoke: Callable[..., Any], steps: Sequence[Any], stop: int, places: list[tuple[int, int]]
 ) -> tuple[dict[tuple[int, int], Any], dict[int, str]]:
     wanted = sorted(set(places))
     reader: Any = None
-    source: Any = None
-    for number, step in enumerate([*steps[:stop], None]):
+    source = invoke(steps[0])
+    for step in [*steps[1:stop], None]:
         if reader is None and is_reader(source):
             reader = source
             reader.select(wanted)
         if step is not None:
-            if context is not None:
-                context.shard_level = reader is None  # as the pass built it
-            source = invoke(step, source) if number else invoke(step)
-    if context is not None:
-        context.shard_level = False
+            source = invoke(step, source)
     found: dict[tuple[int, int], Any] = {}
     if reader is None:
         return found, {}

@@ -7,14 +7,14 @@ every rank yields the same number; a reader that yields fewer hangs DDP at the e
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from cloudshards.errors import ShardError
 from cloudshards.redact import redact_url
 from cloudshards.types import Sample
 
-__all__ = ["Shortfall"]
+__all__ = ["Shortfall", "reader_state", "restore_point"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,11 +41,13 @@ class Shortfall:
         self.last: Sample | None = None
         self.place = (0, 0)
         self.first_url: str | None = None
+        self.stopped = False  # a handler said stop: nothing more is made up
 
-    def note(self, sample: Sample) -> None:
-        """``sample`` was the last one the reader delivered, at the current position."""
+    def note(self, sample: Sample, number: int) -> None:
+        """``sample`` (as delivered) was the last one the reader read, sample ``number`` (+ 1)
+        of its current shard."""
         self.last = sample
-        self.place = (self.position[0], self.position[1])
+        self.place = (self.position[0], number)
         self.repeats[1] = 0
 
     def pad(self, shard: dict[str, Any], short: int) -> Iterator[Sample]:
@@ -94,3 +96,42 @@ class Shortfall:
             position[:] = [*self.place, *resume]
             yield dict(last)
         position[:] = resume
+
+
+def reader_state(position: list[int], repeats: list[int]) -> dict[str, Any]:
+    """A shard reader's state: ``{"shards": shards begun, "samples": delivered from the
+    last}`` (``{}`` before any), its ``position`` and :class:`Shortfall`'s ``repeats``.
+
+    In a balanced shard also ``"again"``, the place of the last sample read, and ``"given"``,
+    the repeats of it delivered since: a restore reads that sample again (without delivering
+    it), so that a shortfall after it repeats the same sample; ``"owed"``: repeats put off."""
+    owed, given, balanced = repeats
+    again: list[int] | None = None
+    if len(position) > 2:  # repeating a sample
+        again, (shards, samples) = position[:2], position[2:]
+    else:
+        shards, samples = position
+        if balanced and samples > 0:  # the last item was the real sample there
+            again, given = [shards, samples], 0
+    if not shards:
+        return {}
+    state: dict[str, Any] = {"shards": shards, "samples": samples}
+    if again is not None:
+        state.update(again=again, given=given)
+    if owed:
+        state["owed"] = owed
+    return state
+
+
+def restore_point(
+    state: Mapping[str, Any], repeats: list[int]
+) -> tuple[tuple[int, int] | None, bool]:
+    """Where a reader restored from :func:`reader_state`'s ``state`` resumes (shard number,
+    samples to skip in it), and whether it reads the first sample there again quietly; sets
+    ``repeats`` (owed, given) from it."""
+    repeats[:] = [int(state.get("owed", 0)), int(state.get("given", 0)), 0]
+    again = state.get("again")
+    if again is not None:  # just before that sample
+        return (int(again[0]) - 1, int(again[1]) - 1), True
+    shards = int(state.get("shards", 0))
+    return ((shards - 1, int(state.get("samples", 0))) if shards > 0 else None), False

@@ -13,6 +13,7 @@ and seed are in the state fingerprint: a state saved with another shuffle is ref
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 import random
 from collections.abc import Iterable, Iterator, Mapping
@@ -23,7 +24,6 @@ from cloudshards.redact import redact_url
 from cloudshards.stages.base import (
     PipelineStage,
     checkpoint_warning,
-    current_context,
     make_rng,
     rng_state,
     set_rng_state,
@@ -84,15 +84,16 @@ class Shuffler:
         rng = self.rng
         if rng is not None and self.seed is not None:
             raise ValueError("pass either rng or seed to shuffle, not both")
+        shared = None
         if rng is None and self.seed is None:
             # Drawn now, while the pipeline's context is current, not lazily on first next().
-            # Shuffling shards (before the reader: webdataset's README shuffles URLs, then
-            # splits them by worker): one order for all, or the workers' shares would overlap.
-            context = current_context()
-            rng = make_rng("shuffle", shared=context is not None and context.shard_level)
+            rng = make_rng("shuffle")
+            # For shards (webdataset's README shuffles URLs, then splits them by worker): one
+            # order for every rank and worker, or their shares would overlap.
+            shared = make_rng("shuffle", shared=True)
         elif rng is None:
             rng = random.Random(self.seed)
-        return ShuffleIterator(data, self.bufsize, self.initial, rng)
+        return ShuffleIterator(data, self.bufsize, self.initial, rng, shared)
 
     def stage_config(self) -> dict[str, Any]:
         """Buffer size, initial fill and seed (an explicit ``rng`` counts by its type)."""
@@ -137,10 +138,11 @@ class _Buffer:
     """What a running shuffle holds, shared by :class:`ShuffleIterator` and its generator
     (which must not refer to the iterator: see StatefulIterator)."""
 
-    __slots__ = ("done", "exact", "items", "places", "pulled", "rng", "why")
+    __slots__ = ("done", "exact", "items", "places", "pulled", "rng", "shared", "why")
 
     def __init__(self, rng: random.Random) -> None:
         self.rng = rng
+        self.shared: random.Random | None = None
         self.items: list[Any] = []
         #: Where the reader found each item of ``items`` (same order), see :func:`_pack`.
         self.places: list[int] = []
@@ -165,11 +167,20 @@ class ShuffleIterator:
 
     state_key = "shuffle"
 
-    def __init__(self, src: Iterable[Any], bufsize: int, initial: int, rng: random.Random) -> None:
+    def __init__(
+        self,
+        src: Iterable[Any],
+        bufsize: int,
+        initial: int,
+        rng: random.Random,
+        shared: random.Random | None = None,
+    ) -> None:
         self._src = src
         self._bufsize = bufsize
         self._initial = min(initial, bufsize)
         self._buffer = _Buffer(rng)
+        #: The RNG to use instead if the items are shards (see :func:`shard_like`).
+        self._buffer.shared = shared
         if not isinstance(rng, random.Random):  # a user's generator: its state is its own
             self._buffer.exact, self._buffer.why = False, "its rng is not a random.Random"
         self._it: Iterator[Any] | None = None
@@ -271,13 +282,18 @@ def _run(
     """:func:`_shuffle` over ``buffer`` (possibly refilled), noting each item's place: the
     same pulls and picks, so a restored buffer continues the same sequence. A place is the
     reader's position packed in one int (see :func:`_pack`), cheaper per sample than a tuple."""
-    rng = buffer.rng
     items, places = buffer.items, buffer.places
     where = position if position is not None else [0, 0]
     last = -1
     pulled = buffer.pulled
     source = iter(src) if not buffer.done else iter(())
     done = buffer.done
+    if buffer.shared is not None and not pulled and not done:
+        first = next(source, _NONE)
+        if shard_like(first):
+            buffer.rng = buffer.shared
+        source = itertools.chain(() if first is _NONE else (first,), source)
+    rng = buffer.rng
     while not done:
         pulls = 0
         while True:  # webdataset pulls a second item while the buffer is not full
@@ -304,6 +320,18 @@ def _run(
             yield _take(items, places, rng)
     while items:
         yield _take(items, places, rng)
+
+
+_NONE = object()
+
+
+def shard_like(item: Any) -> bool:
+    """Whether a shuffle's first item is a shard (a URL, or ``{"url": ...}`` without a
+    sample's ``__key__``) rather than a sample: shards are shuffled with one seed for every
+    rank and worker."""
+    if isinstance(item, str):
+        return True
+    return isinstance(item, dict) and "url" in item and "__key__" not in item
 
 
 def _take(items: list[Any], places: list[int], rng: random.Random) -> Any:

@@ -472,3 +472,50 @@ def test_the_readme_pipeline_resumes_exactly_in_dataloader_workers(
     head, state = run(stop=k)
     assert head + run(state) == everything
     assert sorted(everything) == sorted(shards.keys)
+
+
+def test_samples_are_shuffled_per_rank_and_worker_even_without_a_shard_reader(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Only a shuffle of shards draws one order for all: items that are not shards (here
+    numbers from a source of the user's own) are shuffled with each rank's own seed."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    out = []
+    for rank in range(2):
+        monkeypatch.setenv("RANK", str(rank))
+        ds = wds.DataPipeline(lambda: iter(range(40)), wds.split_by_node, wds.shuffle(8, initial=8))
+        ds.set_epoch(0)
+        out.append(list(ds))
+    assert sorted(out[0]) == list(range(0, 40, 2))
+    assert [n + 1 for n in out[0]] != out[1]  # the same draws would pair them up
+
+
+@pytest.mark.parametrize("k", [2, 5])
+def test_an_elastic_restore_of_the_readme_pipeline_takes_every_sample_once(
+    make_shards: Any, monkeypatch: pytest.MonkeyPatch, k: int
+) -> None:
+    """2 ranks' states restored on 1: the restore rebuilds each old rank's plan, whose URL
+    shuffle must draw the order the ranks shared."""
+    shards = make_shards([3, 4, 5, 6, 7, 8, 9, 10])
+    urls = [str(p) for p in shards.paths]
+
+    def build(rank: int, world: int) -> Any:
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        monkeypatch.setenv("RANK", str(rank))
+        ds = wds.DataPipeline(
+            wds.SimpleShardList(urls), wds.shuffle(100), wds.split_by_node, wds.tarfile_to_samples()
+        )
+        ds.set_epoch(1)
+        return ds
+
+    before, states = [], []
+    for rank in range(2):
+        loader = StatefulDataLoader(build(rank, 2), batch_size=None, num_workers=0)
+        it = iter(loader)
+        before += [next(it)["__key__"] for _ in range(k)]
+        states.append(loader.state_dict())
+        del it
+    restored = wds.StatefulLoader(build(0, 1), batch_size=None, num_workers=0)
+    restored.load_state_dict({"cloudshards_ranks": states, "world_size": 2})
+    after = [sample["__key__"] for sample in restored]
+    assert sorted(before + after) == sorted(shards.keys)

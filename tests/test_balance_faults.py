@@ -208,3 +208,43 @@ def test_a_handler_that_stops_ends_the_pass_without_repeats(
         urls, shardshuffle=False, sample_counts=[5] * 8, handler=wds.ignore_and_stop
     )
     assert [s["__key__"] for s in ds] == [f"s0000_{i:06d}" for i in range(5)]
+
+
+def test_an_elastic_restore_over_a_faulty_shard_gives_every_new_rank_the_same_count(
+    make_shards: Any,
+) -> None:
+    """2 ranks' states restored on 3: the samples the epoch had left include some of the
+    truncated shard's that do not exist; the new rank that owes them repeats instead."""
+    sizes = [9, 14, 5, 20, 11, 7, 13, 16]
+    shards = make_shards(sizes)
+    truncate(shards.paths[3])
+    urls = [str(p) for p in shards.paths]
+
+    def dataset(rank: int, world: int) -> Any:
+        ds = wds.WebDataset(
+            urls,
+            shardshuffle=False,
+            seed=7,
+            rank=rank,
+            world_size=world,
+            sample_counts=sizes,
+            handler=wds.ignore_and_continue,
+        )
+        ds.set_epoch(3)
+        return ds.shuffle(10)
+
+    states = []
+    for rank in range(2):
+        loader = StatefulDataLoader(dataset(rank, 2), batch_size=None, num_workers=0)
+        it = iter(loader)
+        for _ in range(30):
+            next(it)
+        states.append(loader.state_dict())
+        del it
+    counts = []
+    for rank in range(3):
+        loader = wds.StatefulLoader(dataset(rank, 3), batch_size=None, num_workers=0)
+        loader.load_state_dict({"cloudshards_ranks": states, "world_size": 2})
+        counts.append(len(list(loader)))
+    assert counts[0] > 0
+    assert counts == [counts[0]] * 3  # one was 4 short, and its rank would hang

@@ -271,7 +271,12 @@ def _read_opened(
         position[0] += 1
         begun = position[1]
         chosen = shard.get("select")
-        balanced = "take" in shard and chosen is None
+        # Samples it owes: balancing's take, or an elastic restore's chosen ones (not those
+        # a shuffle buffer reads again: select_places).
+        owes = shard.get("take") if chosen is None else None
+        if chosen is not None and "select_places" not in shard:
+            owes = len(chosen)
+        balanced = owes is not None
         shortfall.repeats[2] = balanced
         held: Sample | None = None
         skip = shard.get("skip", 0)
@@ -340,10 +345,10 @@ def _read_opened(
             logger.debug("skipped rest of shard %s after error", redact_url(url))
         finally:
             stream.close()
-        if balanced:
+        if owes is not None:
             if held is not None:
                 shortfall.note(held, position[1])
-            yield from shortfall.pad(shard, shard["take"] - (position[1] - begun))
+            yield from shortfall.pad(shard, owes - (position[1] - begun))
     if shortfall.stopped:  # a handler said stop: the pass ends here
         return
     for lost, lost_number, begun in numbered:  # after the last one opened, none did

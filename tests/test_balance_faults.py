@@ -210,14 +210,19 @@ def test_a_handler_that_stops_ends_the_pass_without_repeats(
     assert [s["__key__"] for s in ds] == [f"s0000_{i:06d}" for i in range(5)]
 
 
+@pytest.mark.parametrize("fault", ["truncated", "missing"])
 def test_an_elastic_restore_over_a_faulty_shard_gives_every_new_rank_the_same_count(
-    make_shards: Any,
+    make_shards: Any, fault: str
 ) -> None:
-    """2 ranks' states restored on 3: the samples the epoch had left include some of the
-    truncated shard's that do not exist; the new rank that owes them repeats instead."""
+    """2 ranks' states restored on 3: the samples the epoch had left include some of a
+    truncated (or missing) shard's that cannot be read; the new rank that owes them repeats
+    instead."""
     sizes = [9, 14, 5, 20, 11, 7, 13, 16]
     shards = make_shards(sizes)
-    truncate(shards.paths[3])
+    if fault == "truncated":
+        truncate(shards.paths[3])
+    else:
+        shards.paths[3].unlink()
     urls = [str(p) for p in shards.paths]
 
     def dataset(rank: int, world: int) -> Any:

@@ -36,7 +36,7 @@ from cloudshards.stages.positions import (
     selecting,
     skipping,
 )
-from cloudshards.stages.shortfall import Shortfall, reader_state, restore_point
+from cloudshards.stages.shortfall import Shortfall, owed_by, reader_state, restore_point
 from cloudshards.tar import iter_members
 from cloudshards.types import ExceptionHandler, NameFilter, Sample
 
@@ -261,21 +261,14 @@ def _read_opened(
         number = number_of(numbered, shard, dropped)
         if shortfall.stopped:  # a handler said stop: the pass ends here
             break
-        for lost, lost_number, begun in dropped:  # never opened: the handler let it pass
-            del position[2:]
-            position[0], position[1] = lost_number + 1, begun
-            yield from shortfall.pad(lost, lost.get("take", 0))
+        yield from shortfall.unopened(dropped)
         dropped.clear()
         del position[2:]  # no longer repeating a sample (see Shortfall)
         position[0], position[1] = (position[0], 0) if number is None else number
         position[0] += 1
         begun = position[1]
         chosen = shard.get("select")
-        # Samples it owes: balancing's take, or an elastic restore's chosen ones (not those
-        # a shuffle buffer reads again: select_places).
-        owes = shard.get("take") if chosen is None else None
-        if chosen is not None and "select_places" not in shard:
-            owes = len(chosen)
+        owes = owed_by(shard)
         balanced = owes is not None
         shortfall.repeats[2] = balanced
         held: Sample | None = None
@@ -351,10 +344,7 @@ def _read_opened(
             yield from shortfall.pad(shard, owes - (position[1] - begun))
     if shortfall.stopped:  # a handler said stop: the pass ends here
         return
-    for lost, lost_number, begun in numbered:  # after the last one opened, none did
-        del position[2:]
-        position[0], position[1] = lost_number + 1, begun
-        yield from shortfall.pad(lost, lost.get("take", 0))
+    yield from shortfall.unopened(numbered)  # after the last one opened, none did
     numbered.clear()
     yield from shortfall.settle()
 

@@ -7,20 +7,30 @@ every rank yields the same number; a reader that yields fewer hangs DDP at the e
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from cloudshards.errors import ShardError
 from cloudshards.redact import redact_url
 from cloudshards.types import Sample
 
-__all__ = ["Shortfall", "reader_state", "restore_point"]
+__all__ = ["Shortfall", "owed_by", "reader_state", "restore_point"]
 
 logger = logging.getLogger(__name__)
 
 
+def owed_by(shard: dict[str, Any]) -> int | None:
+    """The samples ``shard`` owes its reader: balancing's ``take``, or the chosen samples of an
+    elastic restore's piece; None when it owes no count (an unbalanced shard, or a shuffle
+    buffer's samples read again: ``select_places``)."""
+    chosen = shard.get("select")
+    if chosen is None:
+        return shard.get("take")
+    return None if "select_places" in shard else len(chosen)
+
+
 class Shortfall:
-    """What balanced shards (``take`` samples each) failed to give a reader: a shard with fewer
+    """What balanced shards (see :func:`owed_by`) failed to give a reader: a shard with fewer
     samples than its count, one cut short by an error the handler let pass, one that never
     opened. Every rank must still yield the same number of samples (unequal counts hang DDP),
     so the shortfall repeats the last sample read, right after the shard; before any sample
@@ -30,12 +40,13 @@ class Shortfall:
     sample's place (a shuffle buffer notes it: a restore reads that sample again) and where
     the repeats have got to. A checkpoint taken then resumes just before the repeated sample:
     the restored reader reads it again without delivering it, meets the same shortfall, and
-    skips the repeats already given (see :meth:`ShardReader.state_dict`).
+    skips the repeats already given (see :func:`reader_state`).
     """
 
     def __init__(self, position: list[int], repeats: list[int], skip: int = 0) -> None:
         self.position = position
-        #: [repeats put off to the end, repeats given since the last sample read]: state.
+        #: [repeats put off to the end, repeats given since the last sample read, 1 while
+        #: in a balanced shard]: the reader's state (see reader_state).
         self.repeats = repeats
         self.skip = skip  # repeats a restored reader gave before its checkpoint
         self.last: Sample | None = None
@@ -66,6 +77,13 @@ class Shortfall:
             self.repeats[0] += short
             return
         yield from self._repeat(short, advance=True)
+
+    def unopened(self, entries: Iterable[tuple[dict[str, Any], int, int]]) -> Iterator[Sample]:
+        """Make up the shards of ``entries`` (shard, number, samples skipped, as the reader
+        numbered them) that never opened: the handler let their errors pass."""
+        for shard, number, begun in entries:
+            self.position[:] = [number + 1, begun]
+            yield from self.pad(shard, owed_by(shard) or 0)
 
     def settle(self) -> Iterator[Sample]:
         """At the end of the pass: the repeats put off."""

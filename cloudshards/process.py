@@ -15,6 +15,8 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
+from cloudshards.workerpipe import speed_up_result_pipe
+
 __all__ = [
     "PerProcess",
     "SettledFork",
@@ -224,6 +226,7 @@ class SettledFork:
         with frozen_for_fork(self.num_workers, self.multiprocessing_context):
             iterator = super()._get_iterator()  # type: ignore[misc]
         if self.num_workers > 0:
+            speed_up_result_pipe(iterator)
             # The index queues, and the result queue (fed here when pin_memory's thread is
             # told to stop): the queues with feeder threads in this process.
             queues = [*getattr(iterator, "_index_queues", [])]

@@ -1,0 +1,94 @@
+"""A faster way home for DataLoader workers' batches: the result pipe of the loaders'
+multiprocessing iterators is widened, and its messages are read straight into one buffer.
+
+A worker's batch reaches the training process as one pickled message on a pipe. Python's
+``multiprocessing`` reads such a message in pieces of at most the pipe's size (64 KiB by
+default), allocating a new ``bytes`` of the whole remaining size for every piece and copying
+each piece again into an ``io.BytesIO``; the worker blocks whenever the 64 KiB are full. For
+batches of raw samples (32 x 20 KiB: 640 KiB a message) that made the parent's receiving the
+limit of a warm epoch with workers. Here the pipe holds up to 1 MiB (``F_SETPIPE_SZ``, Linux's
+default ceiling for unprivileged processes), so a message usually crosses in one write and one
+read, and the parent reads each message once, into a buffer of its size, with ``readv``.
+
+Hand-written because no library replaces multiprocessing's pipe reader: it is the one private
+seam (``Queue._recv_bytes``, the bound ``Connection.recv_bytes`` every CPython since 3.3 calls
+in ``Queue.get``) that a loader can reach without replacing torch's worker machinery. Where
+that seam or the pipe is not what is expected (another platform, another queue), nothing
+changes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import sys
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["speed_up_result_pipe"]
+
+logger = logging.getLogger(__name__)
+
+#: The pipe size asked for: Linux's default /proc/sys/fs/pipe-max-size.
+PIPE_BYTES = 1 << 20
+
+_F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ (Linux); named by the fcntl module from 3.10
+
+
+def speed_up_result_pipe(iterator: Any) -> bool:
+    """Widen the result pipe of a DataLoader's multiprocessing ``iterator`` and read its
+    messages directly; True where it did (a POSIX pipe behind a ``multiprocessing.Queue``).
+
+    Safe at any time, workers running or not: the pipe's size is the kernel object's, and the
+    reader is swapped between two ``get`` calls (it is only called under the queue's lock)."""
+    queue = getattr(iterator, "_worker_result_queue", None)
+    reader = getattr(queue, "_reader", None)
+    if queue is None or reader is None or sys.platform == "win32":
+        return False
+    if not callable(getattr(queue, "_recv_bytes", None)):
+        return False  # not the multiprocessing.Queue whose seam this module knows
+    try:
+        fd = reader.fileno()
+    except (OSError, ValueError, AttributeError):
+        return False
+    if sys.platform.startswith("linux"):
+        _widen(fd)
+    queue._recv_bytes = _message_reader(fd)
+    return True
+
+
+def _widen(fd: int) -> None:
+    import fcntl
+
+    try:
+        if fcntl.fcntl(fd, getattr(fcntl, "F_GETPIPE_SZ", 1032)) < PIPE_BYTES:
+            fcntl.fcntl(fd, getattr(fcntl, "F_SETPIPE_SZ", _F_SETPIPE_SZ), PIPE_BYTES)
+    except OSError as exc:  # EPERM past the user's pipe quota; EBUSY; not a pipe
+        logger.debug("worker result pipe stays at its size: %s", exc)
+
+
+def _message_reader(fd: int) -> Callable[[], bytearray]:
+    """``Connection.recv_bytes`` for the pipe ``fd``: the same framing (a 4-byte big-endian
+    size, or -1 and an 8-byte size past 2 GiB), the same errors (``EOFError`` at a message's
+    start, ``OSError`` within one), the message read into one buffer."""
+
+    def fill(buffer: bytearray, *, started: bool) -> bytearray:
+        view = memoryview(buffer)
+        done = 0
+        while done < len(buffer):
+            count = os.readv(fd, [view[done:]])
+            if count == 0:
+                if done == 0 and not started:
+                    raise EOFError
+                raise OSError("got end of file during message")
+            done += count
+        return buffer
+
+    def recv_bytes() -> bytearray:
+        (size,) = struct.unpack("!i", fill(bytearray(4), started=False))
+        if size == -1:
+            (size,) = struct.unpack("!Q", fill(bytearray(8), started=True))
+        return fill(bytearray(size), started=True)
+
+    return recv_bytes

@@ -234,11 +234,10 @@ class WebDataset(DataPipeline, FluidInterface):
                     limit,
                 )
             )
-        self.append(
-            _ShardReader(handler, options, select_files, rename_files, self.cache, self.fetch)
-        )
+        reader = _ShardReader(handler, options, select_files, rename_files, self.cache, self.fetch)
+        self.append(reader)
         if empty_check:
-            self.append(_EmptyCheck(self.num_shards))
+            self.append(_EmptyCheck(self.num_shards, reader))
         log = logger.info if verbose else logger.debug
         log(
             "WebDataset: %d shards, resampled=%s, shard shuffle=%s, seed=%d, cache=%s",

@@ -28,8 +28,9 @@ logger = logging.getLogger(__name__)
 class _EmptyCheck:
     """Raise when this worker's whole epoch produced no sample, with a message saying why."""
 
-    def __init__(self, num_shards: int) -> None:
+    def __init__(self, num_shards: int, reader: _ShardReader | None = None) -> None:
         self.num_shards = num_shards
+        self.reader = reader  # its errors explain an empty epoch better than a guess
 
     def __call__(self, source: Iterable[Any]) -> Iterator[Any]:
         return self._run(source)
@@ -42,6 +43,13 @@ class _EmptyCheck:
         context = current_context()
         if count == 0 and not (context is not None and context.resumed):
             info = WorkerInfo.detect()
+            errors = self.reader.errors if self.reader is not None else _Errors()
+            if errors.count:
+                raise ValueError(
+                    f"No samples found in dataset (rank {info.rank}/{info.world_size}, worker "
+                    f"{info.worker}/{info.num_workers}): the handler let {errors.count} "
+                    f"error(s) pass in this worker's shards, the first: {errors.first}"
+                )
             raise ValueError(
                 f"No samples found in dataset (rank {info.rank}/{info.world_size}, worker "
                 f"{info.worker}/{info.num_workers}, {self.num_shards} shards for "
@@ -205,8 +213,24 @@ def _noting(shards: Iterator[dict[str, Any]], urls: list[str]) -> Iterator[dict[
         yield {**shard, "observe": (where, keys[shard["shard_index"]])}
 
 
+class _Errors:
+    """How many errors a pass's handler let pass, and the first of them (as text: an
+    exception would keep its frames alive)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.first = ""
+
+    def note(self, exn: BaseException) -> None:
+        self.count += 1
+        self.first = self.first or f"{type(exn).__name__}: {exn}"
+
+
 class _ShardReader:
-    """Stage: shard dicts in, samples out (open + tar + group), with the error handler."""
+    """Stage: shard dicts in, samples out (open + tar + group), with the error handler.
+
+    ``errors`` holds what the handler was asked about in the latest pass this process built.
+    """
 
     def __init__(
         self,
@@ -224,11 +248,21 @@ class _ShardReader:
         self.rename_files = rename_files
         self.cache = cache
 
+    #: Until a pass is built (and in a reader unpickled from an older state).
+    errors = _Errors()
+
     def __call__(self, src: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
         name_filter = make_name_filter(self.select_files, self.rename_files)
+        errors = self.errors = _Errors()
+        handler = self.handler
+
+        def noting(exn: BaseException) -> bool:
+            errors.note(exn)
+            return handler(exn)
+
         return read_shards(
             src,
-            handler=self.handler,
+            handler=noting,
             options=self.options,
             name_filter=name_filter,
             cache=self.cache,

@@ -220,6 +220,33 @@ def test_empty_check_explains_the_cause(make_shards: Any) -> None:
     assert sorted(keys_of(loader)) == shards.keys
 
 
+def test_empty_check_names_the_errors_the_handler_let_pass(
+    make_shards: Any, tmp_path: Path
+) -> None:
+    """An epoch left empty by errors the handler passed over says so, naming the first one
+    (the shard's URL), rather than guessing at too few shards for the workers."""
+    shards = make_shards([2])
+    missing = tmp_path / "missing-000007.tar"
+    cut = tmp_path / "cut.tar"
+    cut.write_bytes(Path(shards.paths[0]).read_bytes()[:700])  # inside the first sample
+    for urls, errors in ([str(missing)], 1), ([str(missing), str(cut)], 2):
+        dataset = wds.WebDataset(urls, shardshuffle=False, handler=wds.ignore_and_continue)
+        with pytest.raises(ValueError, match="No samples found in dataset") as raised:
+            list(dataset)
+        message = str(raised.value)
+        assert f"the handler let {errors} error(s) pass" in message
+        assert "missing-000007.tar" in message
+        assert "fewer shards than workers" not in message
+    # Each pass counts its own: once the shard is there (an empty archive), no error is.
+    dataset = wds.WebDataset(str(missing), shardshuffle=False, handler=wds.ignore_and_continue)
+    with pytest.raises(ValueError, match="the handler let 1 error"):
+        list(dataset)
+    with tarfile.open(missing, "w"):
+        pass
+    with pytest.raises(ValueError, match="fewer shards than workers"):
+        list(dataset)
+
+
 def test_select_and_rename_files(make_shards: Any) -> None:
     shards = make_shards([3])
     ds = wds.WebDataset(

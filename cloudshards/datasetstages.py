@@ -48,7 +48,8 @@ class _EmptyCheck:
                 raise ValueError(
                     f"No samples found in dataset (rank {info.rank}/{info.world_size}, worker "
                     f"{info.worker}/{info.num_workers}): the handler let {errors.count} "
-                    f"error(s) pass in this worker's shards, the first: {errors.first}"
+                    f"error(s) pass in this worker's shards, the first: {errors.first}. Turn "
+                    "this check off with empty_check=False."
                 )
             raise ValueError(
                 f"No samples found in dataset (rank {info.rank}/{info.world_size}, worker "

@@ -40,6 +40,7 @@ from cloudshards.stages.state import (
     pipeline_fingerprint,
     validated,
 )
+from cloudshards.workerpipe import serve_plain_dataloaders
 
 __all__ = ["DataPipeline", "FluidInterface", "FluidWrapper", "default_seed"]
 
@@ -70,6 +71,7 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
         **kwargs: Any,
     ) -> None:
         super().__init__()
+        serve_plain_dataloaders()  # their workers' batches come home faster (workerpipe)
         self._ranks = check_ranks(rank, world_size)
         self.replication = int(replication)  # ranks per model-parallel group: same samples
         self.pipeline: list[Any] = []

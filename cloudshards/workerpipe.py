@@ -10,6 +10,13 @@ limit of a warm epoch with workers. Here the pipe holds up to 1 MiB (``F_SETPIPE
 default ceiling for unprivileged processes), so a message usually crosses in one write and one
 read, and the parent reads each message once, into a buffer of its size, with ``readv``.
 
+``WebLoader`` and ``StatefulLoader`` do this for every iterator they make. So that programs
+written for webdataset's plain ``torch.utils.data.DataLoader`` get it too, the first cloudshards
+dataset made in a process wraps ``DataLoader._get_iterator`` once
+(:func:`serve_plain_dataloaders`): the wrapper does it for loaders whose dataset is a
+cloudshards one and leaves every other DataLoader exactly as it was.
+``CLOUDSHARDS_FAST_PIPE=0`` turns all of this off.
+
 Hand-written because no library replaces multiprocessing's pipe reader: it is the one private
 seam (``Queue._recv_bytes``, the bound ``Connection.recv_bytes`` every CPython since 3.3 calls
 in ``Queue.get``) that a loader can reach without replacing torch's worker machinery. Where
@@ -19,14 +26,16 @@ changes.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import struct
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["speed_up_result_pipe"]
+__all__ = ["serve_plain_dataloaders", "speed_up_result_pipe"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +55,15 @@ def speed_up_result_pipe(iterator: Any) -> bool:
     reader = getattr(queue, "_reader", None)
     if queue is None or reader is None or sys.platform == "win32":
         return False
-    if not callable(getattr(queue, "_recv_bytes", None)):
+    recv = getattr(queue, "_recv_bytes", None)
+    if not callable(recv):
         return False  # not the multiprocessing.Queue whose seam this module knows
+    if getattr(recv, "_cloudshards", False):
+        return True  # done already (a loader of ours over the wrapped DataLoader)
+    from cloudshards.config import env_bool
+
+    if not env_bool("FAST_PIPE", True):
+        return False
     try:
         fd = reader.fileno()
     except (OSError, ValueError, AttributeError):
@@ -91,4 +107,43 @@ def _message_reader(fd: int) -> Callable[[], bytearray]:
             (size,) = struct.unpack("!Q", fill(bytearray(8), started=True))
         return fill(bytearray(size), started=True)
 
+    recv_bytes._cloudshards = True  # type: ignore[attr-defined]
     return recv_bytes
+
+
+_served = False
+_serving_lock = threading.Lock()
+
+
+def serve_plain_dataloaders() -> None:
+    """Wrap ``torch.utils.data.DataLoader._get_iterator`` (once per process) so that an
+    iterator with workers over a cloudshards dataset gets :func:`speed_up_result_pipe`.
+
+    Called when a cloudshards dataset is made. A DataLoader over anything else is left as it
+    was; a class that overrides ``_get_iterator`` (torchdata's StatefulDataLoader) is not
+    reached (``wds.StatefulLoader`` does it itself)."""
+    global _served
+    if _served:
+        return
+    with _serving_lock:
+        if _served:
+            return
+        _served = True
+        from torch.utils.data import DataLoader
+
+        original = DataLoader.__dict__.get("_get_iterator")
+        if not callable(original):
+            return
+
+        @functools.wraps(original)
+        def _get_iterator(self: Any) -> Any:
+            iterator = original(self)
+            if self.num_workers > 0 and _is_ours(self.dataset):
+                speed_up_result_pipe(iterator)
+            return iterator
+
+        DataLoader._get_iterator = _get_iterator  # type: ignore[method-assign]
+
+
+def _is_ours(dataset: Any) -> bool:
+    return any(cls.__module__.split(".")[0] == "cloudshards" for cls in type(dataset).__mro__)

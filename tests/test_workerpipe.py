@@ -123,3 +123,39 @@ def test_the_loaders_widen_their_pipes_and_plain_dataloaders_keep_theirs() -> No
     assert sizes["web"] >= PIPE_BYTES
     assert sizes["stateful"] >= PIPE_BYTES
     assert sizes["plain"] < PIPE_BYTES
+
+
+def _pipe_size(loader: Any) -> int:
+    iterator = iter(loader)
+    size = fcntl.fcntl(iterator._worker_result_queue._reader.fileno(), fcntl.F_GETPIPE_SZ)
+    list(iterator)
+    return int(size)
+
+
+@linux_only
+def test_a_plain_dataloader_over_a_cloudshards_dataset_is_sped_up_too(make_shards: Any) -> None:
+    """Programs written for webdataset hand its dataset to torch's own DataLoader."""
+    shards = make_shards([3, 3])
+    dataset = wds.WebDataset(shards.spec(), shardshuffle=False).to_tuple("__key__", "bin")
+    loader = DataLoader(dataset, batch_size=2, num_workers=2)
+    assert _pipe_size(loader) >= PIPE_BYTES
+    keys = sorted(
+        key for batch in DataLoader(dataset, batch_size=2, num_workers=2) for key in batch[0]
+    )
+    assert keys == sorted(shards.keys)
+    assert _pipe_size(DataLoader(_Numbers(), batch_size=4, num_workers=1)) < PIPE_BYTES
+
+
+@linux_only
+def test_fast_pipe_0_leaves_every_loader_as_torch_made_it(
+    make_shards: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CLOUDSHARDS_FAST_PIPE", "0")
+    shards = make_shards([2])
+    dataset = wds.WebDataset(shards.spec(), shardshuffle=False)
+    assert _pipe_size(DataLoader(dataset, batch_size=None, num_workers=1)) < PIPE_BYTES
+    assert (
+        _pipe_size(wds.WebLoader(dataset, batch_size=None, num_workers=1).pipeline[0]) < PIPE_BYTES
+    )
+    queue = multiprocessing.get_context("fork").Queue()
+    assert not speed_up_result_pipe(_Iterator(queue))

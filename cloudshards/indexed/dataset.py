@@ -50,6 +50,7 @@ from cloudshards.source import (
 )
 from cloudshards.types import ExceptionHandler, Sample
 from cloudshards.urls import expand_urls
+from cloudshards.workerpipe import serve_plain_dataloaders
 
 __all__ = ["IndexedDataset"]
 
@@ -115,6 +116,7 @@ class IndexedDataset(torch.utils.data.Dataset[Any]):
             raise ConfigError(f"max_workers must be >= 1, got {max_workers}")
         if transform is not None and not callable(transform):
             raise ConfigError(f"transform must be callable, got {transform!r}")
+        serve_plain_dataloaders()  # their workers' batches come home faster (workerpipe)
         self.index = _as_index(index_or_urls, storage_options, allow_external_shards)
         self.storage_options = storage_options
         directory = cache_dir if cache_dir is not None else config.cache_dir_default()

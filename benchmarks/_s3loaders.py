@@ -120,6 +120,15 @@ def loader_cloudshards(spec: dict[str, Any]) -> Callable[[], Batches]:
     urls = f"{scheme}://{BUCKET}/tar/bench-{{000000..{spec['shards'] - 1:06d}}}.tar"
     cache = spec["work_child"] + "/cs-cache" if spec["cache"] else None
     dataset = wds.WebDataset(urls, shardshuffle=False, cache_dir=cache)
+    if spec.get("plain"):  # torch's own DataLoader collates in the workers
+        from torch.utils.data import DataLoader
+
+        plain = DataLoader(
+            dataset.to_tuple("__key__", "bin"),
+            batch_size=spec["batch"],
+            num_workers=spec["workers"],
+        )
+        return lambda: iter(plain)
     loader = wds.WebLoader(
         dataset.to_tuple("__key__", "bin").batched(spec["batch"]),
         batch_size=None,

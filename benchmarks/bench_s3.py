@@ -59,6 +59,9 @@ VARIANTS = (
     ("streaming", "streaming", False),
     ("webdataset", "webdataset", False),
 )
+#: Measured only when --loaders names them: torch's own DataLoader(batch_size=...) over the
+#: dataset, as programs written for webdataset often use it, with the node cache.
+PLAIN = ("cloudshards+dataloader", "cloudshards", True)
 LIBRARIES = ("cloudshards", "litdata", "streaming", "webdataset")
 SETUPS = ("proxy", "direct", "gcs")
 GCS_LIBRARIES = ("cloudshards", "litdata")  # the loaders measured on GCS too
@@ -159,6 +162,7 @@ def measure(
     try:
         spec = {
             "loader": library,
+            "plain": label == PLAIN[0],
             "cache": cache,
             "workers": workers,
             "batch": args.batch,
@@ -244,7 +248,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--loaders",
         default=",".join(LIBRARIES),
-        help="comma-separated libraries, or variants (cloudshards+cache)",
+        help="comma-separated libraries, or variants (cloudshards+cache; cloudshards+dataloader:\n"
+        "torch's own DataLoader(batch_size=...) with the cache, only when named)",
     )
     p.add_argument(
         "--setups",
@@ -271,10 +276,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.shards = args.shards or (4 if args.quick else 16)
     args.samples = args.samples or (250 if args.quick else 1000)
     names = [x.strip() for x in args.loaders.split(",") if x.strip()]
-    labels = {v[0] for v in VARIANTS}
+    labels = {v[0] for v in (*VARIANTS, PLAIN)}
     if not names or set(names) - set(LIBRARIES) - labels:
         p.error(f"--loaders takes names among {', '.join(sorted(set(LIBRARIES) | labels))}")
     args.variants = [v for v in VARIANTS if v[1] in names or v[0] in names]
+    if PLAIN[0] in names:
+        args.variants.insert(2, PLAIN)
     args.setups = [x.strip() for x in args.setups.replace("both", "proxy,direct").split(",")]
     args.setups = [x for x in dict.fromkeys(args.setups) if x]
     if not args.setups or set(args.setups) - set(SETUPS):

@@ -28,6 +28,9 @@ logger = logging.getLogger(__name__)
 class _EmptyCheck:
     """Raise when this worker's whole epoch produced no sample, with a message saying why."""
 
+    #: The reader whose errors explain an empty epoch (None in checks pickled before it).
+    reader: _ShardReader | None = None
+
     def __init__(self, num_shards: int, reader: _ShardReader | None = None) -> None:
         self.num_shards = num_shards
         self.reader = reader  # its errors explain an empty epoch better than a guess
@@ -47,8 +50,8 @@ class _EmptyCheck:
             if errors.count:
                 raise ValueError(
                     f"No samples found in dataset (rank {info.rank}/{info.world_size}, worker "
-                    f"{info.worker}/{info.num_workers}): the handler let {errors.count} "
-                    f"error(s) pass in this worker's shards, the first: {errors.first}. Turn "
+                    f"{info.worker}/{info.num_workers}): {errors.count} error(s) in this "
+                    f"worker's shards went to the handler, the first: {errors.first}. Turn "
                     "this check off with empty_check=False."
                 )
             raise ValueError(
@@ -224,7 +227,11 @@ class _Errors:
 
     def note(self, exn: BaseException) -> None:
         self.count += 1
-        self.first = self.first or f"{type(exn).__name__}: {exn}"
+        if not self.first:
+            try:
+                self.first = f"{type(exn).__name__}: {exn}"
+            except Exception:  # a message that cannot be made must not replace the error
+                self.first = type(exn).__name__
 
 
 class _ShardReader:
@@ -258,8 +265,10 @@ class _ShardReader:
         handler = self.handler
 
         def noting(exn: BaseException) -> bool:
-            errors.note(exn)
-            return handler(exn)
+            try:
+                return handler(exn)
+            finally:
+                errors.note(exn)
 
         return read_shards(
             src,

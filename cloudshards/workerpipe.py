@@ -86,26 +86,27 @@ def _widen(fd: int) -> None:
 
 def _message_reader(fd: int) -> Callable[[], bytearray]:
     """``Connection.recv_bytes`` for the pipe ``fd``: the same framing (a 4-byte big-endian
-    size, or -1 and an 8-byte size past 2 GiB), the same errors (``EOFError`` at a message's
-    start, ``OSError`` within one), the message read into one buffer."""
+    size, or -1 and an 8-byte size past 2 GiB), the same errors (``EOFError`` where the end
+    of file comes before a header or a body has begun, ``OSError`` within one), the message
+    read into one buffer."""
 
-    def fill(buffer: bytearray, *, started: bool) -> bytearray:
+    def fill(buffer: bytearray) -> bytearray:
         view = memoryview(buffer)
         done = 0
         while done < len(buffer):
             count = os.readv(fd, [view[done:]])
             if count == 0:
-                if done == 0 and not started:
+                if done == 0:
                     raise EOFError
                 raise OSError("got end of file during message")
             done += count
         return buffer
 
     def recv_bytes() -> bytearray:
-        (size,) = struct.unpack("!i", fill(bytearray(4), started=False))
+        (size,) = struct.unpack("!i", fill(bytearray(4)))
         if size == -1:
-            (size,) = struct.unpack("!Q", fill(bytearray(8), started=True))
-        return fill(bytearray(size), started=True)
+            (size,) = struct.unpack("!Q", fill(bytearray(8)))
+        return fill(bytearray(max(size, 0)))  # a negative size reads nothing, as there
 
     recv_bytes._cloudshards = True  # type: ignore[attr-defined]
     return recv_bytes
@@ -146,4 +147,8 @@ def serve_plain_dataloaders() -> None:
 
 
 def _is_ours(dataset: Any) -> bool:
-    return any(cls.__module__.split(".")[0] == "cloudshards" for cls in type(dataset).__mro__)
+    for cls in type(dataset).__mro__:
+        module = getattr(cls, "__module__", None)  # a class made by type() may have none
+        if isinstance(module, str) and module.split(".")[0] == "cloudshards":
+            return True
+    return False

@@ -79,6 +79,11 @@ def test_end_of_file_at_a_message_start_is_eof_and_within_one_an_oserror() -> No
     queue._writer.close()
     with pytest.raises(OSError, match="end of file during message"):
         queue._recv_bytes()
+    queue = _sped_up_queue()  # a whole header, then nothing: as multiprocessing says, EOF
+    os.write(queue._writer.fileno(), struct.pack("!i", 10))
+    queue._writer.close()
+    with pytest.raises(EOFError):
+        queue._recv_bytes()
 
 
 def test_anything_but_a_multiprocessing_queue_is_left_alone() -> None:
@@ -159,3 +164,19 @@ def test_fast_pipe_0_leaves_every_loader_as_torch_made_it(
     )
     queue = multiprocessing.get_context("fork").Queue()
     assert not speed_up_result_pipe(_Iterator(queue))
+
+
+class _Nameless(IterableDataset):  # type: ignore[type-arg]
+    """A dataset class whose module is unknown (as for one made by type() in exec)."""
+
+    def __iter__(self) -> Any:
+        return iter(range(4))
+
+
+_Nameless.__module__ = None  # type: ignore[assignment]
+
+
+def test_datasets_of_classes_without_a_module_load_as_before(make_shards: Any) -> None:
+    wds.WebDataset(make_shards([1]).spec(), shardshuffle=False)  # the wrapper is in place
+    loader = DataLoader(_Nameless(), batch_size=2, num_workers=1)
+    assert [batch.tolist() for batch in loader] == [[0, 1], [2, 3]]

@@ -49,8 +49,9 @@ def speed_up_result_pipe(iterator: Any) -> bool:
     """Widen the result pipe of a DataLoader's multiprocessing ``iterator`` and read its
     messages directly; True where it did (a POSIX pipe behind a ``multiprocessing.Queue``).
 
-    Safe at any time, workers running or not: the pipe's size is the kernel object's, and the
-    reader is swapped between two ``get`` calls (it is only called under the queue's lock)."""
+    Safe at any time, workers running or not: the pipe's size is the kernel object's, and
+    ``Queue.get`` looks the reader up at each call, so a ``get`` under way finishes its message
+    with the reader it began with, and each reader reads whole messages."""
     queue = getattr(iterator, "_worker_result_queue", None)
     reader = getattr(queue, "_reader", None)
     if queue is None or reader is None or sys.platform == "win32":

@@ -46,8 +46,8 @@ class _EmptyCheck:
         context = current_context()
         if count == 0 and not (context is not None and context.resumed):
             info = WorkerInfo.detect()
-            errors = self.reader.errors if self.reader is not None else _Errors()
-            if errors.count:
+            errors = getattr(self.reader, "errors", None)
+            if errors is not None and errors.count:
                 raise ValueError(
                     f"No samples found in dataset (rank {info.rank}/{info.world_size}, worker "
                     f"{info.worker}/{info.num_workers}): {errors.count} error(s) in this "
@@ -218,7 +218,7 @@ def _noting(shards: Iterator[dict[str, Any]], urls: list[str]) -> Iterator[dict[
 
 
 class _Errors:
-    """How many errors a pass's handler let pass, and the first of them (as text: an
+    """How many errors went to a pass's handler, and the first of them (as text: an
     exception would keep its frames alive)."""
 
     def __init__(self) -> None:

@@ -42,8 +42,6 @@ logger = logging.getLogger(__name__)
 #: The pipe size asked for: Linux's default /proc/sys/fs/pipe-max-size.
 PIPE_BYTES = 1 << 20
 
-_F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ (Linux); named by the fcntl module from 3.10
-
 
 def speed_up_result_pipe(iterator: Any) -> bool:
     """Widen the result pipe of a DataLoader's multiprocessing ``iterator`` and read its
@@ -79,8 +77,8 @@ def _widen(fd: int) -> None:
     import fcntl
 
     try:
-        if fcntl.fcntl(fd, getattr(fcntl, "F_GETPIPE_SZ", 1032)) < PIPE_BYTES:
-            fcntl.fcntl(fd, getattr(fcntl, "F_SETPIPE_SZ", _F_SETPIPE_SZ), PIPE_BYTES)
+        if fcntl.fcntl(fd, fcntl.F_GETPIPE_SZ) < PIPE_BYTES:  # named on Linux from 3.10
+            fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
     except OSError as exc:  # EPERM past the user's pipe quota; EBUSY; not a pipe
         logger.debug("worker result pipe stays at its size: %s", exc)
 

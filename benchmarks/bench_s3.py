@@ -118,17 +118,20 @@ def run_child(
     timeout_s: float,
     py_spy: Path | None = None,
     gil: bool = False,
+    idle: bool = False,
 ) -> tuple[dict[str, Any] | None, str]:
     """Run _s3loaders.py in a fresh process; (its RESULT or None, the output's tail).
 
     With ``py_spy``, under ``py-spy record -f raw -r 100 -s`` (every thread, its subprocesses),
-    writing the profile there; ``gil``: only samples of the thread holding the GIL."""
+    writing the profile there; ``gil``: only samples of the thread holding the GIL; ``idle``:
+    waiting threads too."""
     argv = [str(python()), str(HERE / "_s3loaders.py"), command, json.dumps(spec)]
     if py_spy is not None:
         if not (python().parent / "py-spy").exists():  # peers installed before it was listed
             subprocess.run([str(python()), "-m", "pip", "install", "-q", "py-spy"], check=True)
         spy = [str(python().parent / "py-spy"), "record", "-f", "raw", "-r", "100", "-s"]
-        argv = [*spy, *(["--gil"] if gil else []), "-o", str(py_spy), "--", *argv]
+        spy += [*(["--gil"] if gil else []), *(["--idle"] if idle else [])]
+        argv = [*spy, "-o", str(py_spy), "--", *argv]
     popen = subprocess.Popen(
         argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
     )
@@ -178,7 +181,7 @@ def measure(
         env["TMPDIR"] = str(child_dir)
         env["CLOUDSHARDS_COUNTS_DIR"] = str(child_dir / "counts")
         py_spy, args.py_spy = args.py_spy, None  # only the first measurement
-        result, text = run_child("read", spec, env, args.timeout_s, py_spy, args.gil)
+        result, text = run_child("read", spec, env, args.timeout_s, py_spy, args.gil, args.idle)
         return (result["epochs"] if result else None), text
     finally:
         shutil.rmtree(child_dir, ignore_errors=True)
@@ -270,6 +273,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="record the first measurement with py-spy (raw format, all threads) into FILE",
     )
     p.add_argument("--gil", action="store_true", help="with --py-spy: GIL holders only")
+    p.add_argument("--idle", action="store_true", help="with --py-spy: waiting threads too")
     p.add_argument("--setup-only", action="store_true", help="install the peers and stop")
     args = p.parse_args(argv)
     args.repeats = args.repeats or (1 if args.quick else 2)

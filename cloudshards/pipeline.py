@@ -45,6 +45,7 @@ from cloudshards.workerpipe import serve_plain_dataloaders
 __all__ = ["DataPipeline", "FluidInterface", "FluidWrapper", "default_seed"]
 
 logger = logging.getLogger(__name__)
+serve_plain_dataloaders()  # importing the module (to make or to unpickle a dataset)
 
 
 class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
@@ -71,7 +72,6 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
         **kwargs: Any,
     ) -> None:
         super().__init__()
-        serve_plain_dataloaders()  # their workers' batches come home faster (workerpipe)
         self._ranks = check_ranks(rank, world_size)
         self.replication = int(replication)  # ranks per model-parallel group: same samples
         self.pipeline: list[Any] = []

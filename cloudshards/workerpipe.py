@@ -11,9 +11,9 @@ default ceiling for unprivileged processes), so a message usually crosses in one
 read, and the parent reads each message once, into a buffer of its size, with ``readv``.
 
 ``WebLoader`` and ``StatefulLoader`` do this for every iterator they make. So that programs
-written for webdataset's plain ``torch.utils.data.DataLoader`` get it too, the first cloudshards
-dataset made in a process wraps ``DataLoader._get_iterator`` once
-(:func:`serve_plain_dataloaders`): the wrapper does it for loaders whose dataset is a
+written for webdataset's plain ``torch.utils.data.DataLoader`` get it too, importing the modules
+of cloudshards' datasets (to make one, or to unpickle one) wraps ``DataLoader._get_iterator``
+once (:func:`serve_plain_dataloaders`): the wrapper does it for loaders whose dataset is a
 cloudshards one and leaves every other DataLoader exactly as it was.
 ``CLOUDSHARDS_FAST_PIPE=0`` turns all of this off.
 
@@ -119,9 +119,10 @@ def serve_plain_dataloaders() -> None:
     """Wrap ``torch.utils.data.DataLoader._get_iterator`` (once per process) so that an
     iterator with workers over a cloudshards dataset gets :func:`speed_up_result_pipe`.
 
-    Called when a cloudshards dataset is made. A DataLoader over anything else is left as it
-    was; a class that overrides ``_get_iterator`` (torchdata's StatefulDataLoader) is not
-    reached (``wds.StatefulLoader`` does it itself)."""
+    Called when the modules of cloudshards' datasets are imported, to make a dataset or to
+    unpickle one (a spawned rank or worker that never makes one). A DataLoader over anything
+    else is left as it was; a class that overrides ``_get_iterator`` (torchdata's
+    StatefulDataLoader) is not reached (``wds.StatefulLoader`` does it itself)."""
     global _served
     if _served:
         return

@@ -6,7 +6,9 @@ from __future__ import annotations
 import fcntl
 import multiprocessing
 import os
+import pickle
 import struct
+import subprocess
 import sys
 from typing import Any
 
@@ -180,3 +182,30 @@ def test_datasets_of_classes_without_a_module_load_as_before(make_shards: Any) -
     wds.WebDataset(make_shards([1]).spec(), shardshuffle=False)  # the wrapper is in place
     loader = DataLoader(_Nameless(), batch_size=2, num_workers=1)
     assert [batch.tolist() for batch in loader] == [[0, 1], [2, 3]]
+
+
+_UNPICKLE_AND_LOAD = """
+import fcntl, pickle, sys
+from torch.utils.data import DataLoader
+dataset = pickle.loads(sys.stdin.buffer.read())
+iterator = iter(DataLoader(dataset, batch_size=None, num_workers=1))
+reader = iterator._worker_result_queue._reader
+print(fcntl.fcntl(reader.fileno(), fcntl.F_GETPIPE_SZ), len(list(iterator)))
+"""
+
+
+@linux_only
+def test_a_process_that_only_unpickles_a_dataset_is_sped_up_too(make_shards: Any) -> None:
+    """A spawned rank gets its dataset pickled: it never makes one, nor imports cloudshards."""
+    shards = make_shards([2, 1])
+    dataset = wds.WebDataset(shards.spec(), shardshuffle=False)
+    done = subprocess.run(
+        [sys.executable, "-c", _UNPICKLE_AND_LOAD],
+        input=pickle.dumps(dataset),
+        capture_output=True,
+        check=True,
+        timeout=120,
+    )
+    pipe_bytes, samples = map(int, done.stdout.split())
+    assert pipe_bytes >= PIPE_BYTES
+    assert samples == 3

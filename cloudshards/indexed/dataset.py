@@ -55,6 +55,7 @@ from cloudshards.workerpipe import serve_plain_dataloaders
 __all__ = ["IndexedDataset"]
 
 logger = logging.getLogger(__name__)
+serve_plain_dataloaders()  # importing the module (to make or to unpickle a dataset)
 
 #: Following samples tried in place of one that failed, when the handler lets it pass.
 MAX_SUBSTITUTES = 16
@@ -116,7 +117,6 @@ class IndexedDataset(torch.utils.data.Dataset[Any]):
             raise ConfigError(f"max_workers must be >= 1, got {max_workers}")
         if transform is not None and not callable(transform):
             raise ConfigError(f"transform must be callable, got {transform!r}")
-        serve_plain_dataloaders()  # their workers' batches come home faster (workerpipe)
         self.index = _as_index(index_or_urls, storage_options, allow_external_shards)
         self.storage_options = storage_options
         directory = cache_dir if cache_dir is not None else config.cache_dir_default()

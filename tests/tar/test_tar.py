@@ -245,6 +245,64 @@ def test_pax_header_before_every_member_as_webdataset_writes() -> None:
     assert read(raw) == SAMPLE_MEMBERS
 
 
+class Views(ReadIntoOnly):
+    """Hands on memoryviews of parts (read_view), as PartStream does."""
+
+    def read_view(self, size: int) -> memoryview:
+        return memoryview(self._inner.read(size))
+
+
+# Three PAX records of the same length (28 bytes): their 'x' headers are byte-identical.
+TIME_28 = b"28 mtime=1795818260.2016122\n"
+PATH_28 = b"28 path=renamed/by-pax1.bin\n"
+assert len(TIME_28) == len(PATH_28) == 28
+
+
+@pytest.mark.parametrize("block_bytes", [512, 1536, 4 << 20])
+@pytest.mark.parametrize("stream", [*STREAMS, "views"])
+def test_identical_pax_headers_with_different_records(block_bytes: int, stream: str) -> None:
+    # The reader skips the records of a PAX header identical to the last one only when they
+    # hold nothing but a time: a path (or anything else) behind the same header still counts.
+    data = (
+        member(b"pax", TIME_28, b"x")
+        + member(b"a.txt", b"a")
+        + member(b"pax", TIME_28.replace(b"2016122", b"3016122"), b"x")
+        + member(b"b.txt", b"b")
+        + member(b"pax", PATH_28, b"x")
+        + member(b"c.txt", b"c")
+        + member(b"pax", TIME_28, b"x")
+        + member(b"d.txt", b"d")
+        + END
+    )
+    streams = {**STREAMS, "views": Views}
+    got = [(m.name, m.data) for m in iter_members(streams[stream](data), block_bytes=block_bytes)]
+    assert got == [("a.txt", b"a"), ("b.txt", b"b"), ("renamed/by-pax1.bin", b"c"), ("d.txt", b"d")]
+
+
+@pytest.mark.parametrize(
+    "records",
+    [
+        b"29 mtime=1795818260.2016122\n",  # 28 bytes that say 29
+        b"28 mtime=1795818260.2016122\0",  # no newline
+        b"28 mtime:1795818260.2016122\n",  # no '='
+    ],
+    ids=["bad-length", "no-newline", "no-equals"],
+)
+def test_corrupt_records_behind_an_identical_pax_header_raise(records: bytes) -> None:
+    assert len(records) == 28
+    data = (
+        member(b"pax", TIME_28, b"x")
+        + member(b"a.txt", b"a")
+        + member(b"pax", records, b"x")
+        + member(b"b.txt", b"b")
+        + END
+    )
+    got, error = read_until_error(data)
+    assert [m.name for m in got] == ["a.txt"]
+    assert error is not None
+    assert "PAX" in str(error)
+
+
 def test_pax_global_header_parsed_and_ignored() -> None:
     buffer = io.BytesIO()
     with tarfile.open(

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from cloudshards.errors import ConfigError, ShardFormatError
-from cloudshards.tar import blocks, gunzip, iter_members
+from cloudshards.tar import blocks, gunzip, headers, iter_members
 from cloudshards.types import Member
 
 FORMATS = {"ustar": tarfile.USTAR_FORMAT, "gnu": tarfile.GNU_FORMAT, "pax": tarfile.PAX_FORMAT}
@@ -979,6 +979,23 @@ def test_checksum_sums_every_byte_but_its_own_field(fmt: bytes) -> None:
     assert sum(block) > 0o100000  # six significant digits: none of them may be dropped
     data = with_checksum(block, fmt) + pad(b"a") + END
     assert read(data) == [("a.txt", b"a")]
+
+
+@PROPERTY
+@given(
+    st.binary(min_size=512, max_size=512),
+    st.booleans(),
+    st.sampled_from([0, 1, -1, 65521, -65521, 131042]),
+)
+def test_checksum_check_agrees_with_tarfile(raw: bytes, ascii_only: bool, off_by: int) -> None:
+    block = bytearray(bytes(b & 0x7F for b in raw) if ascii_only else raw)
+    block[148:156] = b" " * 8
+    unsigned, signed = tarfile.calc_chksums(bytes(block))  # type: ignore[attr-defined]
+    stored = unsigned + off_by
+    assume(stored >= 0)
+    block[148:156] = (b"%06o\0 " % stored) if stored < 8**6 else (b"%07o\0" % stored)
+    expected = stored in (unsigned, signed)  # what tarfile accepts
+    assert headers.checksum_ok(bytes(block)) is expected
 
 
 def test_names_use_every_byte_of_their_fields() -> None:

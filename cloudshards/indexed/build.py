@@ -24,7 +24,8 @@ from cloudshards.source import (
     open_source,
     retry,
 )
-from cloudshards.tar import GZIP_MAGIC, iter_members
+from cloudshards.tar import iter_members
+from cloudshards.tar.decompress import MAGIC_BYTES, compression_of
 from cloudshards.types import Member
 from cloudshards.urls import expand_urls, protocol_of
 
@@ -43,7 +44,7 @@ class _Location(NamedTuple):
 
 
 class _Head:
-    """A stream that remembers its first bytes (to tell a gzip shard from a tar)."""
+    """A stream that remembers its first bytes (to tell a compressed shard from a tar)."""
 
     def __init__(self, stream: Any) -> None:
         self._stream = stream
@@ -51,8 +52,8 @@ class _Head:
 
     def read(self, size: int, /) -> bytes:
         data: bytes = self._stream.read(size)
-        if len(self.head) < 2:
-            self.head += data[: 2 - len(self.head)]
+        if len(self.head) < MAGIC_BYTES:
+            self.head += data[: MAGIC_BYTES - len(self.head)]
         return data
 
 
@@ -129,10 +130,11 @@ def scan_shard(
     try:
         head = _Head(stream)
         samples = list(_samples(head, url, position, options.member_limit()))
-        if head.head == GZIP_MAGIC:
+        compression = compression_of(head.head)
+        if compression is not None:
             raise ShardFormatError(
-                "gzip-compressed shard: indexed mode needs uncompressed .tar shards (offsets "
-                "inside a gzip stream cannot be fetched with a ranged GET)",
+                f"{compression}-compressed shard: indexed mode needs uncompressed .tar shards "
+                f"(offsets inside a {compression} stream cannot be fetched with a ranged GET)",
                 url=url,
                 shard_index=position,
             )

@@ -1,9 +1,10 @@
-"""The streaming tar reader: the regular files of a (possibly gzipped) tar stream as Members.
+"""The streaming tar reader: the regular files of a tar stream (plain, gzip, bzip2 or xz) as
+Members.
 
 :func:`iter_members` (:mod:`~cloudshards.tar.members`) reads headers, PAX and GNU extensions,
 gzip and limits; :mod:`~cloudshards.tar.headers` decodes single header fields (indexed reads
 check member headers with it); :mod:`~cloudshards.tar.blocks` and
-:mod:`~cloudshards.tar.gunzip` are its buffered, bounded reads.
+:mod:`~cloudshards.tar.decompress` are its buffered, bounded reads.
 """
 
 from __future__ import annotations

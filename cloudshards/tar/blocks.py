@@ -1,5 +1,5 @@
-"""Byte-level plumbing of the tar reader: a block buffer over the stream (gunzipped by
-:class:`~cloudshards.tar.gunzip.GunzipReader` when it is gzip).
+"""Byte-level plumbing of the tar reader: a block buffer over the stream (decompressed by
+:class:`~cloudshards.tar.decompress.DecompressReader` when it is gzip, bzip2 or xz).
 
 Used by :mod:`cloudshards.tar.members` only.
 """
@@ -12,7 +12,7 @@ from typing import Any
 
 from cloudshards.errors import ShardFormatError
 from cloudshards.redact import redact_url
-from cloudshards.tar.gunzip import GZIP_MAGIC, GunzipReader
+from cloudshards.tar.decompress import MAGIC_BYTES, DecompressReader, compression_of
 from cloudshards.tar.headers import BLOCK, ZERO_BLOCK
 
 __all__ = ["MAX_OFFSET", "BlockReader", "describe_size"]
@@ -39,7 +39,7 @@ class BlockReader:
     """
 
     __slots__ = (
-        "_stream_read", "base", "block_bytes", "buf", "gzip", "pos", "read", "seekable",
+        "_stream_read", "base", "block_bytes", "buf", "compressed", "pos", "read", "seekable",
         "spare", "spare_pos", "url",
     )  # fmt: skip
 
@@ -58,15 +58,17 @@ class BlockReader:
         self.spare_pos = 0
         self._stream_read = self.read
         self.seekable: Any = stream  # set below; not None here, so fill(2) keeps no spare
-        self.fill(2)
-        self.gzip: GunzipReader | None = None
-        if self.buf[:2] == GZIP_MAGIC:
-            # Uncompressed tars never touch zlib: the check above is their only cost.
-            self.gzip = GunzipReader(stream, self.buf, url, block_bytes)
-            self.read = self.gzip.read
+        self.fill(MAGIC_BYTES)
+        #: The decompressed stream of a gzip, bzip2 or xz shard; None for a plain tar.
+        self.compressed: DecompressReader | None = None
+        kind = compression_of(bytes(self.buf[:MAGIC_BYTES]))
+        if kind is not None:
+            # Uncompressed tars never touch a decompressor: the check above is their only cost.
+            self.compressed = DecompressReader(stream, bytes(self.buf), url, block_bytes, kind)
+            self.read = self.compressed.read
             self.buf = b""
-        # The stream to seek on, when seeking can replace reading (never through gzip).
-        self.seekable = stream if self.gzip is None and _seekable(stream) else None
+        # The stream to seek on, when seeking can replace reading (never when decompressing).
+        self.seekable = stream if self.compressed is None and _seekable(stream) else None
         self._stream_read = self.read
 
     def error(
@@ -149,7 +151,7 @@ class BlockReader:
 
         Raises:
             ShardFormatError: The member would end past :data:`MAX_OFFSET`, or the stream
-                ends (or its gzip layer fails) inside the data or its padding.
+                ends (or its decompression fails) inside the data or its padding.
         """
         start = self._check_fits(size, padded, member, entry)
         try:
@@ -168,7 +170,7 @@ class BlockReader:
 
         Raises:
             ShardFormatError: The member would end past :data:`MAX_OFFSET`, or the stream
-                ends (or its gzip layer fails) first.
+                ends (or its decompression fails) first.
         """
         start = self._check_fits(size, padded, member, entry)
         try:
@@ -200,7 +202,7 @@ class BlockReader:
     def _in_member(
         self, exc: ShardFormatError, member: str | None, entry: str | None
     ) -> ShardFormatError:
-        """The gzip layer's error, naming the member whose data it was reading."""
+        """The decompression's error, naming the member whose data it was reading."""
         if exc.member is not None or (member is None and entry is None):
             return exc
         offset = self.base + self.pos if exc.offset is None else exc.offset
@@ -336,11 +338,11 @@ class BlockReader:
         )
 
     def finish_at_zero_block(self, offset: int, ext_offset: int) -> None:
-        """Handle the first zero block: check the end of the archive, drain a gzip stream.
+        """Handle the first zero block: check the end of the archive, drain a compressed stream.
 
         Raises:
             ShardFormatError: A zero block follows an extended header or precedes more data
-                (a zeroed header), or the gzip stream after the archive is corrupt.
+                (a zeroed header), or the compressed stream after the archive is corrupt.
         """
         if ext_offset >= 0:
             raise self.error("corrupt tar: extended header not followed by a member", ext_offset)
@@ -348,9 +350,9 @@ class BlockReader:
         second = bytes(self.buf[self.pos : self.pos + BLOCK])
         if second.count(0) != len(second):
             raise self.error("corrupt tar: a zero block followed by more data", offset)
-        if self.gzip is not None:
-            # Read to the end so the gzip trailer (CRC, length) is checked.
-            while self.gzip.read(self.block_bytes):
+        if self.compressed is not None:
+            # Read to the end so the stream's own check (gzip's CRC and length) is made.
+            while self.compressed.read(self.block_bytes):
                 pass
         elif second != ZERO_BLOCK and second:
             logger.debug("%s ends inside its second zero block", _shown(self.url))

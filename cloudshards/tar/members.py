@@ -1,4 +1,4 @@
-"""Streaming tar reader: yields the regular files of a (possibly gzipped) tar stream as Members.
+"""Streaming tar reader: yields the regular files of a (possibly compressed) tar stream as Members.
 
 Parses 512-byte headers by hand out of large buffered reads; no grouping, no decoding.
 """
@@ -12,7 +12,7 @@ from typing import Protocol
 from cloudshards.config import DEFAULT_BLOCK_BYTES, DEFAULT_MAX_MEMBER_BYTES
 from cloudshards.errors import ConfigError, ShardFormatError
 from cloudshards.tar.blocks import MAX_OFFSET, BlockReader, describe_size
-from cloudshards.tar.gunzip import GZIP_MAGIC
+from cloudshards.tar.decompress import GZIP_MAGIC
 from cloudshards.tar.headers import (
     BLOCK,
     REGULAR_TYPES,
@@ -88,14 +88,14 @@ def iter_members(
     """Yield the regular files of a tar stream, in order, without reading it all into memory.
 
     Handles ustar, v7, GNU (long names, base-256 sizes) and PAX (``x`` per member, ``g``
-    parsed and ignored) headers, and gzip (detected by its magic bytes, multi-member allowed,
-    trailer checked at the end). Directories, links, devices, fifos and unknown types are
-    skipped. The archive ends at two zero blocks, one zero block and EOF, or (as GNU tar
-    accepts) EOF on a header boundary. The ``tarfile`` module is not used: it is ~7-10x
-    slower per member here.
+    parsed and ignored) headers, and gzip, bzip2 and xz (detected by their magic bytes,
+    concatenated streams allowed, each stream's own check made at its end). Directories,
+    links, devices, fifos and unknown types are skipped. The archive ends at two zero blocks,
+    one zero block and EOF, or (as GNU tar accepts) EOF on a header boundary. The ``tarfile``
+    module is not used: it is ~7-10x slower per member here.
 
     Args:
-        stream: Binary stream positioned at the start of the tar (or gzip) data.
+        stream: Binary stream positioned at the start of the tar (or compressed tar) data.
         url: Shard URL, used (redacted) in error messages only.
         name_filter: Maps each member name to the name to yield, or to None to skip the
             member without copying its data.
@@ -105,8 +105,8 @@ def iter_members(
         block_bytes: Read size; large blocks amortise the per-read overhead.
         record: When given, receives the name, data offset and size of every regular member
             (before ``name_filter``) and is marked ``complete`` once the archive has ended
-            properly, so that an uncompressed shard can later be read by offset (gzip shards
-            record nothing).
+            properly, so that an uncompressed shard can later be read by offset (compressed
+            shards record nothing).
 
     Returns:
         An iterator of ``Member(name, data, offset)``; ``offset`` is where the data starts in
@@ -114,7 +114,7 @@ def iter_members(
 
     Raises:
         ConfigError: ``block_bytes`` is not positive or ``max_member_bytes`` is negative.
-        ShardFormatError: While iterating: truncated or corrupt tar or gzip data, a bad
+        ShardFormatError: While iterating: truncated or corrupt tar, gzip, bzip2 or xz data, a bad
             header checksum, a size that is not a number or would end past byte 2**63, or a
             member larger than ``max_member_bytes``. Its ``member`` names the regular file
             being read when that is known, by its name in the archive (before
@@ -137,7 +137,7 @@ def _iter_members(
     record: MemberRecord | None = None,
 ) -> Iterator[Member]:
     rd = BlockReader(stream, url, block_bytes)
-    if rd.gzip is not None:
+    if rd.compressed is not None:
         record = None  # offsets in the uncompressed stream are no use for reading the file
     if record is not None:
         add_name, add_offset, add_size = (

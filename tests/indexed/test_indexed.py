@@ -7,12 +7,14 @@ the fsspec seam (tests/fakes.py's ``slowfile://`` plus a log of every request an
 
 from __future__ import annotations
 
+import bz2
 import collections
 import gzip
 import io
 import itertools
 import json
 import logging
+import lzma
 import os
 import pickle
 import subprocess
@@ -266,13 +268,19 @@ def test_load_rejects_other_versions_and_files(tmp_path: Path) -> None:
         load_index(str(tmp_path / "missing.index.json"))
 
 
-def test_gzip_shards_are_refused(make_shards: Callable[..., Shards], tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("kind", "compress"),
+    [("gzip", gzip.compress), ("bzip2", bz2.compress), ("xz", lzma.compress)],
+)
+def test_compressed_shards_are_refused(
+    make_shards: Callable[..., Shards], tmp_path: Path, kind: str, compress: Any
+) -> None:
     shards = make_shards([2])
-    gz = tmp_path / "g.tar.gz"
-    gz.write_bytes(gzip.compress(shards.paths[0].read_bytes()))
-    with pytest.raises(ShardFormatError, match="gzip-compressed") as info:
-        build_index(str(gz))
-    assert info.value.url == str(gz)
+    packed = tmp_path / f"g.tar.{kind}"
+    packed.write_bytes(compress(shards.paths[0].read_bytes()))
+    with pytest.raises(ShardFormatError, match=f"{kind}-compressed") as info:
+        build_index(str(packed))
+    assert info.value.url == str(packed)
 
 
 # ------------------------------------------------------------------------------ samples

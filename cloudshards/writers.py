@@ -19,7 +19,7 @@ from typing import Any, BinaryIO, Literal, cast
 from cloudshards.encoders import make_encoder
 from cloudshards.errors import CloudShardsError, ConfigError
 from cloudshards.redact import raise_redacted, redact_url
-from cloudshards.source import map_backend_error, open_output
+from cloudshards.source import map_backend_error, open_output, user_output
 from cloudshards.types import Sample
 from cloudshards.urls import protocol_of, resolve
 
@@ -199,8 +199,9 @@ class TarWriter:
             raise ConfigError(f"unknown tar format {format!r}")
         tarmode = _tar_mode(fileobj, compress)
         self.encoder = make_encoder(encoder)
-        self.own_fileobj = (
-            _AtomicOutput(fileobj, storage_options) if isinstance(fileobj, str) else None
+        url = fileobj if isinstance(fileobj, str) else None  # an opener in gopen_schemes wins
+        self.own_fileobj: Any = (
+            (user_output(url) or _AtomicOutput(url, storage_options)) if url else None
         )
         self.stream: Any = self.own_fileobj if self.own_fileobj is not None else fileobj
         # Streaming mode ("w|"): never seeks, so any upload stream works. Closed by close/abort.

@@ -10,7 +10,15 @@ to read bytes or metadata). A new transport plugs in there.
 
 from __future__ import annotations
 
-from cloudshards.source.local import is_local, is_local_file, local_path, open_local_fd
+from cloudshards.source.local import (
+    is_local,
+    is_local_file,
+    local_path,
+    open_local_fd,
+    serve_user_openers,
+    user_opener,
+    user_output,
+)
 from cloudshards.source.opener import (
     EntrySource,
     NodeCache,
@@ -77,6 +85,9 @@ __all__ = [
     "read_object",
     "read_range",
     "retry",
+    "serve_user_openers",
     "shard_size",
     "store_opener",
+    "user_opener",
+    "user_output",
 ]

@@ -1,4 +1,5 @@
-"""Shards that are not in a store: local files and (opt-in) ``pipe:`` commands.
+"""Shards that are not in a store: local files, (opt-in) ``pipe:`` commands, and URLs whose
+scheme the user gave an opener of their own (webdataset's ``gopen_schemes``).
 
 :func:`is_local` is the one place that decides whether a URL is read from a store (and so is
 prefetched, fetched in ranged parts, retried and cached) or opened where it is.
@@ -8,7 +9,8 @@ from __future__ import annotations
 
 import os
 import subprocess
-from typing import IO
+from collections.abc import Callable
+from typing import IO, Any
 from urllib.parse import urlsplit
 
 from cloudshards.errors import ConfigError, ShardOpenError
@@ -23,12 +25,60 @@ __all__ = [
     "local_path",
     "open_local",
     "open_local_fd",
+    "serve_user_openers",
+    "user_opener",
+    "user_output",
 ]
+
+#: Finds the opener the user registered for a scheme (None: none); see serve_user_openers.
+_user_openers: Callable[[str], Callable[..., Any] | None] | None = None
+
+
+def serve_user_openers(lookup: Callable[[str], Callable[..., Any] | None]) -> None:
+    """Open URLs through openers the user registered: ``lookup(scheme)`` gives the opener
+    ``f(url, mode, bufsize)`` for a URL's scheme, or None. Set by
+    :mod:`cloudshards.webdataset.gopen` for ``gopen_schemes``, as webdataset's readers and
+    writers use it."""
+    global _user_openers
+    _user_openers = lookup
+
+
+def user_opener(url: str) -> Callable[..., Any] | None:
+    """The opener the user registered for ``url``'s scheme, if any (never for local paths)."""
+    lookup = _user_openers
+    if lookup is None:
+        return None
+    protocol = protocol_of(url)
+    return None if protocol == "file" else lookup(protocol)
+
+
+class _UserOutput:
+    """A stream from the user's opener, written by a TarWriter: committing or aborting closes
+    it (what it does with a partial shard is the opener's business)."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+    def write(self, data: bytes) -> int:
+        return int(self.stream.write(data))
+
+    def commit(self) -> None:
+        self.stream.close()
+
+    abort = commit
+
+
+def user_output(url: str) -> _UserOutput | None:
+    """A writable stream from the user's opener for ``url``'s scheme (mode ``"wb"``), as
+    webdataset's ``TarWriter`` opens it; None when there is no such opener."""
+    opener = user_opener(url)
+    return None if opener is None else _UserOutput(opener(url, "wb", 8192))
 
 
 def is_local(url: str) -> bool:
-    """True for local files and ``pipe:`` commands: opened directly, never fetched or cached."""
-    return protocol_of(url) in ("file", "pipe")
+    """True for local files, ``pipe:`` commands and URLs with an opener of the user's: opened
+    directly, never fetched or cached."""
+    return protocol_of(url) in ("file", "pipe") or user_opener(url) is not None
 
 
 def is_local_file(url: str) -> bool:
@@ -44,12 +94,20 @@ def local_path(url: str) -> str | None:
 
 
 def open_local(url: str, options: OpenOptions, shard_index: int | None) -> IO[bytes]:
-    """The raw stream of a local file (unbuffered) or of a ``pipe:`` command's stdout.
+    """The raw stream of a local file (unbuffered), of a ``pipe:`` command's stdout, or the one
+    the user's opener for the URL's scheme returns (see :func:`serve_user_openers`).
 
     Raises:
         ShardOpenError: The file is missing or cannot be read.
         ConfigError: ``pipe:`` is not allowed.
     """
+    opener = user_opener(url)
+    try:
+        if opener is not None:
+            stream: IO[bytes] = opener(url, "rb", 8192)  # webdataset's default bufsize
+            return stream
+    except Exception as exc:
+        raise_redacted(map_backend_error(exc, url, shard_index=shard_index), exc)
     if url.startswith(PIPE_PREFIX):
         return _open_pipe(url, options)
     _, path = resolve(url, options.storage_options)

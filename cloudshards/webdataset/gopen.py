@@ -270,6 +270,25 @@ gopen_schemes: dict[str, Callable[..., Any]] = {
 }
 
 
+#: The table as cloudshards made it: entries still equal to these are cloudshards' own.
+_DEFAULT_SCHEMES = dict(gopen_schemes)
+
+
+def _registered_opener(scheme: str) -> Callable[..., Any] | None:
+    """The opener the user put in :data:`gopen_schemes` for ``scheme`` (an entry of its own, or
+    a replaced ``__default__`` for a scheme without one); None where the table is as made."""
+    if scheme in gopen_schemes:
+        handler, default = gopen_schemes[scheme], _DEFAULT_SCHEMES.get(scheme)
+    else:
+        handler = gopen_schemes.get("__default__", gopen_error)
+        default = _DEFAULT_SCHEMES["__default__"]
+    return None if handler is default else handler
+
+
+# Readers (WebDataset, url_opener) and writers (TarWriter) open such URLs as webdataset does.
+_io.serve_user_openers(_registered_opener)
+
+
 def rewrite_url(url: str) -> str:
     """Apply the first matching ``GOPEN_REWRITE`` rule (``prefix=replacement;...``)."""
     rules = config.webdataset_var("GOPEN_REWRITE")

@@ -1264,6 +1264,52 @@ def test_gopen_uses_registered_scheme_handlers(monkeypatch: pytest.MonkeyPatch) 
     assert set(THEIR_GOPEN.gopen_schemes) == set(OUR_GOPEN.gopen_schemes)
 
 
+class _Objects:
+    """A store of the test's own behind a URL scheme: what a user registers in gopen_schemes."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, bytes] = {}
+        self.calls: list[tuple[str, str]] = []
+
+    def open(self, url: str, mode: str = "rb", bufsize: int = 8192, **kw: Any) -> Any:
+        self.calls.append((url, mode))
+        if mode == "rb":
+            return io.BytesIO(self.objects[url])
+        objects = self.objects
+
+        class Upload(io.BytesIO):
+            def close(self) -> None:
+                objects[url] = self.getvalue()
+                super().close()
+
+        return Upload()
+
+
+@pytest.mark.parametrize("scheme", ["myproto", "http"])
+def test_datasets_and_writers_use_registered_scheme_handlers(
+    monkeypatch: pytest.MonkeyPatch, scheme: str
+) -> None:
+    """webdataset's readers and writers open through gopen_schemes: a scheme of the user's,
+    or one whose entry the user replaced, reads and writes through the user's opener."""
+    got = {}
+    for name, lib, gopen in (("theirs", webdataset, THEIR_GOPEN), ("ours", cloudshards, OUR_GOPEN)):
+        store = _Objects()
+        monkeypatch.setitem(gopen.gopen_schemes, scheme, store.open)
+        with lib.ShardWriter(f"{scheme}://bucket/s-%d.tar", maxcount=3) as sink:
+            for i in range(5):
+                sink.write({"__key__": f"k{i}", "txt": f"t{i}"})
+        urls = f"{scheme}://bucket/s-{{0..1}}.tar"
+        samples = [
+            (s["__key__"], s["txt"], s["__url__"]) for s in lib.WebDataset(urls, shardshuffle=False)
+        ]
+        opened = [
+            s["url"] for s in lib.tariterators.url_opener([{"url": f"{scheme}://bucket/s-1.tar"}])
+        ]
+        got[name] = (sorted(store.objects), samples, opened, sorted(set(store.calls)))
+    assert got["ours"] == got["theirs"]
+    assert len(got["ours"][1]) == 5
+
+
 def test_gopen_opens_fsspec_urls_that_webdataset_cannot(tmp_path: Path) -> None:
     import fsspec
 

@@ -21,6 +21,7 @@ webdataset (which lets ``tarfile`` raise) keeps catching it.
 
 from __future__ import annotations
 
+import errno
 import tarfile
 from typing import Any
 
@@ -119,6 +120,8 @@ def _rebuild_shard_error(
     exc = cls.__new__(cls)
     exc.__dict__.update(state)
     Exception.__init__(exc, exc._format())
+    if isinstance(exc, ShardNotFoundError):
+        exc.errno, exc.strerror, exc.filename = errno.ENOENT, message, url
     return exc
 
 
@@ -129,7 +132,15 @@ class ShardOpenError(ShardError, OSError):
 class ShardNotFoundError(ShardOpenError, FileNotFoundError):
     """The shard does not exist (a missing file or object, HTTP 404). Also a
     ``FileNotFoundError``, which is what webdataset code catches (webdataset lets ``open``
-    or fsspec raise it)."""
+    or fsspec raise it), with its ``errno`` (``ENOENT``), ``strerror`` and ``filename`` (the
+    redacted URL) set as ``open`` sets them."""
+
+    def __init__(self, message: str, **where: Any) -> None:
+        super().__init__(message, **where)
+        self.errno, self.strerror, self.filename = errno.ENOENT, message, self.url
+
+    def __str__(self) -> str:
+        return self._format()  # not OSError's "[Errno 2] ...: 'filename'"
 
 
 class ShardFormatError(ShardError, tarfile.ReadError, OSError, ValueError):

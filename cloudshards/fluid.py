@@ -39,8 +39,9 @@ class FluidInterface:
         return self.compose(batch.unbatched())
 
     def listed(self, batchsize: int, partial: bool = True) -> Any:
-        """Group samples into plain lists (no collation)."""
-        return self.compose(batch.batched(batchsize, collation_fn=None, partial=partial))
+        """Group samples into plain lists (no collation). ``partial`` is ignored, as webdataset
+        1.0.2 ignores it: the last list may be short."""
+        return self.compose(batch.batched(batchsize, collation_fn=None))
 
     def unlisted(self) -> Any:
         """Flatten lists of samples."""

@@ -114,6 +114,7 @@ def group_members(
     name_filter: NameFilter | None = None,
     on_duplicate: Callable[[Exception], bool] | None = None,
     max_sample_bytes: int | None = None,
+    local_path: str | None = None,
 ) -> Iterator[Sample]:
     """Group consecutive members with the same key into samples.
 
@@ -137,6 +138,8 @@ def group_members(
         max_sample_bytes: Most bytes one sample's fields may hold together (None: no
             limit): each member is bounded by its reader, but a compressed shard could
             otherwise inflate many fields of one sample (16 fields of 1 GiB from 16 MB).
+        local_path: A local shard's path, stored as each sample's ``__local_path__`` where
+            webdataset 1.0.2 puts it: after the sample's first field.
 
     Yields:
         ``{"__key__": key, "__url__": url, field: bytes, ...}`` samples, in member order.
@@ -182,6 +185,8 @@ def group_members(
                     )
                     break
             sample[field] = data
+            if local_path is not None and len(sample) == 3:
+                sample["__local_path__"] = local_path
         else:
             if sample is not None:
                 yield sample

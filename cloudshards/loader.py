@@ -104,7 +104,15 @@ class StatefulLoader(SettledFork, StatefulDataLoader):  # type: ignore[misc]
         found = [one for state in states for one in _pipeline_states(state)]
         self._count_free.restored = any(one.get("count_free") for one in found)
         layouts = {(int(one["consumer"][1]), int(one["consumer"][3])) for one in found}
+        ended = bool(found) and all(state.get("_iterator_finished") for state in states)
+        if ended and isinstance(self.dataset, DataPipeline):
+            # Saved after the epoch ended (Lightning's end-of-epoch checkpoint): nothing of it
+            # is left, on any layout; the next epoch starts afresh, as torchdata starts it.
+            self.dataset.set_epoch(_next_epoch(found))
         if layouts and layouts != {self._layout()}:
+            if ended:
+                self._before = None
+                return
             self._restore_elastic(found)
             return
         if RANKS_KEY in state_dict:
@@ -152,6 +160,16 @@ class StatefulLoader(SettledFork, StatefulDataLoader):  # type: ignore[misc]
             if isinstance(dataset, DataPipeline):
                 dataset._resume = None
         return self._count_free.run(iterator, dataset) if free else iterator
+
+
+def _next_epoch(found: list[dict[str, Any]]) -> int:
+    """The epoch after the one these consumers' states were saved in, once it ended: a
+    consumer's last state may be from before its share ran out (its epoch, then) or after
+    (``ended``: the epoch it finished)."""
+    return 1 + max(
+        int(state["ended"]) if state.get("ended") is not None else int(state["epoch"])
+        for state in found
+    )
 
 
 def _pipeline_states(state: Any) -> list[dict[str, Any]]:

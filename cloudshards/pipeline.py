@@ -197,8 +197,7 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
         custom = type(self).iterator1 is not DataPipeline.iterator1  # a subclass builds it
         limit = passes.limit
         yielded = passes.yielded
-        # A restored pass may have nothing left (saved after its last item): that ends the
-        # pass, not the epoch.
+        # A restored pass may have nothing left (saved after its last item): not the epoch's end.
         resumed_pass = resume is not None
         try:
             for repetition in range(passes.repetition, self.repetitions):
@@ -245,10 +244,13 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
                 self._epoch_from_user = False
             elif dataset is not None and hasattr(dataset, "set_epoch"):
                 dataset.set_epoch(self._epoch)
+        live, unstarted = self._live, self.__dict__.get("_unstarted")
+        if live is unstarted and live is not None and self._epoch == live.epoch + 1:
+            self._epoch = live.epoch  # the last iterator never ran (torchdata drops one)
         it = self.iterator(self._epoch)
         # Until the first next(), state_dict() says "the start of this epoch".
         passes = EpochLimiter(self.repetitions, self.nsamples)
-        self._live = LiveEpoch(self._epoch, None, None, passes)
+        self._live = self.__dict__["_unstarted"] = LiveEpoch(self._epoch, None, None, passes)
         self._epoch += 1
         return it
 
@@ -377,9 +379,9 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
         return self
 
     def repeat(self, nepochs: int = -1, nbatches: int = -1) -> Any:
-        """Run ``nepochs`` passes (forever if < 1), at most ``nbatches``; returns it."""
+        """``nepochs`` passes (forever if < 1), at most ``nbatches`` (unless one, as webdataset)."""
         self.repetitions = nepochs if nepochs > 0 else sys.maxsize
-        self.nsamples = nbatches
+        self.nsamples = nbatches if self.repetitions != 1 else -1
         return self
 
     def close(self) -> None:

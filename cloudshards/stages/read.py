@@ -281,6 +281,7 @@ def _read_opened(
             else:
                 members_filter = skipping(name_filter, skip) if skip else name_filter
             samples = _samples_by_table(stream, url, members_filter, options, index, handler)
+            path = local_path(url) if samples is not None else None  # grouping adds it itself
             if samples is None:
                 if hasattr(stream, "save_member_table"):
                     record = MemberTable()  # a complete parse lets later epochs slice by offset
@@ -300,13 +301,13 @@ def _read_opened(
                     on_duplicate=handler,
                     # One field at the member limit and its small companions fit.
                     max_sample_bytes=2 * options.member_limit(),
+                    local_path=local_path(url),
                 )
             if chosen is not None:  # stop after the last one: the rest is not needed
                 samples = itertools.islice(samples, len(chosen))
                 record = None
             elif "take" in shard:
                 samples = itertools.islice(samples, shard["take"])
-            path = local_path(url)
             places = shard.get("select_places")
             if places is not None:  # selected samples: their own numbers, in order
                 position[0] = places[0] + 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import pickle
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,9 @@ def test_missing_object_names_the_url(tmp_path: Path, memory_dir: MemoryFileSyst
         copy = pickle.loads(pickle.dumps(info.value))  # from a DataLoader worker
         assert isinstance(copy, ShardNotFoundError)
         assert str(copy) == str(info.value)
+        for error in (info.value, copy):  # code that checks errno, as open() sets it
+            assert (error.errno, error.filename) == (errno.ENOENT, url)
+            assert error.strerror == "object not found"
 
 
 def test_directory_is_not_a_shard(tmp_path: Path) -> None:

@@ -69,3 +69,52 @@ def test_a_webloader_restored_from_its_state_still_iterates(make_shards: Any) ->
     fresh = wds.WebLoader(ds, batch_size=None, num_workers=0)
     fresh.load_state_dict(state)
     assert [key for (batch,) in fresh for key in batch] == sorted(shards.keys)
+
+
+def _epochs_loader(spec: str, workers: int) -> Any:
+    dataset = wds.WebDataset(spec, shardshuffle=True, seed=7).shuffle(10).batched(4)
+    return dataset, wds.StatefulLoader(dataset, batch_size=None, num_workers=workers)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("set_epoch", [True, False])
+def test_a_state_saved_at_an_epochs_end_restores_the_next_epoch(
+    make_shards: Any, workers: int, set_epoch: bool
+) -> None:
+    """Lightning checkpoints after the loader ran out. The restored job runs the next epoch,
+    in the order the uninterrupted job gave it (with 0 workers torchdata makes an iterator,
+    drops it and makes another: the next epoch once ran as the one after)."""
+    spec = make_shards([9, 14, 5, 20, 11]).spec()
+    dataset, loader = _epochs_loader(spec, workers)
+    dataset.set_epoch(0)
+    keys(loader)
+    state = loader.state_dict()
+    dataset.set_epoch(1)
+    expected = keys(loader)
+    dataset, restored = _epochs_loader(spec, workers)
+    if set_epoch:
+        dataset.set_epoch(1)
+    restored.load_state_dict(state)
+    assert keys(restored) == expected
+    dataset.set_epoch(2)
+    assert keys(restored) != expected  # the epoch after it has an order of its own
+
+
+@pytest.mark.parametrize(("saved_with", "restored_with"), [(2, 1), (1, 2), (0, 2), (2, 0)])
+def test_a_state_saved_at_an_epochs_end_restores_the_next_epoch_on_another_layout(
+    make_shards: Any, saved_with: int, restored_with: int
+) -> None:
+    """An elastic restore of an ended epoch has nothing of it left to share: the whole next
+    epoch runs on the new layout (it once re-read some of the ended epoch instead)."""
+    shards = make_shards([9, 14, 5, 20, 11])
+    _, loader = _epochs_loader(shards.spec(), saved_with)
+    keys(loader)
+    state = loader.state_dict()
+    fresh, reference = _epochs_loader(shards.spec(), restored_with)
+    fresh.set_epoch(1)
+    expected = keys(reference)
+    _, restored = _epochs_loader(shards.spec(), restored_with)
+    restored.load_state_dict(state)
+    got = keys(restored)
+    assert sorted(got) == sorted(shards.keys)
+    assert got == expected

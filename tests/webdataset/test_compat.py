@@ -203,6 +203,8 @@ def test_local_shards_carry_local_path(shards: Any) -> None:
     expected, actual = run_both(lambda wds: wds.WebDataset(shards.spec(), shardshuffle=False))
     assert [s["__local_path__"] for s in expected] == [s["__url__"] for s in expected]
     assert [s.get("__local_path__") for s in actual] == [s["__local_path__"] for s in expected]
+    # Where it sits among the keys: tuple(sample.values()) and default_collate's dicts show it.
+    assert [list(s) for s in actual] == [list(s) for s in expected]
 
 
 @pytest.mark.parametrize(
@@ -303,6 +305,9 @@ FLUENT: dict[str, Callable[[Any], Any]] = {
     "unbatched": lambda ds: ds.decode().to_tuple("cls", "json").batched(4).unbatched(),
     "listed": lambda ds: ds.listed(3),
     "listed-unlisted": lambda ds: ds.listed(3).unlisted(),
+    "listed-partial-false": lambda ds: ds.listed(7, partial=False),  # 1.0.2 ignores partial
+    "repeat-once-nbatches": lambda ds: ds.repeat(1, 7),  # 1.0.2 ignores nbatches for one pass
+    "repeat-twice-nbatches": lambda ds: ds.repeat(2, 7),
 }
 
 

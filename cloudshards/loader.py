@@ -115,6 +115,9 @@ class StatefulLoader(SettledFork, StatefulDataLoader):  # type: ignore[misc]
                 return
             self._restore_elastic(found)
             return
+        restored = [int(one["epoch"]) for one in found if one.get("seed") is not None]
+        if restored and not ended and isinstance(self.dataset, DataPipeline):
+            self.dataset.set_epoch(max(restored))  # the epoch the workers resume; then on
         if RANKS_KEY in state_dict:
             world = _world_size()
             if len(states) != world:
@@ -148,6 +151,8 @@ class StatefulLoader(SettledFork, StatefulDataLoader):  # type: ignore[misc]
         if isinstance(dataset, DataPipeline):
             # The passes so far: a missing set_epoch is worth a warning from the second on.
             dataset.__dict__["_loader_passes"] = dataset.__dict__.get("_loader_passes", 0) + 1
+            if self.num_workers > 0 and not self.persistent_workers:
+                self._keep_epoch_in_step(dataset)
         # Before the workers start: an epoch without sample counts (cloudshards.countfree).
         free = isinstance(dataset, DataPipeline) and self._count_free.begin(
             dataset, self.num_workers
@@ -160,6 +165,17 @@ class StatefulLoader(SettledFork, StatefulDataLoader):  # type: ignore[misc]
             if isinstance(dataset, DataPipeline):
                 dataset._resume = None
         return self._count_free.run(iterator, dataset) if free else iterator
+
+    def _keep_epoch_in_step(self, dataset: DataPipeline) -> None:
+        """Fresh (non-persistent) workers copy the dataset each pass, so its epoch would never
+        move: without a ``set_epoch`` since the last pass, a pass runs the epoch after the last
+        one's (as a pass without workers, or with persistent ones, counts it itself), so each
+        epoch reshuffles. An epoch the user set (``set_epoch``; a restored one) wins."""
+        ran = self.__dict__.get("_ran_epoch")
+        if ran is not None and not dataset._epoch_from_user:
+            dataset._push_epoch(ran + 1)
+        self._ran_epoch = dataset.epoch
+        dataset._epoch_from_user = False  # taken: the next pass counts on unless set again
 
 
 def _next_epoch(found: list[dict[str, Any]]) -> int:

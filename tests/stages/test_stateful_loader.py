@@ -118,3 +118,42 @@ def test_a_state_saved_at_an_epochs_end_restores_the_next_epoch_on_another_layou
     got = keys(restored)
     assert sorted(got) == sorted(shards.keys)
     assert got == expected
+
+
+def test_fresh_workers_reshuffle_each_epoch_without_set_epoch(make_shards: Any) -> None:
+    """Non-persistent workers copy the dataset each epoch; without set_epoch every epoch once
+    repeated epoch 0's order (Lightning calls no set_epoch on a dataset). The loader counts
+    the epochs itself, as a loader without workers does: the orders set_epoch would give."""
+    spec = make_shards([9, 14, 5, 20, 11]).spec()
+    dataset, counted = _epochs_loader(spec, 2)
+    orders = [keys(counted) for _ in range(3)]
+    reference, loader = _epochs_loader(spec, 2)
+    expected = []
+    for epoch in range(3):
+        reference.set_epoch(epoch)
+        expected.append(keys(loader))
+    assert orders == expected
+    assert len({tuple(order) for order in orders}) == 3
+    dataset.set_epoch(7)  # an epoch the user sets wins, and the count goes on from it
+    reference.set_epoch(7)
+    assert keys(counted) == keys(loader)
+    reference.set_epoch(8)
+    assert keys(counted) == keys(loader)
+
+
+def test_a_restore_without_set_epoch_goes_on_with_the_next_epoch(make_shards: Any) -> None:
+    spec = make_shards([9, 14, 5, 20, 11]).spec()
+    reference, loader = _epochs_loader(spec, 2)
+    reference.set_epoch(1)
+    it = iter(loader)
+    trained = [next(it) for _ in range(4)]
+    state = loader.state_dict()
+    del it
+    reference.set_epoch(1)
+    epoch1 = keys(loader)
+    reference.set_epoch(2)
+    epoch2 = keys(loader)
+    _, restored = _epochs_loader(spec, 2)
+    restored.load_state_dict(state)
+    assert keys(trained) + keys(restored) == epoch1
+    assert keys(restored) == epoch2

@@ -8,6 +8,7 @@ import os
 from typing import Any
 
 from cloudshards.cache.budget import CacheBudget
+from cloudshards.cache.files import open_file
 
 __all__ = ["cache_info", "clear_cache"]
 
@@ -29,9 +30,12 @@ def cache_info(directory: str | os.PathLike[str]) -> dict[str, Any]:
     if os.path.isdir(stats_dir):
         for item in os.scandir(stats_dir):
             if item.name.endswith(".json"):
-                with contextlib.suppress(OSError, ValueError), open(item.path) as f:
-                    for key, value in json.load(f).items():
-                        totals[key] = totals.get(key, 0) + int(value)
+                # Best effort: a file that is not this process's counters is skipped.
+                with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
+                    with os.fdopen(open_file(item.path, os.O_RDONLY)) as f:
+                        counters = {key: int(value) for key, value in json.load(f).items()}
+                    for key, value in counters.items():
+                        totals[key] = totals.get(key, 0) + value
     result["counters"] = totals
     return result
 

@@ -8,6 +8,7 @@ import fcntl
 import logging
 import os
 
+from cloudshards.cache.files import open_file
 from cloudshards.cache.layout import EntryStore
 from cloudshards.cache.lock import DownloadLock, is_locked
 
@@ -49,8 +50,7 @@ class CacheBudget(EntryStore):
             if used + size > self.max_bytes:
                 return "full"
             # Visible to other reservers from now on, before we release the global lock.
-            with open(self._path("data", name + ".partial"), "wb"):
-                pass
+            os.close(open_file(self._path("data", name + ".partial"), os.O_WRONLY | os.O_CREAT))
         return "ok"
 
     def _scan(self, exclude: str = "") -> tuple[list[tuple[str, int, float]], int]:
@@ -81,7 +81,7 @@ class CacheBudget(EntryStore):
     def _evict(self, name: str) -> bool:
         entry = self._path("data", name)
         try:
-            fd = os.open(entry, os.O_RDONLY)
+            fd = open_file(entry, os.O_RDONLY)
         except FileNotFoundError:
             return True
         try:

@@ -17,6 +17,7 @@ import logging
 import os
 from typing import Any
 
+from cloudshards.cache.files import check_directory, open_file, replace_with
 from cloudshards.cache.lock import DownloadLock, is_disk_full
 from cloudshards.cache.membertable import MemberTable, load_table, write_table
 from cloudshards.cache.stats import CacheStats, process_stats, save_stats, stats_file_name
@@ -75,6 +76,7 @@ class EntryStore:
         try:
             for sub in ("data", "meta", "locks", "stats"):
                 os.makedirs(self._path(sub), exist_ok=True)
+                check_directory(self._path(sub))
         except OSError as exc:
             if is_disk_full(exc):
                 raise  # the caller streams without caching
@@ -98,23 +100,14 @@ class EntryStore:
 
     def _read_meta(self, name: str) -> dict[str, Any] | None:
         try:
-            with open(self._path("meta", name + ".json")) as f:
+            with os.fdopen(open_file(self._path("meta", name + ".json"), os.O_RDONLY)) as f:
                 value = json.load(f)
         except (OSError, ValueError):
             return None
         return value if isinstance(value, dict) else None
 
     def _write_meta(self, name: str, meta: dict[str, Any]) -> None:
-        path = self._path("meta", name + ".json")
-        tmp = f"{path}.{os.getpid()}.tmp"
-        try:
-            with open(tmp, "w") as f:
-                json.dump(meta, f)
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        replace_with(self._path("meta", name + ".json"), json.dumps(meta).encode())
 
     def _save_stats(self) -> None:
         save_stats(self._path("stats", stats_file_name()), self.stats)

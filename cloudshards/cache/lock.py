@@ -8,6 +8,8 @@ import fcntl
 import os
 import stat
 
+from cloudshards.cache.files import NOFOLLOW
+
 #: Errors that mean "the disk cannot take this entry": degrade to uncached streaming.
 DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
 
@@ -62,7 +64,7 @@ class DownloadLock:
 
     def try_acquire(self, *, wait: bool = False) -> bool:
         """Take the lock (without waiting unless ``wait``); True on success."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | NOFOLLOW, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BaseException as exc:
@@ -95,7 +97,7 @@ def is_locked(path: str) -> bool:
     disk (a missing lock file is held by no one).
     """
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | NOFOLLOW)
     except FileNotFoundError:
         return False
     try:

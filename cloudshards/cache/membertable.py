@@ -26,6 +26,7 @@ from array import array
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from cloudshards.cache.files import open_file, replace_with
 from cloudshards.errors import ShardFormatError
 from cloudshards.grouping import (
     duplicate_field,
@@ -93,17 +94,9 @@ def write_table(path: str, table: MemberTable, file_size: int) -> None:
         "split": split is not None,
         "lengths": [len(blob) for blob in blobs],
     }
-    tmp = f"{path}.{os.getpid()}.tmp"
+    head = _MAGIC + json.dumps(header).encode() + b"\n"
     with contextlib.suppress(OSError):
-        with open(tmp, "wb") as f:
-            f.write(_MAGIC + json.dumps(header).encode() + b"\n")
-            f.write(table.offsets.tobytes())
-            f.write(table.sizes.tobytes())
-            for blob in blobs:
-                f.write(blob)
-        os.replace(tmp, path)
-    with contextlib.suppress(OSError):
-        os.unlink(tmp)
+        replace_with(path, b"".join([head, table.offsets.tobytes(), table.sizes.tobytes(), *blobs]))
 
 
 def _joined(strings: list[str]) -> bytes:
@@ -132,7 +125,7 @@ def _key_field(name: str) -> tuple[str, str] | None:
 def load_table(path: str, file_size: int) -> MemberTable | None:
     """The table saved for a file of ``file_size`` bytes, or None (missing, stale, corrupt)."""
     try:
-        with open(path, "rb") as f:
+        with os.fdopen(open_file(path, os.O_RDONLY), "rb") as f:
             raw = f.read()
     except OSError:
         return None

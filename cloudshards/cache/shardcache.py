@@ -26,6 +26,7 @@ from cloudshards.cache import ahead
 from cloudshards.cache import lock as _cachelock
 from cloudshards.cache.budget import CacheBudget
 from cloudshards.cache.facts import distrust_checksums, remote_facts
+from cloudshards.cache.files import open_file
 from cloudshards.cache.follow import FollowStream
 from cloudshards.cache.keys import entry_name, store_endpoint
 from cloudshards.cache.layout import _CachedFile
@@ -141,7 +142,7 @@ class ShardCache(CacheBudget):
                     url, name, options, shard_index, lock, skip=0, open_store=open_store
                 )
             try:
-                fd = os.open(self._path("data", name + ".partial"), os.O_RDONLY)
+                fd = open_file(self._path("data", name + ".partial"), os.O_RDONLY)
             except FileNotFoundError:
                 # The downloader has the lock but has not created its file yet (first byte
                 # latency, retries, waiting for the budget lock), or just finished: look again.
@@ -225,7 +226,7 @@ class ShardCache(CacheBudget):
     ) -> _CachedFile | None:
         entry = self._path("data", name)
         try:
-            fd = os.open(entry, os.O_RDONLY)
+            fd = open_file(entry, os.O_RDONLY)
         except FileNotFoundError:
             return None
         fcntl.flock(fd, fcntl.LOCK_SH)  # in use: eviction skips it

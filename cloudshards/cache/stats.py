@@ -10,6 +10,7 @@ import os
 import socket
 from dataclasses import dataclass, field
 
+from cloudshards.cache.files import replace_with
 from cloudshards.cache.handoff import Handoff
 from cloudshards.logs import warn_once
 from cloudshards.process import PerProcess
@@ -82,14 +83,8 @@ def process_stats(directory: str) -> CacheStats:
 
 def save_stats(path: str, stats: CacheStats) -> None:
     """Write ``stats`` to ``path`` (best effort: a full disk must not fail a read)."""
-    tmp = path + ".tmp"
-    try:
-        with open(tmp, "w") as f:
-            json.dump(stats.as_dict(), f)
-        os.replace(tmp, path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+    with contextlib.suppress(OSError):
+        replace_with(path, json.dumps(stats.as_dict()).encode())
 
 
 def stats_file_name() -> str:

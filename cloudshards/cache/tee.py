@@ -8,6 +8,7 @@ import os
 from collections.abc import Callable
 
 from cloudshards.cache.facts import Checksum, Hasher
+from cloudshards.cache.files import open_file
 from cloudshards.cache.lock import POISONED_MODE, is_disk_full
 from cloudshards.cache.membertable import MemberTable, write_table
 from cloudshards.cache.recheck import WHY, recheck_download
@@ -102,7 +103,7 @@ class TeeStream(ClosingStream):
         self._read_remote: Callable[[int], bytes | memoryview] = getattr(
             remote, "read_view", remote.read
         )
-        self._fd: int | None = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._fd: int | None = open_file(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         self.closed = False
         #: Set by the reader after a complete parse; saved next to the entry on commit.
         self.member_table: MemberTable | None = None

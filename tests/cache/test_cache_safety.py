@@ -553,6 +553,8 @@ class InjectedFaults:
                     self._fail("lock", name)
                 if name.endswith(".partial"):
                     self._fail("partial", name)
+                if name.endswith(".tmp"):  # metadata, tables, counters: a temporary, renamed
+                    self._fail("meta", name)
             return real_open(path, flags, *args, **kwargs)
 
         def fake_write(fd: int, data: Any) -> int:
@@ -983,3 +985,61 @@ def test_client_kwargs_endpoints_cache_separately(
             assert samples_of(ds) == shards.samples
     assert len(entries(cache_dir)) == 2
     assert fetches(store) == {str(shards.paths[0]): 2}
+
+
+# --- symlinks planted in a shared cache directory -------------------------------------------
+
+
+def _planted(cache_dir: Path, url: str) -> tuple[str, Path]:
+    ShardCache(cache_dir)._ensure_ready()
+    victim = cache_dir.parent / "victim.txt"
+    victim.write_text("precious\n")
+    return entry_name(url, store_endpoint(url, OpenOptions())), victim
+
+
+def test_a_symlink_at_a_partial_files_name_is_refused_and_its_target_untouched(
+    make_shards: Any, store: Path, tmp_path: Path
+) -> None:
+    """Entry names are computable: another user of a shared cache directory can plant a
+    symlink where a download will write. The cache refuses to write through it."""
+    shards = make_shards([3])
+    url = fakes.url_of(shards.paths[0])
+    cache_dir = tmp_path / "c"
+    name, victim = _planted(cache_dir, url)
+    (cache_dir / "data" / f"{name}.partial").symlink_to(victim)
+    with pytest.raises(wds.CacheError, match=f"cannot create cache file .*{name}.partial"):
+        _read_through_cache([url], cache_dir)
+    assert victim.read_text() == "precious\n"
+    assert not (cache_dir / "data" / name).exists()
+
+
+def test_a_symlink_at_a_metadata_name_is_replaced_not_written_through(
+    make_shards: Any, store: Path, tmp_path: Path
+) -> None:
+    shards = make_shards([3])
+    url = fakes.url_of(shards.paths[0])
+    cache_dir = tmp_path / "c"
+    name, victim = _planted(cache_dir, url)
+    for planted in (f"{name}.json", f"{name}.members.json"):
+        (cache_dir / "meta" / planted).symlink_to(victim)
+    samples, _ = _read_through_cache([url], cache_dir)
+    assert samples == shards.samples
+    assert victim.read_text() == "precious\n"
+    assert not (cache_dir / "meta" / f"{name}.json").is_symlink()
+    warm, _ = _read_through_cache([url], cache_dir)  # its own files, read back
+    assert warm == shards.samples
+
+
+@pytest.mark.parametrize("sub", ["data", "meta", "locks", "stats"])
+def test_a_cache_subdirectory_that_is_a_symlink_is_refused(
+    make_shards: Any, store: Path, tmp_path: Path, sub: str
+) -> None:
+    shards = make_shards([3])
+    url = fakes.url_of(shards.paths[0])
+    cache_dir, outside = tmp_path / "c", tmp_path / "outside"
+    cache_dir.mkdir()
+    outside.mkdir()
+    (cache_dir / sub).symlink_to(outside)
+    with pytest.raises(wds.CacheError, match=f"{sub} is a symlink"):
+        _read_through_cache([url], cache_dir)
+    assert list(outside.iterdir()) == []

@@ -1,0 +1,60 @@
+"""How the node cache creates and opens its files without leaving its directory.
+
+Everything in the cache has a name anyone can compute (a hash of the URL), and a cache
+directory may be shared. A symlink planted at such a name (by another user, or left by a
+misconfiguration) must never make the cache write, or read, the file it points to:
+
+- files are created and opened with ``O_NOFOLLOW`` (a symlink there is refused);
+- small files written whole (metadata, member tables, counters) go to a fresh temporary name
+  (``mkstemp``: random, ``O_EXCL``) and are renamed into place;
+- the cache's subdirectories must be real directories, not symlinks (:func:`check_directory`).
+
+Hand-written because ``tempfile`` offers no "open this exact name, never through a symlink".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import tempfile
+
+from cloudshards.errors import CacheError
+
+__all__ = ["NOFOLLOW", "check_directory", "open_file", "replace_with"]
+
+#: Refuses a symlink as the last component (0 where the platform has no such flag).
+NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+def open_file(path: str, flags: int, mode: int = 0o644) -> int:
+    """``os.open`` that refuses a symlink at ``path`` (``OSError`` with ``ELOOP``)."""
+    return os.open(path, flags | NOFOLLOW | getattr(os, "O_CLOEXEC", 0), mode)
+
+
+def replace_with(path: str, data: bytes) -> None:
+    """Write ``data`` to a new temporary file beside ``path``, then rename it over ``path``
+    (readers see the old file or the new one, whole). Raises ``OSError``; leaves nothing."""
+    directory, base = os.path.split(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{base}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o644)  # mkstemp's 0600 would hide it from other users
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def check_directory(path: str) -> None:
+    """Raise :class:`~cloudshards.errors.CacheError` unless ``path`` is a real directory: a
+    symlink in its place would take every file written there out of the cache."""
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode):
+        kind = "a symlink" if stat.S_ISLNK(info.st_mode) else "not a directory"
+        raise CacheError(
+            f"cache directory {path} is {kind}: refusing to write through it (remove it, or "
+            "use another cache_dir)"
+        )

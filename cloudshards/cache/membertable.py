@@ -22,6 +22,7 @@ import mmap
 import operator
 import os
 import sys
+import zlib
 from array import array
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -86,6 +87,7 @@ def write_table(path: str, table: MemberTable, file_size: int) -> None:
     blobs = [_joined(names)]
     if split is not None:
         blobs += [_joined(split[0]), _joined(split[1])]
+    columns = b"".join([table.offsets.tobytes(), table.sizes.tobytes(), *blobs])
     header = {
         "version": 2,
         "size": file_size,
@@ -93,10 +95,10 @@ def write_table(path: str, table: MemberTable, file_size: int) -> None:
         "byteorder": sys.byteorder,
         "split": split is not None,
         "lengths": [len(blob) for blob in blobs],
+        "crc32": zlib.crc32(columns),  # a table damaged on disk is not used
     }
-    head = _MAGIC + json.dumps(header).encode() + b"\n"
     with contextlib.suppress(OSError):
-        replace_with(path, b"".join([head, table.offsets.tobytes(), table.sizes.tobytes(), *blobs]))
+        replace_with(path, _MAGIC + json.dumps(header).encode() + b"\n" + columns)
 
 
 def _joined(strings: list[str]) -> bytes:
@@ -167,6 +169,9 @@ def _from_columns(raw: bytes) -> tuple[MemberTable, Any] | None:
         return None
     position = end + 1
     if len(raw) != position + 16 * rows + sum(lengths):
+        return None
+    crc = header.get("crc32")  # tables saved before it had one are read as they are
+    if crc is not None and crc != zlib.crc32(memoryview(raw)[position:]):
         return None
     table = MemberTable()
     table.offsets.frombytes(raw[position : position + 8 * rows])

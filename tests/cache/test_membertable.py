@@ -464,6 +464,27 @@ def test_a_damaged_saved_table_is_refused(tmp_path: Path, damage: str) -> None:
     assert load_table(str(path), 4096) is None
 
 
+@pytest.mark.parametrize("where", ["offsets swapped", "a key edited", "a size's byte flipped"])
+def test_a_table_changed_on_disk_is_refused(tmp_path: Path, where: str) -> None:
+    """Damage that keeps the table's shape (two offsets swapped: two samples would get each
+    other's data; a key edited: a sample would vanish) is caught by the table's checksum."""
+    path = saved(tmp_path, ["a.jpg", "a.cls", "b.jpg"])
+    magic, header, rest = path.read_bytes().split(b"\n", 2)
+    if where == "offsets swapped":
+        rest = rest[8:16] + rest[0:8] + rest[16:]
+    elif where == "a key edited":
+        assert b"a\0a\0bjpg" in rest  # the keys column, then the fields
+        rest = rest.replace(b"a\0a\0bjpg", b"a\0a\0cjpg")
+    else:
+        rest = rest[:24] + bytes([rest[24] ^ 1]) + rest[25:]
+    path.write_bytes(magic + b"\n" + header + b"\n" + rest)
+    assert load_table(str(path), 4096) is None
+    value = json.loads(header)  # a table saved before tables had a checksum is read as it is
+    del value["crc32"]
+    path.write_bytes(magic + b"\n" + json.dumps(value).encode() + b"\n" + rest)
+    assert load_table(str(path), 4096) is not None
+
+
 def test_a_saved_tables_warm_path_splits_no_names(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -20,7 +20,7 @@ from cloudshards.errors import CloudShardsError, ConfigError, ShardOpenError
 from cloudshards.process import PerProcess
 from cloudshards.redact import RedactedError, raise_redacted, redact_text, redact_url
 from cloudshards.source.options import FetchOptions
-from cloudshards.source.stream import http_status, map_backend_error
+from cloudshards.source.stream import hidden_failure, http_status, map_backend_error
 
 __all__ = [
     "IOStats",
@@ -118,6 +118,9 @@ def is_retryable(exc: BaseException) -> bool:
     """
     if isinstance(exc, ShardOpenError) and exc.__cause__ is not None:
         return is_retryable(exc.__cause__)  # ours, wrapping the backend's: judge the backend's
+    hidden = hidden_failure(exc)
+    if hidden is not None:  # fsspec's "not found" for a 503 or a refused connection
+        return is_retryable(hidden)
     kind = type(exc)
     if isinstance(exc, RedactedError):
         if exc.original_type is None:

@@ -145,6 +145,11 @@ def map_backend_error(
     if isinstance(exc, CloudShardsError):
         return exc
     denied = http_status(exc.__cause__) in (401, 403)
+    hidden = hidden_failure(exc)
+    if hidden is not None:  # a server error or a lost connection, not a missing object
+        return ShardOpenError(
+            f"{action}: {_describe(hidden)}", url=url, shard_index=shard_index, offset=offset
+        )
     if isinstance(exc, FileNotFoundError) and not denied:
         # fsspec's HTTP info() turns every failure into FileNotFoundError: a 401 or 403 under
         # it is a credentials problem, not a missing object.
@@ -165,6 +170,23 @@ def map_backend_error(
     else:
         reason = f"{action}: {_describe(exc)}"
     return ShardOpenError(reason, url=url, shard_index=shard_index, offset=offset)
+
+
+def hidden_failure(exc: BaseException) -> BaseException | None:
+    """The transient failure under a ``FileNotFoundError`` (fsspec's HTTP ``info()`` turns
+    every failure into one): an HTTP 5xx, 408 or 429, or a connection refused, reset or
+    timed out; None for anything else (a 404 is a missing object)."""
+    cause = exc.__cause__
+    if not isinstance(exc, FileNotFoundError) or cause is None:
+        return None
+    status = http_status(cause)
+    if isinstance(status, int):
+        return cause if status >= 500 or status in (408, 429) else None
+    name = type(cause).__name__
+    transient = ("Connection", "Connector", "Disconnected", "Timeout", "Reset")
+    if isinstance(cause, (ConnectionError, TimeoutError)) or any(w in name for w in transient):
+        return cause
+    return None
 
 
 def http_status(exc: BaseException | None) -> Any:

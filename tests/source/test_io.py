@@ -159,3 +159,50 @@ def test_a_refusal_under_fsspecs_not_found_is_access_denied(
     assert isinstance(error, ShardOpenError)
     if not missing:
         assert "access denied" in str(error)
+
+
+class _Answer(Exception):
+    def __init__(self, status: int) -> None:
+        super().__init__(f"{status}, message='Service Unavailable'")
+        self.status = status
+
+
+class ClientConnectorError(OSError):
+    """Named as aiohttp's: a refused connection."""
+
+
+@pytest.mark.parametrize(
+    ("cause", "missing"),
+    [
+        (_Answer(404), True),
+        (_Answer(410), True),
+        (_Answer(500), False),
+        (_Answer(503), False),
+        (_Answer(429), False),
+        (_Answer(408), False),
+        (ConnectionRefusedError(111, "Connection refused"), False),
+        (ClientConnectorError(111, "Cannot connect to host"), False),
+        (TimeoutError(), False),
+    ],
+    ids=lambda v: getattr(v, "status", None) or type(v).__name__,
+)
+def test_a_server_error_under_fsspecs_not_found_is_retried_not_missing(
+    cause: Exception, missing: bool
+) -> None:
+    """fsspec's HTTP info() turns a 503 or a refused connection into FileNotFoundError too:
+    reported as missing, a skipping handler would drop a shard that comes back on retry."""
+    from cloudshards.source import is_retryable, map_backend_error
+
+    try:
+        try:
+            raise cause
+        except Exception as answer:
+            raise FileNotFoundError("https://h/x.tar") from answer
+    except FileNotFoundError as exc:
+        error = map_backend_error(exc, "https://h/x.tar")
+        retryable = is_retryable(exc)
+    assert retryable is not missing
+    assert isinstance(error, ShardNotFoundError) is missing
+    assert isinstance(error, ShardOpenError)
+    if not missing:
+        assert type(cause).__name__ in str(error)

@@ -190,9 +190,11 @@ class ObstoreObject:
         self.key = key
         self.url = url
 
-    def info(self) -> dict[str, Any]:
+    def info(self, timeout: float | None = None) -> dict[str, Any]:
         """One HEAD: the size and ETag, under s3fs's names."""
         import obstore
+
+        del timeout  # the store's read timeout is the stall timeout
 
         return _details(_call(obstore.head, self.store, self.key))
 

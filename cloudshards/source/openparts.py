@@ -63,7 +63,7 @@ def open_parts(
 
         def lookup() -> dict[str, Any]:
             stats.add(requests=1)
-            return source.info()
+            return source.info(timeout=fetch.stall_timeout_s)
 
         # The first part goes out with the size lookup: one round trip to first byte, and
         # the reader starts on it without waiting for the lookup.
@@ -144,7 +144,7 @@ def open_sized_parts(
     """Ranged GETs of an object whose size is known already (from an index): one metadata
     request first, whose size goes to ``check_size`` (which raises to refuse the object)."""
     source = object_at(url, options, stall_timeout_s=fetch.stall_timeout_s)
-    details = source.info()
+    details = source.info(timeout=fetch.stall_timeout_s)
     if details.get("size") is not None:
         check_size(int(details["size"]))
     stream = PartStream(

@@ -28,9 +28,16 @@ class FsspecObject:
         self.path = path
         self.url = url
 
-    def info(self) -> dict[str, Any]:
-        """One metadata request (size, ETag, ...); backend errors as raised."""
-        details: dict[str, Any] = self.fs.info(self.path)
+    def info(self, timeout: float | None = None) -> dict[str, Any]:
+        """One metadata request (size, ETag, ...); backend errors as raised. On async
+        backends bounded by ``timeout`` (fsspec's HTTP filesystem waits up to aiohttp's 300 s
+        default for a server that never answers, and tries HEAD, then GET)."""
+        fs = self.fs
+        details: dict[str, Any]
+        if timeout is not None and getattr(fs, "async_impl", False) and fs.loop is not None:
+            details = fsspec.asyn.sync(fs.loop, fs._info, self.path, timeout=timeout)
+        else:
+            details = fs.info(self.path)
         return details
 
     @property

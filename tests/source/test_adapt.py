@@ -187,7 +187,7 @@ class SlowSource:
         self.data = bytes(size)
         self.delay_s = delay_s
 
-    def info(self) -> dict[str, int]:
+    def info(self, timeout: float | None = None) -> dict[str, int]:
         return {"size": len(self.data)}
 
     def cat_range(self, start: int, end: int, timeout: float | None = None) -> bytes:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import pickle
 from pathlib import Path
@@ -206,3 +207,34 @@ def test_a_server_error_under_fsspecs_not_found_is_retried_not_missing(
     assert isinstance(error, ShardOpenError)
     if not missing:
         assert type(cause).__name__ in str(error)
+
+
+@pytest.mark.timeout(60)
+def test_a_server_that_never_answers_fails_within_the_stall_timeout() -> None:
+    """fsspec's HTTP info() waits up to aiohttp's 300 s for an answer, and tries HEAD, then
+    GET: a server that accepts and says nothing once held a reader for ten minutes."""
+    import socket
+    import threading
+
+    server = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+    done = threading.Event()
+
+    def accept() -> None:
+        server.settimeout(0.2)
+        while not done.is_set():
+            with contextlib.suppress(OSError):
+                held.append(server.accept()[0])  # and never answer
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{server.getsockname()[1]}/a.tar"
+    try:
+        with pytest.raises(ShardOpenError, match=r"stalled|Timeout"):
+            list(wds.WebDataset(url, stall_timeout_s=2, retries=1, shardshuffle=False))
+    finally:
+        done.set()
+        thread.join()
+        for connection in held:
+            connection.close()
+        server.close()

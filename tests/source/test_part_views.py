@@ -30,7 +30,7 @@ class ViewSource:
         self.views = 0
         self.copies = 0
 
-    def info(self) -> dict[str, int]:
+    def info(self, timeout: float | None = None) -> dict[str, int]:
         return {"size": len(self.data)}
 
     def cat_range(self, start: int, end: int, timeout: float | None = None) -> bytes:
@@ -172,7 +172,7 @@ class ConditionalSource(ViewSource):
         self.etag = etag
         self.conditions: list[str | None] = []
 
-    def info(self) -> dict[str, Any]:
+    def info(self, timeout: float | None = None) -> dict[str, Any]:
         return {"size": len(self.data), "ETag": self.etag}
 
     def cat_range_view(self, start: int, end: int, if_match: str | None = None) -> memoryview:

@@ -50,9 +50,18 @@ info: dict[str, Any] = {}
 def _check_pipe_allowed(what: str, allow_pipe: bool | None) -> None:
     if not OpenOptions(allow_pipe=allow_pipe).pipe_allowed():
         raise ConfigError(
-            f"{what[:80]}: shell commands are off by default; pass allow_pipe=True or set "
+            f"{what}: shell commands are off by default; pass allow_pipe=True or set "
             "CLOUDSHARDS_ALLOW_PIPE=1 to allow them"
         )
+
+
+def _program(args: tuple[Any, ...]) -> str:
+    """The command's program, for messages: the rest of a command line may hold a token."""
+    command = args[0] if args else ""
+    if isinstance(command, (list, tuple)):
+        command = command[0] if command else ""
+    words = str(command).split(maxsplit=1)
+    return f"pipe command {words[0][:80]!r}" if words else "pipe command"
 
 
 class Pipe:
@@ -72,7 +81,7 @@ class Pipe:
         allow_pipe: bool | None = None,
         **kw: Any,
     ) -> None:
-        _check_pipe_allowed(f"pipe {args!r}", allow_pipe)
+        _check_pipe_allowed(_program(args), allow_pipe)
         self.ignore_errors = ignore_errors
         self.ignore_status = [0, *(ignore_status or [])]
         self.timeout = timeout
@@ -88,11 +97,11 @@ class Pipe:
         else:
             raise ValueError(f"{mode}: unknown mode")
         if stream is None:
-            raise ValueError(f"{args}: couldn't open")
+            raise ValueError(f"{_program(args)}: couldn't open")
         self.stream: Any = stream
 
     def __str__(self) -> str:
-        return f"<Pipe {self.args}>"
+        return f"<Pipe {_program(self.args[0])}>"
 
     def check_status(self) -> None:
         """Raise if the command has exited with a bad status."""
@@ -103,7 +112,7 @@ class Pipe:
         """Wait for the command; raise ``OSError`` on a bad exit status."""
         self.status = self.proc.wait()
         if self.status not in self.ignore_status and not self.ignore_errors:
-            raise OSError(f"{self.args}: exit {self.status} (read) {info}")
+            raise OSError(f"{_program(self.args[0])}: exit {self.status} (read) {info}")
 
     def read(self, *args: Any, **kw: Any) -> Any:
         """Read from the command's stdout."""

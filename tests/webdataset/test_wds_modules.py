@@ -1355,6 +1355,28 @@ def test_pipe_urls_need_the_opt_in(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         read_all("pipe:exit 3")
 
 
+def test_pipe_errors_name_the_program_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rest of a command line may hold a token (curl -H 'Authorization: Bearer ...')."""
+    secret = "Bearer SECRETTOKEN"
+    command = f"sh -c 'exit 3' -- -H 'Authorization: {secret}'"
+    for attempt in (
+        lambda: OUR_GOPEN.gopen(f"pipe:{command}"),
+        lambda: OUR_GOPEN.Pipe(command, mode="rb", shell=True),
+        lambda: OUR_GOPEN.Pipe(["sh", "-c", "exit 3", secret], mode="rb"),
+    ):
+        with pytest.raises(ConfigError) as refused:
+            attempt()
+        assert "SECRETTOKEN" not in str(refused.value)
+        assert "'sh'" in str(refused.value)
+    monkeypatch.setenv("CLOUDSHARDS_ALLOW_PIPE", "1")
+    pipe = OUR_GOPEN.gopen(f"pipe:{command}")
+    assert "SECRETTOKEN" not in str(pipe)
+    pipe.stream.read()  # to the end: the command has exited
+    with pytest.raises(OSError, match="exit 3") as failed:
+        pipe.close()
+    assert "SECRETTOKEN" not in str(failed.value)
+
+
 # --- writer ----------------------------------------------------------------------------------
 
 

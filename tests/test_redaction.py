@@ -178,6 +178,25 @@ def test_backend_loggers_are_redacted(backend_log: io.StringIO, name: str) -> No
     assert "403 for url http://<redacted>@host/x.tar" in text  # the traceback is still logged
 
 
+def test_credentials_in_sts_and_imds_answers_are_masked(backend_log: io.StringIO) -> None:
+    """botocore logs response bodies at DEBUG: STS's XML, the instance metadata's JSON, and
+    credential dicts name their secrets in CamelCase or with suffixes."""
+    sts = (
+        b"<Credentials><AccessKeyId>ASIAEXAMPLE</AccessKeyId><SecretAccessKey>STSSECRET1"
+        b"</SecretAccessKey><SessionToken>STSSESSION2</SessionToken></Credentials>"
+    )
+    imds = '{\n  "AccessKeyId" : "ASIAEX",\n  "SecretAccessKey" : "IMDSSECRET3",\n'
+    imds += '  "Token" : "T4"\n}'
+    logging.getLogger("botocore.parsers").debug("Response body:\n%r", sts)
+    logging.getLogger("botocore.utils").debug("Response: %s", imds)
+    creds = {"access_key": "ASIA", "secret_key": "DICTSECRET5", "token": "DICTTOKEN6"}
+    logging.getLogger("aiobotocore.credentials").debug("creds %r", creds)
+    logged = backend_log.getvalue()
+    for secret in ("STSSECRET1", "STSSESSION2", "IMDSSECRET3", '"T4"', "DICTSECRET5", "DICTTOKEN6"):
+        assert secret not in logged
+    assert "ASIAEXAMPLE" in logged  # the key's id is not a secret, and helps debugging
+
+
 def test_new_backend_child_loggers_are_covered(backend_log: io.StringIO) -> None:
     log = logging.getLogger("s3fs.cloudshards_test_child")  # created after the first install
     install_log_redaction()

@@ -86,6 +86,9 @@ class StatefulLoader(SettledFork, StatefulDataLoader):  # type: ignore[misc]
             try:
                 batch = next(iterator)
             except StopIteration:
+                # Ran out: nothing fetched is left untrained, so the state is the finished one
+                # (Lightning checkpoints at the epoch's end after its fetcher hit the end).
+                before.clear()
                 return
             yield batch
 

@@ -103,6 +103,7 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
         self._epoch = int(epoch)
         self._epoch_set = True
         self._epoch_from_user = True
+        self.__dict__["_changes"] = self.__dict__.get("_changes", 0) + 1  # see __iter__
 
     def _push_epoch(self, epoch: int) -> None:
         # A WebLoader keeping this dataset in step: like set_epoch, but not the user's choice.
@@ -232,10 +233,12 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
         if self.__dict__.pop("_skip_ended", False):
             return iter(())  # torchdata's one more batch after the share ended: none
         self.__dict__["_ended"] = None
+        unstarted = self.__dict__.get("_unstarted")  # the last iterator, the epoch's changes
+        if unstarted == (self._live, self.__dict__.get("_changes", 0)) and unstarted[0]:
+            self._epoch = unstarted[0].epoch  # it never ran (torchdata drops one): not spent
         for stage in self.pipeline:
-            # WebLoader: keep the wrapped dataset's epoch in step with ours. An epoch the user
-            # set on the dataset since our last push wins (a job restarted at epoch k calls
-            # dataset.set_epoch(k)), unless the loader's own epoch was set explicitly.
+            # WebLoader: keep the wrapped dataset's epoch in step with ours. One the user set on
+            # the dataset since our last push wins, unless the loader's own was set explicitly.
             dataset = getattr(stage, "dataset", None) if isinstance(stage, DataLoader) else None
             if isinstance(dataset, DataPipeline):
                 if dataset._epoch_from_user and not self._epoch_from_user:
@@ -244,13 +247,11 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
                 self._epoch_from_user = False
             elif dataset is not None and hasattr(dataset, "set_epoch"):
                 dataset.set_epoch(self._epoch)
-        live, unstarted = self._live, self.__dict__.get("_unstarted")
-        if live is unstarted and live is not None and self._epoch == live.epoch + 1:
-            self._epoch = live.epoch  # the last iterator never ran (torchdata drops one)
         it = self.iterator(self._epoch)
         # Until the first next(), state_dict() says "the start of this epoch".
         passes = EpochLimiter(self.repetitions, self.nsamples)
-        self._live = self.__dict__["_unstarted"] = LiveEpoch(self._epoch, None, None, passes)
+        self._live = LiveEpoch(self._epoch, None, None, passes)
+        self.__dict__["_unstarted"] = (self._live, self.__dict__.get("_changes", 0))
         self._epoch += 1
         return it
 
@@ -323,12 +324,10 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
             state = {**gathered(state[ELASTIC_KEY], check), **extra}
         else:
             state = check(state)
-        self._epoch = int(state["epoch"])
+        self.set_epoch(int(state["epoch"]))  # a WebLoader around it continues from this epoch
         # Saved by a DataLoader worker after its share ended (not the loader's epoch): in a
         # worker it yields nothing more this epoch; elsewhere it is the next epoch's start.
         self.__dict__["_skip_ended"] = state.get("ended") is not None and in_dataloader_worker()
-        self._epoch_set = True
-        self._epoch_from_user = True  # a WebLoader around it continues from this epoch
         self.__dict__["_count_free"] = self._epoch if state.get("count_free") else None
         positions = (*elastic.KEPT, ELASTIC_KEY)  # plan, limit: an elastic restore's epoch
         if state.get("seed") is None or not any(state.get(key) for key in positions):

@@ -71,27 +71,33 @@ def test_a_webloader_restored_from_its_state_still_iterates(make_shards: Any) ->
     assert [key for (batch,) in fresh for key in batch] == sorted(shards.keys)
 
 
-def _epochs_loader(spec: str, workers: int) -> Any:
+def _epochs_loader(spec: str, workers: int, prefetched: int = 0) -> Any:
     dataset = wds.WebDataset(spec, shardshuffle=True, seed=7).shuffle(10).batched(4)
-    return dataset, wds.StatefulLoader(dataset, batch_size=None, num_workers=workers)
+    loader = wds.StatefulLoader(
+        dataset, batch_size=None, num_workers=workers, prefetched=prefetched
+    )
+    return dataset, loader
 
 
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("set_epoch", [True, False])
+@pytest.mark.parametrize("prefetched", [0, 1])
 def test_a_state_saved_at_an_epochs_end_restores_the_next_epoch(
-    make_shards: Any, workers: int, set_epoch: bool
+    make_shards: Any, workers: int, set_epoch: bool, prefetched: int
 ) -> None:
-    """Lightning checkpoints after the loader ran out. The restored job runs the next epoch,
-    in the order the uninterrupted job gave it (with 0 workers torchdata makes an iterator,
-    drops it and makes another: the next epoch once ran as the one after)."""
+    """Lightning checkpoints after the loader ran out (its fetcher one batch ahead:
+    ``prefetched=1``). The restored job runs the next epoch, in the order the uninterrupted
+    job gave it (with 0 workers torchdata makes an iterator, drops it and makes another: the
+    next epoch once ran as the one after; fetched ahead, the state once said "the end of the
+    epoch, not finished", and the restored epoch was empty)."""
     spec = make_shards([9, 14, 5, 20, 11]).spec()
-    dataset, loader = _epochs_loader(spec, workers)
+    dataset, loader = _epochs_loader(spec, workers, prefetched)
     dataset.set_epoch(0)
     keys(loader)
     state = loader.state_dict()
     dataset.set_epoch(1)
     expected = keys(loader)
-    dataset, restored = _epochs_loader(spec, workers)
+    dataset, restored = _epochs_loader(spec, workers, prefetched)
     if set_epoch:
         dataset.set_epoch(1)
     restored.load_state_dict(state)
@@ -157,3 +163,32 @@ def test_a_restore_without_set_epoch_goes_on_with_the_next_epoch(make_shards: An
     restored.load_state_dict(state)
     assert keys(trained) + keys(restored) == epoch1
     assert keys(restored) == epoch2
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_iterator_made_and_dropped_spends_no_epoch(make_shards: Any, workers: int) -> None:
+    """Lightning calls iter() once on a loader that is not a torch DataLoader (a WebLoader)
+    to check it, and drops it: the epochs after run as if it had not (one once repeated)."""
+    spec = make_shards([9, 14, 5, 20, 11]).spec()
+
+    def webloader() -> Any:
+        dataset = wds.WebDataset(spec, shardshuffle=True, seed=7).shuffle(10).batched(4)
+        return wds.WebLoader(dataset, batch_size=None, num_workers=workers)
+
+    reference = webloader()
+    expected = [keys(reference) for _ in range(3)]
+    checked = webloader()
+    iter(checked)
+    assert [keys(checked) for _ in range(3)] == expected
+    assert len({tuple(order) for order in expected}) == 3
+
+
+def test_an_epoch_set_after_a_dropped_iterator_is_the_one_run(make_shards: Any) -> None:
+    spec = make_shards([9, 14, 5, 20, 11]).spec()
+    reference = wds.WebDataset(spec, shardshuffle=True, seed=7).shuffle(10)
+    reference.set_epoch(1)
+    dataset = wds.WebDataset(spec, shardshuffle=True, seed=7).shuffle(10)
+    dataset.set_epoch(0)
+    iter(dataset)
+    dataset.set_epoch(1)
+    assert keys(dataset) == keys(reference)

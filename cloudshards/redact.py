@@ -45,14 +45,19 @@ _MASK = "<redacted>"
 # Header and field names whose values are secrets wherever they appear in free text: HTTP
 # headers in a backend's debug log (botocore prints the signed request, Authorization included;
 # its canonical request lists x-amz-security-token), credential fields in a repr.
-_COMPOUND = r"[\w-]*(?:secret|token|password|passwd|credential|signature)[\w-]*"
+# Credential names in CamelCase or with another separator (STS, instance metadata, botocore's
+# credential dicts): named one by one, as words like "tokenizer=" or "max_tokens:" are not.
+_COMPOUND = (
+    r"secret_?access_?key|secret_?key|session_?token|security_?token|access_?token"
+    r"|refresh_?token|auth_?token|bearer_?token|id_?token|api_?token|client_?secret"
+    r"|api_?key|private_?key"
+)
 _MASKED_FIELDS = (
     r"authorization|proxy-authorization|cookie|set-cookie|x-amz-security-token|x-amz-signature"
     r"|x-amz-credential|x-goog-signature|x-goog-credential|x-api-key|aws_secret_access_key"
     r"|aws_session_token|secret_access_key|session_token|secret|password|passwd"
     r"|access_token|refresh_token|id_token|client_secret|private_key|sig|token|signature"
     r"|key-pair-id|policy|credential"
-    # CamelCase and compound names (SecretAccessKey, SessionToken, secret_key, AccessToken)
     rf"|{_COMPOUND}"
 )
 # name, separator, then a quoted value (masked to its closing quote) ...
@@ -60,7 +65,7 @@ _QUOTED_SECRET = re.compile(rf"(?i)(?<![\w-])({_MASKED_FIELDS})(['\"]?\s*[:=]\s*
 # ... or an unquoted one (masked to the end of the line, or the next field of a query string).
 _BARE_SECRET = re.compile(rf"(?i)(?<![\w-])({_MASKED_FIELDS})(\s*[:=]\s*)(?!['\"<])([^\r\n&]+)")
 # ... or an XML element (STS and IMDS answers, which botocore logs at DEBUG).
-_XML_SECRET = re.compile(rf"(?i)<({_COMPOUND})>[^<]*</\1>")
+_XML_SECRET = re.compile(rf"(?i)<({_COMPOUND}|token)>[^<]*</\1>")
 
 
 def redact_url(url: str) -> str:

@@ -197,6 +197,23 @@ def test_credentials_in_sts_and_imds_answers_are_masked(backend_log: io.StringIO
     assert "ASIAEXAMPLE" in logged  # the key's id is not a secret, and helps debugging
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        "tokenizer=bert-base-uncased, max_length=128",
+        "max_tokens: 512 exceeds the limit",
+        "ExpiredToken: The provided token has expired.",
+        "SignatureDoesNotMatch: The request signature we calculated does not match",
+        "decoding field txt of sample tokens_000123: bad utf-8",
+        "/data/tokenizer=llama3/shard-000.tar",
+    ],
+)
+def test_words_that_only_contain_a_secrets_name_are_left_alone(text: str) -> None:
+    """Error messages keep what explains them: a tokenizer, a sample key, a Hive-style
+    path, a store's error code and its message."""
+    assert redact_text(text) == text
+
+
 def test_new_backend_child_loggers_are_covered(backend_log: io.StringIO) -> None:
     log = logging.getLogger("s3fs.cloudshards_test_child")  # created after the first install
     install_log_redaction()

@@ -6,18 +6,19 @@ misconfiguration) must never make the cache write, or read, the file it points t
 
 - files are created and opened with ``O_NOFOLLOW`` (a symlink there is refused);
 - small files written whole (metadata, member tables, counters) go to a fresh temporary name
-  (``mkstemp``: random, ``O_EXCL``) and are renamed into place;
+  (random, created with ``O_EXCL``) and are renamed into place;
 - the cache's subdirectories must be real directories, not symlinks (:func:`check_directory`).
 
-Hand-written because ``tempfile`` offers no "open this exact name, never through a symlink".
+Hand-written because ``tempfile`` offers no "open this exact name, never through a symlink",
+and its ``mkstemp`` ignores the umask (0600).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import stat
-import tempfile
 
 from cloudshards.errors import CacheError
 
@@ -36,10 +37,12 @@ def replace_with(path: str, data: bytes) -> None:
     """Write ``data`` to a new temporary file beside ``path``, then rename it over ``path``
     (readers see the old file or the new one, whole). Raises ``OSError``; leaves nothing."""
     directory, base = os.path.split(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{base}.", suffix=".tmp", dir=directory)
+    # A fresh random name, created exclusively (as mkstemp does, but with the umask's mode,
+    # like the cache's data files, not mkstemp's 0600).
+    tmp = os.path.join(directory, f".{base}.{secrets.token_hex(8)}.tmp")
+    fd = open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     try:
         with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), 0o644)  # mkstemp's 0600 would hide it from other users
             f.write(data)
         os.replace(tmp, path)
     except BaseException:

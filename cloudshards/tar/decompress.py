@@ -127,6 +127,11 @@ class DecompressReader:
             try:
                 out: bytes = decompressor.decompress(feed, self._block_bytes)
             except (zlib.error, OSError, lzma.LZMAError, EOFError) as exc:
+                if "memory" in str(exc).lower():  # lzma's memlimit: refused, not corrupt
+                    raise self._error(
+                        f"refused: the {self.kind} stream needs more than "
+                        f"{XZ_MEMORY_LIMIT >> 20} MiB of decoder memory ({exc})"
+                    ) from None
                 raise self._error(f"corrupt {self.kind} stream ({exc})") from None
             rest = self._input[len(feed) :]
             if self._zlib:

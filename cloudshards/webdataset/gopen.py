@@ -60,8 +60,12 @@ def _program(args: tuple[Any, ...]) -> str:
     command = args[0] if args else ""
     if isinstance(command, (list, tuple)):
         command = command[0] if command else ""
-    words = str(command).split(maxsplit=1)
+    # Skip leading variable assignments (HF_TOKEN=... curl ...): they may be the secret.
+    words = [word for word in str(command).split() if not _ASSIGNMENT.match(word)][:1]
     return f"pipe command {words[0][:80]!r}" if words else "pipe command"
+
+
+_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 
 
 class Pipe:

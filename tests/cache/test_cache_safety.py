@@ -1043,3 +1043,16 @@ def test_a_cache_subdirectory_that_is_a_symlink_is_refused(
     with pytest.raises(wds.CacheError, match=f"{sub} is a symlink"):
         _read_through_cache([url], cache_dir)
     assert list(outside.iterdir()) == []
+
+
+def test_metadata_files_follow_the_umask_like_the_data_files(tmp_path: Path) -> None:
+    from cloudshards.cache.files import open_file, replace_with
+
+    old = os.umask(0o077)  # a private cache: nothing in it readable by other users
+    try:
+        replace_with(str(tmp_path / "meta.json"), b"{}")
+        os.close(open_file(str(tmp_path / "data.tar"), os.O_WRONLY | os.O_CREAT))
+    finally:
+        os.umask(old)
+    modes = {path.name: path.stat().st_mode & 0o777 for path in tmp_path.iterdir()}
+    assert modes == {"meta.json": 0o600, "data.tar": 0o600}

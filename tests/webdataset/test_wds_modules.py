@@ -1360,6 +1360,7 @@ def test_pipe_errors_name_the_program_only(monkeypatch: pytest.MonkeyPatch) -> N
     secret = "Bearer SECRETTOKEN"
     command = f"sh -c 'exit 3' -- -H 'Authorization: {secret}'"
     for attempt in (
+        lambda: OUR_GOPEN.gopen(f"pipe:HF_TOKEN=SECRETTOKEN {command}"),  # a variable first
         lambda: OUR_GOPEN.gopen(f"pipe:{command}"),
         lambda: OUR_GOPEN.Pipe(command, mode="rb", shell=True),
         lambda: OUR_GOPEN.Pipe(["sh", "-c", "exit 3", secret], mode="rb"),

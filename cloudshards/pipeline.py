@@ -234,7 +234,7 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
             return iter(())  # torchdata's one more batch after the share ended: none
         self.__dict__["_ended"] = None
         unstarted = self.__dict__.get("_unstarted")  # the last iterator, the epoch's changes
-        if unstarted == (self._live, self.__dict__.get("_changes", 0)) and unstarted[0]:
+        if unstarted == (self._live, self.__dict__.get("_changes", 0)):
             self._epoch = unstarted[0].epoch  # it never ran (torchdata drops one): not spent
         for stage in self.pipeline:
             # WebLoader: keep the wrapped dataset's epoch in step with ours. One the user set on

@@ -22,15 +22,15 @@ import stat
 
 from cloudshards.errors import CacheError
 
-__all__ = ["NOFOLLOW", "check_directory", "open_file", "replace_with"]
+__all__ = ["check_directory", "open_file", "replace_with"]
 
 #: Refuses a symlink as the last component (0 where the platform has no such flag).
-NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 def open_file(path: str, flags: int, mode: int = 0o644) -> int:
     """``os.open`` that refuses a symlink at ``path`` (``OSError`` with ``ELOOP``)."""
-    return os.open(path, flags | NOFOLLOW | getattr(os, "O_CLOEXEC", 0), mode)
+    return os.open(path, flags | _NOFOLLOW | getattr(os, "O_CLOEXEC", 0), mode)
 
 
 def replace_with(path: str, data: bytes) -> None:

@@ -8,7 +8,7 @@ import fcntl
 import os
 import stat
 
-from cloudshards.cache.files import NOFOLLOW
+from cloudshards.cache.files import open_file
 
 #: Errors that mean "the disk cannot take this entry": degrade to uncached streaming.
 DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
@@ -64,7 +64,7 @@ class DownloadLock:
 
     def try_acquire(self, *, wait: bool = False) -> bool:
         """Take the lock (without waiting unless ``wait``); True on success."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | NOFOLLOW, 0o644)
+        fd = open_file(self.path, os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BaseException as exc:
@@ -97,7 +97,7 @@ def is_locked(path: str) -> bool:
     disk (a missing lock file is held by no one).
     """
     try:
-        fd = os.open(path, os.O_RDONLY | NOFOLLOW)
+        fd = open_file(path, os.O_RDONLY)
     except FileNotFoundError:
         return False
     try:

@@ -102,12 +102,12 @@ def open_local(url: str, options: OpenOptions, shard_index: int | None) -> IO[by
         ConfigError: ``pipe:`` is not allowed.
     """
     opener = user_opener(url)
-    try:
-        if opener is not None:
+    if opener is not None:
+        try:
             stream: IO[bytes] = opener(url, "rb", 8192)  # webdataset's default bufsize
             return stream
-    except Exception as exc:
-        raise_redacted(map_backend_error(exc, url, shard_index=shard_index), exc)
+        except Exception as exc:
+            raise_redacted(map_backend_error(exc, url, shard_index=shard_index), exc)
     if url.startswith(PIPE_PREFIX):
         return _open_pipe(url, options)
     _, path = resolve(url, options.storage_options)

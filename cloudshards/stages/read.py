@@ -281,7 +281,6 @@ def _read_opened(
             else:
                 members_filter = skipping(name_filter, skip) if skip else name_filter
             samples = _samples_by_table(stream, url, members_filter, options, index, handler)
-            path = local_path(url) if samples is not None else None  # grouping adds it itself
             if samples is None:
                 if hasattr(stream, "save_member_table"):
                     record = MemberTable()  # a complete parse lets later epochs slice by offset
@@ -301,6 +300,8 @@ def _read_opened(
                     on_duplicate=handler,
                     # One field at the member limit and its small companions fit.
                     max_sample_bytes=2 * options.member_limit(),
+                    # webdataset 1.0.2 tells consumers where a local shard lives (a member
+                    # table is a cached remote shard's: none has a local path).
                     local_path=local_path(url),
                 )
             if chosen is not None:  # stop after the last one: the rest is not needed
@@ -313,9 +314,6 @@ def _read_opened(
                 position[0] = places[0] + 1
                 numbers = iter(places[1])
             for sample in samples:
-                if path is not None:
-                    # webdataset 1.0.2 tells consumers where a local shard lives.
-                    sample["__local_path__"] = path
                 if places is None:
                     position[1] += 1
                 else:

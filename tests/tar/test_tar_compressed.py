@@ -7,12 +7,13 @@ from __future__ import annotations
 import bz2
 import io
 import lzma
-import tarfile
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
+from test_tar import write_tar
 
 import cloudshards as wds
 from cloudshards.errors import ShardFormatError
@@ -32,14 +33,8 @@ COMPRESSORS: dict[str, Callable[[bytes], bytes]] = {
 }
 
 
-def tar_of(members: list[tuple[str, bytes]]) -> bytes:
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for name, data in members:
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return buffer.getvalue()
+# Without PAX headers: a tar's first bytes are its first member's name (see the bzip2 test).
+tar_of = partial(write_tar, float_mtime=False)
 
 
 class Pipe:

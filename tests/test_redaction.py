@@ -253,6 +253,10 @@ def test_pipe_refusal_does_not_echo_the_command() -> None:
     assert SECRET not in str(info.value)
     assert "pipe:curl" in str(info.value)
     assert "allow_pipe=True" in str(info.value)
+    with pytest.raises(ConfigError) as info:  # a variable set before the program
+        open_shard(f"pipe:HF_TOKEN={SECRET} curl -s https://host/x.tar")
+    assert SECRET not in str(info.value)
+    assert "pipe:curl" in str(info.value)
 
 
 def test_options_repr_hides_storage_options() -> None:

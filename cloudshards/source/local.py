@@ -8,6 +8,7 @@ prefetched, fetched in ranged parts, retried and cached) or opened where it is.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from collections.abc import Callable
 from typing import IO, Any
@@ -25,6 +26,7 @@ __all__ = [
     "local_path",
     "open_local",
     "open_local_fd",
+    "pipe_program",
     "serve_user_openers",
     "user_opener",
     "user_output",
@@ -171,12 +173,22 @@ class _PipeReader:
         self._proc.wait()
 
 
+_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
+
+
+def pipe_program(command: str) -> str:
+    """A shell command's program, for messages: the first word that is not a variable
+    assignment (``HF_TOKEN=... curl ...``); the rest of a command line may hold a token or a
+    password."""
+    words = [word for word in command.split() if not _ASSIGNMENT.match(word)][:1]
+    return redact_url(words[0])[:80] if words else ""
+
+
 def _open_pipe(url: str, options: OpenOptions) -> IO[bytes]:
     if not options.pipe_allowed():
-        # Only the program's name: the rest of a command line may hold a token or a password.
-        program = url[len(PIPE_PREFIX) :].split(maxsplit=1)[:1] or [""]
+        program = pipe_program(url[len(PIPE_PREFIX) :])
         raise ConfigError(
-            f"'pipe:{redact_url(program[0])[:40]} ...': pipe: URLs run shell commands and are "
+            f"'pipe:{program[:40]} ...': pipe: URLs run shell commands and are "
             "off by default; "
             "pass allow_pipe=True or set CLOUDSHARDS_ALLOW_PIPE=1 to allow them"
         )

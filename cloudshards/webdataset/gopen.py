@@ -60,12 +60,8 @@ def _program(args: tuple[Any, ...]) -> str:
     command = args[0] if args else ""
     if isinstance(command, (list, tuple)):
         command = command[0] if command else ""
-    # Skip leading variable assignments (HF_TOKEN=... curl ...): they may be the secret.
-    words = [word for word in str(command).split() if not _ASSIGNMENT.match(word)][:1]
-    return f"pipe command {words[0][:80]!r}" if words else "pipe command"
-
-
-_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
+    program = _io.pipe_program(str(command))
+    return f"pipe command {program!r}" if program else "pipe command"
 
 
 class Pipe:

@@ -311,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     work = args.work or temp
     assert work is not None
     args.work = work.resolve()
+    for scratch in ("data", "s3rver-data"):  # a reused --work starts empty
+        shutil.rmtree(args.work / scratch, ignore_errors=True)
     started = time.perf_counter()
     server = S3rver.start(S3RVER, args.work)
     sim = gcs = gcs_sim = None

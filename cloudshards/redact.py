@@ -57,7 +57,9 @@ _MASKED_FIELDS = (
     r"|x-amz-credential|x-goog-signature|x-goog-credential|x-api-key|aws_secret_access_key"
     r"|aws_session_token|secret_access_key|session_token|secret|password|passwd"
     r"|access_token|refresh_token|id_token|client_secret|private_key|sig|token|signature"
-    r"|key-pair-id|policy|credential"
+    r"|key-pair-id|policy|credential|accountkey|sharedaccesskey"
+    # Variables and fields that end in a secret's name: HF_TOKEN, sas_token, account_key.
+    r"|\w+_(?:token|secret|password|passwd|key)"
     rf"|{_COMPOUND}"
 )
 # name, separator, then a quoted value (masked to its closing quote) ...
@@ -77,8 +79,10 @@ def redact_url(url: str) -> str:
     after ``scheme://`` starts like ``user:`` (not ``host:port``), everything up to the last
     ``@`` is treated as user info (when in doubt, hide more).
     """
+    if url.startswith("pipe:"):
+        return "pipe:" + _redact_command(url[len("pipe:") :])
     if _URL_START.match(url) is None:
-        # Not a URL itself (a local path or a pipe: command): redact URLs embedded in it.
+        # Not a URL itself (a local path): redact URLs embedded in it.
         return redact_text(url)
     scheme, rest = url.split("://", 1)
     userinfo = ""
@@ -98,6 +102,41 @@ def redact_url(url: str) -> str:
         return url  # nothing secret: unchanged (urlunsplit would turn memory:///x into memory:/x)
     query = _MASK if parts.query else ""
     return urlunsplit((parts.scheme, netloc, parts.path, query, ""))
+
+
+# A command-line option whose value is a secret (``curl -u user:pass``, ``--oauth2-bearer T``,
+# ``--api-key=K``, ``--sse-c-key K``), and a leading ``VAR=value`` (``HF_TOKEN=... curl``).
+_SECRET_OPTION = re.compile(
+    r"(?i)^(?:-u|-U|-E|--user|--proxy-user|--cert|--.*(?:token|secret|pass|key|auth|bearer"
+    r"|credential|cookie|signature).*)$"
+)
+_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
+
+
+def _redact_command(command: str) -> str:
+    """A ``pipe:`` command for messages: its program and arguments (which name the shard),
+    with the values of leading variable assignments and of secret-looking options masked,
+    and every embedded URL and ``name=secret`` redacted as in :func:`redact_text`."""
+    words = re.split(r"(\s+)", command)
+    out, program_seen, mask_next = [], False, False
+    for word in words:
+        if not word or word.isspace():
+            out.append(word)
+            continue
+        name, eq, _ = word.partition("=")
+        if mask_next:
+            word, mask_next = _MASK, False
+        elif not program_seen and _ASSIGNMENT.match(word):
+            word = f"{name}={_MASK}"
+        elif word.startswith("-") and _SECRET_OPTION.match(name):
+            if eq:
+                word = f"{name}={_MASK}"
+            else:
+                mask_next = True
+        else:
+            program_seen = True
+        out.append(word)
+    return redact_text("".join(out))
 
 
 def redact_text(text: str) -> str:

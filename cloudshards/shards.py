@@ -155,8 +155,7 @@ class ResampledShards:
         self.deterministic = deterministic
         self.epoch = -1
 
-    def __len__(self) -> int:
-        return len(self.urls)
+    # No __len__: the draws never end (len() is a TypeError, as in webdataset).
 
     def stage_config(self) -> dict[str, Any]:
         """The shard URLs and what decides the draws (not the pass counter ``epoch``)."""

@@ -36,6 +36,7 @@ from cloudshards.source import (
     OpenOptions,
     PartStream,
     ShardPrefetcher,
+    open_remote,
     parts,
 )
 
@@ -189,6 +190,27 @@ def test_503s_and_cuts_lose_nothing(
     assert after["shards"] - before["shards"] == len(remote.local.shards)
 
 
+@pytest.mark.timeout(90)
+def test_a_whole_shard_stream_retries_its_first_request(
+    cloudsim: Factory, remote_dataset: RemoteDataset, no_threads_left: None
+) -> None:
+    """The one-GET reads of whole shards (index building, sample counting, a cache taking a
+    download over, a host that ignores Range) retry a 503 on their first request as on any
+    later one; on S3 through obstore too, whose stream sends its GET when first asked."""
+    sim, remote = through(cloudsim, remote_dataset, fail_every_n=2)
+    if remote.protocol == "s3":  # s3fs's botocore settings would switch obstore off
+        remote.storage_options["s3"].pop("config_kwargs")
+    options = OpenOptions(storage_options=remote.storage_options)
+    stats = IOStats()
+    for name in remote.local.shards:
+        with open_remote(remote.url_for(name), options, fetch=FetchOptions(), stats=stats) as s:
+            data = b"".join(iter(lambda: s.read(1 << 20), b""))
+        assert data == (remote.local.root / name).read_bytes()
+    assert sim.stats().failures >= len(remote.local.shards) // 2
+    assert stats.retries == sim.stats().failures
+    assert stats.failures == 0
+
+
 # ------------------------------------------------------------------------------ a dead store
 
 
@@ -333,6 +355,44 @@ def test_server_ignoring_range_never_corrupts(
     assert_exactly_once(read_samples(streamed), remote.local)
     assert sim.stats().cuts >= len(remote.local.shards) // 2
     assert not [r for r in caplog.records if "ignores Range" in r.getMessage()]
+
+
+@pytest.mark.timeout(90)
+def test_an_s3_store_ignoring_range_is_streamed_through_obstore(
+    cloudsim: Factory,
+    dataset: LocalDataset,
+    tmp_path: Path,
+    unranged_hosts: set[str],
+    caplog: pytest.LogCaptureFixture,
+    no_threads_left: None,
+) -> None:
+    """obstore refuses a whole-object answer to a ranged GET; the store is then recognised
+    as ignoring Range and its shards streamed, as through s3fs, not retried until the shard
+    fails."""
+    from servers import S3Server
+
+    from cloudshards.source import object_at
+    from cloudshards.source.objstore import ObstoreObject
+
+    caplog.set_level(logging.WARNING, logger="cloudshards")
+    server = S3Server.start(tmp_path / "moto", enforce_auth=False)  # Range is signed: unsigned
+    try:
+        fs = server.filesystem()
+        fs.mkdir("unranged")
+        for name in dataset.shards:
+            fs.put(str(dataset.root / name), f"unranged/{name}")
+        sim = cloudsim(server.endpoint_url, ignore_range=True)
+        options = {"s3": {**server.storage_options(), "endpoint_url": sim.url}}
+        url = f"s3://unranged/{dataset.brace}"
+        assert type(object_at(url, OpenOptions(storage_options=options))) is ObstoreObject
+        ds = wds.WebDataset(url, shardshuffle=False, storage_options=options, part_bytes=PART)
+        assert_exactly_once(read_samples(ds), dataset)
+        assert sim.stats().ranges_ignored > 0
+        logged = [r.getMessage() for r in caplog.records if "ignores Range" in r.getMessage()]
+        assert len(logged) == 1, logged
+        assert not [r for r in caplog.records if "retry" in r.getMessage()]
+    finally:
+        server.close()
 
 
 # ------------------------------------------------------------------------------ node cache

@@ -497,3 +497,54 @@ def test_redacting_filter_on_any_logger() -> None:
     record = logging.makeLogRecord({"msg": "GET %s", "args": (f"http://a:{SECRET}@h/x",)})
     assert RedactingFilter().filter(record)
     assert record.getMessage() == "GET http://<redacted>@h/x"
+
+
+@pytest.mark.parametrize(
+    ("command", "kept"),
+    [
+        (f"HF_TOKEN={SECRET} curl -s -f http://h/a.tar", "curl -s -f http://h/a.tar"),
+        (f"curl -u alice:{SECRET} http://h/a.tar", "http://h/a.tar"),
+        (f"curl --oauth2-bearer {SECRET} http://h/a.tar", "http://h/a.tar"),
+        (f"tool --password {SECRET} --api-key={SECRET} s3://b/a.tar", "s3://b/a.tar"),
+        (f"aws s3 cp --sse-c-key {SECRET} s3://b/a.tar -", "s3://b/a.tar -"),
+        (f"gsutil -o Credentials:gs_oauth2_refresh_token={SECRET} cat gs://b/a.tar", "gsutil"),
+        (f"curl -H 'Authorization: Bearer {SECRET}' http://h/a.tar", "curl -H"),
+        (f"curl -s https://h/a.tar?sig={SECRET}", "curl -s https://h/a.tar"),
+    ],
+)
+def test_pipe_commands_keep_the_shard_and_lose_their_secrets(command: str, kept: str) -> None:
+    """With allow_pipe=True a failing command is named in errors and logs: what it reads
+    stays, its credentials (variables, options, headers, signed queries) do not."""
+    shown = redact_url(f"pipe:{command}")
+    assert SECRET not in shown
+    assert kept in shown
+    assert shown.startswith("pipe:")
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        f"HF_TOKEN={SECRET}",
+        f"GITHUB_TOKEN: {SECRET}",
+        f"sas_token={SECRET}",
+        f"DefaultEndpointsProtocol=https;AccountName=a;AccountKey={SECRET}",
+        f"{{'account_key': '{SECRET}'}}",
+    ],
+)
+def test_fields_named_after_a_secret_are_masked(text: str) -> None:
+    assert SECRET not in redact_text(text)
+
+
+def test_a_failing_pipe_command_shows_no_secret(caplog: pytest.LogCaptureFixture) -> None:
+    import cloudshards as wds
+
+    dataset = wds.WebDataset(f"pipe:HF_TOKEN={SECRET} exit 7", shardshuffle=False, allow_pipe=True)
+    with (
+        caplog.at_level(logging.DEBUG, logger="cloudshards"),
+        pytest.raises(ShardOpenError) as info,
+    ):
+        list(dataset)
+    shown = "".join(traceback.format_exception(info.value)) + caplog.text + repr(info.value)
+    shown += str(pickle.loads(pickle.dumps(info.value)))
+    assert "HF_TOKEN=<redacted> exit 7" in str(info.value)
+    assert SECRET not in shown

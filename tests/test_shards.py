@@ -107,6 +107,13 @@ def test_resampled_shards_are_deterministic_and_differ_per_epoch_and_worker() ->
     assert len(draw(0, 0)) == 50
 
 
+def test_resampled_shards_have_no_length_as_in_webdataset() -> None:
+    # The draws never end: len() of the number of URLs would let a sampler or a progress
+    # bar believe an epoch is that many shards.
+    with pytest.raises(TypeError):
+        len(ResampledShards(URLS))
+
+
 def test_simple_shard_list_matches_webdataset_semantics() -> None:
     assert [s["url"] for s in SimpleShardList("a-{0..2}.tar")] == ["a-0.tar", "a-1.tar", "a-2.tar"]
     seeded = SimpleShardList(URLS, seed=4)

@@ -95,6 +95,7 @@ class TeeStream(ClosingStream):
         self._keep = True  # False: verified as consistent but not cached after all
         self._committed = False
         self._cancelled = False  # closing abandons the partial file, however little is left
+        self._store_failed = False  # a read of the store raised (after its own retries)
         #: Not cached, and not this stream's to count: a cancelled download ahead, or one
         #: whose consumer streams the shard itself (and counts it).
         self.handed_back = False
@@ -150,7 +151,11 @@ class TeeStream(ClosingStream):
                     return b""
                 data, self._tail = self._tail[:count], self._tail[count:]
             else:
-                data = self._read_remote(size)
+                try:
+                    data = self._read_remote(size)
+                except BaseException:
+                    self._store_failed = True  # its retries are spent: close() does not drain
+                    raise
                 if not data:
                     self._at_end(recheck=True)
                     if self._tail is None:
@@ -343,7 +348,13 @@ class TeeStream(ClosingStream):
             return
         self.closed = True
         try:
-            if self._fd is not None and self._keep and self._tail is None and not self._cancelled:
+            if (
+                self._fd is not None
+                and self._keep
+                and self._tail is None
+                and not self._cancelled
+                and not self._store_failed
+            ):
                 try:
                     self._drain()
                 except Exception as exc:  # see the docstring: nothing escapes close()

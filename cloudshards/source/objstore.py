@@ -41,6 +41,8 @@ logger = logging.getLogger("cloudshards.fetch")
 
 _S3 = ("s3", "s3a")
 _STATUS = re.compile(r"status code: (\d{3})")
+#: obstore's refusal of a whole-object answer to a ranged GET (the store ignores Range).
+_NON_PARTIAL = "non-partial response"
 _CODE = re.compile(r"<Code>([A-Za-z0-9.]{1,64})</Code>")
 # The process that first used obstore; a forked child of it must not (see the module doc).
 _used_in_pid: int | None = None
@@ -211,12 +213,17 @@ class ObstoreObject:
         obstore filled (the parts of a shard the tar reader slices members from)."""
         import obstore
 
-        if if_match is None:
-            data = _call(obstore.get_range, self.store, self.key, start=start, end=end)
-            return memoryview(data)
-        options = {"range": (start, end), "if_match": if_match}
-        result = _call(obstore.get, self.store, self.key, options=options)
-        return memoryview(_call(result.bytes))
+        try:
+            if if_match is None:
+                return memoryview(obstore.get_range(self.store, self.key, start=start, end=end))
+            options: Any = {"range": (start, end), "if_match": if_match}
+            return memoryview(obstore.get(self.store, self.key, options=options).bytes())
+        except Exception as exc:
+            if _NON_PARTIAL not in str(exc):
+                raise _translate(exc) from None
+        # The store answered with the whole object (it ignores Range), which obstore refuses:
+        # ask for it whole; its length tells the caller (RangeIgnoredError, then streaming).
+        return memoryview(self.cat())
 
     def cat_first(
         self, end: int, on_details: Callable[[dict[str, Any]], None]
@@ -228,6 +235,10 @@ class ObstoreObject:
 
         try:
             result = _call(obstore.get, self.store, self.key, options={"range": (0, end)})
+        except ConnectionError as exc:
+            if _NON_PARTIAL not in str(exc):
+                raise
+            result = _call(obstore.get, self.store, self.key)  # ignores Range: see above
         except OSError as exc:
             if getattr(exc, "status", None) != 416:
                 raise

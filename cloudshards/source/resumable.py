@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from typing import Any
 
 from cloudshards.source.options import FetchOptions, OpenOptions
 from cloudshards.source.plain import open_shard
@@ -59,14 +60,12 @@ class ResumableStream(ClosingStream):
         self._stats = stats
         self.offset = start
         self.closed = False
-        if start:
-            self._stream = self._open_at(start)
-        else:
-            stats.add(requests=1)
-            self._stream = open_raw()
-        raw = getattr(self._stream, "_raw", None)
-        self.size = getattr(raw, "size", None)
-        self.details = getattr(raw, "details", None)
+        self.size: int | None = None
+        self.details: dict[str, Any] | None = None
+        # The first request is retried like every later one (a 503 on it is as transient).
+        self._stream = retry(
+            lambda: self._open_at(start), url=url, offset=start, options=options, stats=stats
+        )
 
     def read(self, size: int = -1) -> bytes:
         """Read up to ``size`` bytes, resuming after transient failures."""
@@ -97,10 +96,16 @@ class ResumableStream(ClosingStream):
         self._stats.add(requests=1)
         stream = self._open_raw()
         try:
-            if not _seek(stream, offset) and discard(stream, offset) < offset:
+            if offset and not _seek(stream, offset) and discard(stream, offset) < offset:
                 raise ConnectionError("object shorter than before while resuming")
+            # The response's size and metadata (an obstore stream sends its GET for them);
+            # those of the first response are kept.
+            size, details = stream.response_facts()
+            if self.size is None and self.details is None:
+                self.size, self.details = size, details
         except BaseException:
-            stream.close()
+            with contextlib.suppress(Exception):
+                stream.close()
             raise
         return stream
 

@@ -107,6 +107,10 @@ _AUTH_OR_CLIENT = (
     "NoCredentials",
     "Forbidden",
     "Unauthorized",
+    "InvalidToken",
+    "ExpiredToken",
+    # s3fs turns those two codes into OSError(EINVAL) carrying only S3's message:
+    "The provided token",
 )
 
 

@@ -89,6 +89,19 @@ class ShardStream:
         self.offset += count
         return count
 
+    def response_facts(self) -> tuple[int | None, dict[str, Any] | None]:
+        """The object's size and metadata as the open stream knows them (None where it does
+        not). A stream that sends its request lazily (obstore's) sends it now; its failure is
+        mapped like a read's."""
+        try:
+            size = getattr(self._raw, "size", None)
+            details = getattr(self._raw, "details", None)
+        except CloudShardsError:
+            raise
+        except Exception as exc:
+            raise_redacted(self._error(exc), exc)
+        return (None if size is None else int(size)), details
+
     def _error(self, exc: BaseException) -> CloudShardsError:
         return map_backend_error(
             exc, self.url, action="read failed", shard_index=self.shard_index, offset=self.offset
@@ -128,6 +141,7 @@ _AUTH_MARKERS = (
     "Unauthorized",
     "RefreshError",
     "DefaultCredentialsError",
+    "The provided token",  # S3's InvalidToken/ExpiredToken as s3fs raises them (no code)
     "401",
     "403",
 )

@@ -459,6 +459,39 @@ def test_close_of_an_object_of_unknown_size_downloads_at_most_the_drain_size(
     assert not entry.partial.exists()
 
 
+class FailingStore(Store):
+    """A store whose reads fail from ``fail_at`` on, as a stream does once its own retries
+    are spent; each read after that is counted."""
+
+    def __init__(self, fail_at: int) -> None:
+        super().__init__()
+        self.fail_at = fail_at
+        self.failed_reads = 0
+
+    def read(self, size: int = -1) -> bytes:
+        if self.pos >= self.fail_at:
+            self.failed_reads += 1
+            raise ShardOpenError("GET failed: reset (gave up after 6 attempts)", url=URL)
+        return super().read(size)
+
+
+def test_close_after_the_store_failed_does_not_read_it_again(
+    entry: Entry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read that failed had spent its retries: closing (however little is left) does not
+    start another round of them to complete the entry; the shard is simply not cached."""
+    monkeypatch.setattr(TeeStream, "DRAIN_MAX_BYTES", len(DATA))
+    store = FailingStore(fail_at=3000)
+    stream = tee(entry, store)
+    with pytest.raises(ShardOpenError, match="gave up"):
+        read_all(stream)
+    stream.close()
+    assert store.failed_reads == 1
+    assert entry.commits == []
+    assert not entry.partial.exists()
+    assert stream.stats.uncached == 1
+
+
 def test_close_never_downloads_the_object_again(
     entry: Entry,
     small_hold: int,

@@ -238,3 +238,22 @@ def test_a_server_that_never_answers_fails_within_the_stall_timeout() -> None:
         for connection in held:
             connection.close()
         server.close()
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "The provided token is malformed or otherwise invalid.",  # S3's InvalidToken
+        "The provided token has expired.",  # S3's ExpiredToken
+    ],
+)
+def test_s3_token_errors_as_s3fs_raises_them_fail_at_once(message: str) -> None:
+    """s3fs turns S3's InvalidToken and ExpiredToken into OSError(EINVAL) with only the
+    message: a credential problem, not a transient failure to retry six times."""
+    import errno
+
+    from cloudshards.source import is_retryable, map_backend_error
+
+    exc = OSError(errno.EINVAL, message)
+    assert not is_retryable(exc)
+    assert "access denied" in str(map_backend_error(exc, "s3://b/k.tar"))

@@ -19,11 +19,19 @@ Piece = tuple[int, list[Span]]
 
 def batch_size(steps: Sequence[Any], loader_batch: int) -> int:
     """Samples per batch the training loop sees: the pipeline's ``.batched`` sizes times the
-    loader's (1 where nothing batches)."""
+    loader's (1 where nothing batches).
+
+    1 also where a ``.batched(..., partial=False)`` drops short batches: a sample given to a
+    short batch could complete it, a batch more on that rank, so every rank then gets the
+    same number of samples from each of its workers (as with the loader's ``drop_last``)."""
     size = max(1, int(loader_batch))
     for step in steps:
         if isinstance(step, FilterFunction) and step.f is _batched:
-            size *= int(step.args[0] if step.args else step.kw.get("batchsize", 20))
+            names = ("batchsize", "collation_fn", "partial")
+            args = dict(zip(names, step.args, strict=False)) | step.kw
+            if not args.get("partial", True):
+                return 1
+            size *= int(args.get("batchsize", 20))
     return size
 
 

@@ -308,3 +308,53 @@ def test_a_mix_by_weights_needs_an_epoch_length_to_divide(make_shards: Any) -> N
         restored.load_state_dict({"cloudshards_ranks": [state], "world_size": 2})
         with pytest.raises(StateMismatchError, match=error):
             list(restored)
+
+
+def test_a_second_restore_divides_a_pending_share_by_the_loops_batch(make_shards: Any) -> None:
+    # 2 x 2 -> 3 x 2, saved when only each rank's worker 0 had delivered (worker 1's state is
+    # its restore, not begun) -> 2 x 1. Worker 1's share must be recomputed as the 3-rank run
+    # divided it, by batches of .batched(4), not of the loader's batch_size=None.
+    spec = make_shards(SIZES).spec()
+    everything, before, checkpoint = run_old_world(spec, 2, 2, 2, 20, 4)
+    middle: list[str] = []
+    states = []
+    for rank in range(3):
+        loader = wds.StatefulLoader(dataset(spec, rank, 3, 20, 4), batch_size=None, num_workers=2)
+        loader.load_state_dict(checkpoint)
+        it = iter(loader)
+        middle += keys([next(it)])
+        states.append(loader.state_dict())
+        del it
+    after = run_new_world(spec, {"cloudshards_ranks": states, "world_size": 3}, 2, 1, 20, 4)
+    delivered = before + middle + [k for batches in after for k in keys(batches)]
+    assert not [k for k, n in Counter(delivered).items() if n > 1], "a sample twice"
+    assert sorted(delivered) == sorted(everything)
+
+
+def test_short_batches_dropped_still_give_every_rank_the_same_batches(make_shards: Any) -> None:
+    # .batched(4, partial=False): a spare sample given to a worker's short batch could
+    # complete it, one batch more on that rank than on the others (a DDP hang).
+    spec = make_shards(SIZES).spec()
+
+    def whole_batches(rank: int, world: int) -> Any:
+        data = wds.WebDataset(spec, shardshuffle=True, seed=7, rank=rank, world_size=world)
+        data = data.batched(4, partial=False)
+        data.set_epoch(3)
+        return data
+
+    states = []
+    for rank in range(2):
+        loader = StatefulDataLoader(whole_batches(rank, 2), batch_size=None, num_workers=2)
+        it = iter(loader)
+        for _ in range(2):
+            next(it)
+        states.append(loader.state_dict())
+        del it
+    counts = []
+    for rank in range(3):
+        loader = wds.StatefulLoader(whole_batches(rank, 3), batch_size=None, num_workers=2)
+        loader.load_state_dict({"cloudshards_ranks": states, "world_size": 2})
+        batches = list(loader)
+        assert all(len(keys([batch])) == 4 for batch in batches)
+        counts.append(len(batches))
+    assert len(set(counts)) == 1, counts

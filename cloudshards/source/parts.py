@@ -188,19 +188,22 @@ class PartStream(ClosingStream):
             ):
                 start = self._next_start
                 end = min(start + plan.part_bytes, size)
+                try:
+                    future = self._executor.submit(
+                        fetch_range,
+                        self._source,
+                        start,
+                        end,
+                        size=size,
+                        options=options,
+                        stats=self._stats,
+                        cancel=self._cancel_event,
+                        view=True,
+                        if_match=self._condition(),
+                    )
+                except RuntimeError:  # the reader was closed, its pool shut down
+                    return
                 self._next_start = end
-                future = self._executor.submit(
-                    fetch_range,
-                    self._source,
-                    start,
-                    end,
-                    size=size,
-                    options=options,
-                    stats=self._stats,
-                    cancel=self._cancel_event,
-                    view=True,
-                    if_match=self._condition(),
-                )
                 self._window.append((future, start, end - start))
 
     def read(self, size: int = -1) -> bytes:

@@ -15,6 +15,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from cloudshards.finalize import close_safely
 from cloudshards.source.local import is_local
 from cloudshards.source.opener import NodeCache, ShardSource, open_source, store_opener
 from cloudshards.source.openparts import open_parts, plan_parts
@@ -113,20 +114,31 @@ class ShardPrefetcher:
                         opened = exc
                 yield shard, opened
         finally:
-            self._cancel.set()  # in-flight ranged GETs stop retrying
-            first_bytes.set()
-            for _, future in pending:
-                future.cancel()
-                if future.done() and not future.cancelled() and future.exception() is None:
-                    stream = future.result()
-                    if stream is not None:
-                        stream.close()
-            executor.shutdown(wait=True, cancel_futures=True)
-            if self._pool is not None:
-                self._pool.shutdown(wait=True, cancel_futures=True)
-                self._pool = None
-            for thread in ahead:
-                thread.join(fetch.stall_timeout_s)
+            pool, self._pool = self._pool, None
+            close_safely(lambda: self._close(first_bytes, pending, executor, pool, ahead))
+
+    def _close(
+        self,
+        first_bytes: threading.Event,
+        pending: deque[tuple[dict[str, Any], cf.Future[ShardSource | None]]],
+        executor: cf.ThreadPoolExecutor,
+        pool: cf.ThreadPoolExecutor | None,
+        ahead: list[threading.Thread],
+    ) -> None:
+        """Stop everything in flight and wait for the threads (see :func:`close_safely`)."""
+        self._cancel.set()  # in-flight ranged GETs stop retrying
+        first_bytes.set()
+        for _, future in pending:
+            future.cancel()
+            if future.done() and not future.cancelled() and future.exception() is None:
+                stream = future.result()
+                if stream is not None:
+                    stream.close()
+        executor.shutdown(wait=True, cancel_futures=True)
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+        for thread in ahead:
+            thread.join(self._fetch.stall_timeout_s)
 
     def _download_ahead(
         self,

@@ -19,6 +19,7 @@ from cloudshards.balance import observe
 from cloudshards.cache import ShardCache
 from cloudshards.cache.membertable import MemberTable, table_samples
 from cloudshards.errors import ConfigError
+from cloudshards.finalize import close_safely
 from cloudshards.grouping import group_members
 from cloudshards.handlers import reraise_exception
 from cloudshards.redact import redact_url
@@ -336,7 +337,7 @@ def _read_opened(
                 return
             logger.debug("skipped rest of shard %s after error", redact_url(url))
         finally:
-            stream.close()
+            close_safely(stream.close)  # at once, unless the garbage collector closes us
         if owes is not None:
             if held is not None:
                 shortfall.note(held, position[1])

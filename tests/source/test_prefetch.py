@@ -341,3 +341,51 @@ def test_a_slow_readers_shards_take_less_of_the_node_buffer(
         adapt.record_reading(url, 26 << 20, 50.0)  # 0.5 MB/s: two parts in flight bring it
     fetch = FetchOptions(prefetch=2, part_bytes=1 << 16, concurrency=4, adaptive=True)
     assert _fetched_ahead(make_shards, faultmem, fetch) == measured
+
+
+@pytest.mark.timeout(120)
+def test_a_reader_abandoned_in_a_reference_cycle_never_deadlocks_its_collector(
+    make_shards: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loop that raises, caught by the program, leaves its reader in a cycle (through the
+    traceback). The garbage collector finalizes it later in whatever thread allocates, one of
+    the reader's own pool threads or the main thread inside ``executor.submit``: closing it
+    there once waited for threads that needed the locks that thread held (a hang)."""
+    import gc
+
+    import fakes
+
+    fakes.register()
+    for name in fakes.ENV_KNOBS:
+        monkeypatch.delenv(name, raising=False)
+    shards = make_shards([20] * 4, payload_bytes=8000)
+    urls = [fakes.url_of(p) for p in shards.paths]
+
+    def boom(sample: dict[str, Any]) -> dict[str, Any]:
+        if sample["__key__"].endswith("7"):
+            raise ValueError("a sample the loop cannot use")
+        return sample
+
+    thresholds = gc.get_threshold()
+    gc.set_threshold(20)  # collections everywhere, in every thread
+    try:
+        for _ in range(15):
+
+            def step() -> None:
+                dataset = wds.WebDataset(urls, shardshuffle=False, part_bytes=64 << 10).map(boom)
+                try:
+                    for _ in dataset:
+                        pass
+                except ValueError as exc:
+                    kept = exc  # exception -> traceback -> this frame -> exception: a cycle
+                    assert kept
+
+            step()
+            assert len(list(wds.WebDataset(urls, shardshuffle=False))) == 80
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.collect()
+    deadline = time.monotonic() + 30
+    while prefetch.current_thread_count() and time.monotonic() < deadline:
+        time.sleep(0.05)  # the reaper closes what the collector found
+    assert prefetch.current_thread_count() == 0

@@ -173,7 +173,13 @@ class ResampledShards:
             worker = self.worker_seed() if self.worker_seed is not None else pytorch_worker_seed()
             epoch = context.epoch if context is not None else self.epoch
             repetition = context.repetition if context is not None else 0
-            rng = random.Random(derive_seed("resampled", self.seed, epoch, repetition, worker))
+            parts: tuple[object, ...] = ("resampled", self.seed, epoch, repetition, worker)
+            if context is not None and context.seed != self.seed:
+                # The pipeline's seed of this epoch: another pipeline seed, or (one rank, no
+                # set_epoch, no seed given) the DataLoader's per-epoch seed mixed in, so that
+                # fresh workers draw new shards each epoch as the shuffles reshuffle.
+                parts += (context.seed,)
+            rng = random.Random(derive_seed(*parts))
         else:
             rng = make_rng("resampled")  # drawn as the chain is built (see _resampled)
         return self._draws(rng)

@@ -246,3 +246,23 @@ def test_a_stateful_loader_counts_its_passes(make_shards: Any) -> None:
     for expected in (1, 2):
         list(loader)
         assert ds.__dict__["_loader_passes"] == expected
+
+
+def test_fresh_workers_draw_new_resampled_shards_each_epoch(make_shards: Any) -> None:
+    """A plain DataLoader without persistent workers or set_epoch (Lightning's, HF's) gets
+    new draws each epoch, as webdataset's do; a seed the user gives fixes them."""
+    import torch
+
+    shards = make_shards([4] * 6)
+
+    def draws(epochs: int, **kw: Any) -> list[list[str]]:
+        torch.manual_seed(1)
+        data = wds.WebDataset(shards.spec(), resampled=True, **kw).to_tuple("__url__")
+        loader = torch.utils.data.DataLoader(data.with_epoch(12), batch_size=None, num_workers=2)
+        return [[url for (url,) in loader] for _ in range(epochs)]
+
+    fresh = draws(3)
+    assert len({tuple(epoch) for epoch in fresh}) == 3
+    assert draws(3) == fresh  # the torch seed decides them
+    seeded = draws(2, seed=5)
+    assert seeded[0] == seeded[1]

@@ -233,14 +233,19 @@ info = pipelinefilter(_info)
 
 
 def _log_keys(data: Iterable[Any], logfile: str | None = None) -> Iterator[Any]:
-    """Append ``index, key`` lines to ``logfile`` (if given) for each sample."""
+    """Append ``index, __worker__, __rank__, __key__`` lines (tab-separated, as webdataset
+    writes them) to ``logfile`` (if given) for each sample."""
     if not logfile:
         yield from data
         return
-    with open(logfile, "a") as out:
+    # Line-buffered appends: each line is one write, so workers' lines do not interleave.
+    with open(logfile, "a", buffering=1) as stream:
         for i, sample in enumerate(data):
-            key = sample.get("__key__") if isinstance(sample, dict) else None
-            out.write(f"{i}\t{key}\n")
+            fields = ("__worker__", "__rank__", "__key__")
+            worker, rank, key = (
+                sample.get(k) if isinstance(sample, dict) else None for k in fields
+            )
+            stream.write(f"{i}\t{worker}\t{rank}\t{key}\n")
             yield sample
 
 

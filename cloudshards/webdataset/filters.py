@@ -48,6 +48,7 @@ from cloudshards.stages.transform import (
     _associate,
     _decode,
     _info,
+    _log_keys,
     _map,
     _map_dict,
     _map_tuple,
@@ -57,6 +58,7 @@ from cloudshards.stages.transform import (
     decode,
     identity,
     info,
+    log_keys,
     map,
     map_dict,
     map_tuple,
@@ -160,22 +162,6 @@ def tuple2dict(l: Any) -> dict[Any, Any]:  # noqa: E741 - webdataset's parameter
 def dict2tuple(d: dict[int, Any]) -> tuple[Any, ...]:
     """The inverse of :func:`tuple2dict` for integer keys ``0..max``."""
     return tuple(d[i] for i in range(1 + max(d.keys())))
-
-
-def _log_keys(data: Iterable[Any], logfile: str | None = None) -> Iterator[Any]:
-    """Append ``index, __worker__, __rank__, __key__`` lines (tab-separated) to ``logfile``."""
-    if not logfile:
-        yield from data
-        return
-    # Line-buffered appends: each line is one write, so workers' lines do not interleave.
-    with open(logfile, "a", buffering=1) as stream:
-        for i, sample in enumerate(data):
-            worker, rank, key = (sample.get(k) for k in ("__worker__", "__rank__", "__key__"))
-            stream.write(f"{i}\t{worker}\t{rank}\t{key}\n")
-            yield sample
-
-
-log_keys = pipelinefilter(_log_keys)
 
 
 def decode_bin(stream: io.BytesIO) -> bytes:

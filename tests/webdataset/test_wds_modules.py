@@ -774,6 +774,21 @@ def test_info_and_log_keys_output_match(tmp_path: Path) -> None:
     expected, actual = both(run_log, files=True)
     assert actual[1] == expected[1] == "".join(f"{i}\tNone\tNone\tk{i:03d}\n" for i in range(3))
 
+    shard = tmp_path / "keys.tar"
+    with tarfile.open(shard, "w") as tar:
+        for i in range(3):
+            info = tarfile.TarInfo(f"k{i:03d}.txt")
+            info.size = 1
+            tar.addfile(info, io.BytesIO(b"x"))
+
+    def run_fluent(mod: types.ModuleType) -> str:  # WebDataset(...).log_keys(...) writes the same
+        log = tmp_path / f"fluent-{mod.__name__}.log"
+        list(mod.WebDataset(str(shard), shardshuffle=False).log_keys(str(log)))
+        return log.read_text()
+
+    expected_fluent, actual_fluent = both(run_fluent, files=True)
+    assert actual_fluent == expected_fluent == actual[1]
+
 
 def test_xdecode_false_keeps_the_bytes() -> None:
     def run(mod: types.ModuleType) -> list[Any]:

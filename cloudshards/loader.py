@@ -124,9 +124,15 @@ class StatefulLoader(SettledFork, StatefulDataLoader):  # type: ignore[misc]
         if RANKS_KEY in state_dict:
             world = _world_size()
             if len(states) != world:
+                why = (
+                    "but its datasets' states say the same layout"
+                    if isinstance(self.dataset, DataPipeline)
+                    else "and a map-style dataset's epoch (its sampler's order) restores only "
+                    "on the same number of ranks"
+                )
                 raise StateMismatchError(
                     f"this checkpoint holds the loader states of {len(states)} ranks; this "
-                    f"job has {world}, but its datasets' states say the same layout"
+                    f"job has {world}, {why}"
                 )
             state_dict = states[torch_dist.get_rank() if world > 1 else 0]
         self._before = None

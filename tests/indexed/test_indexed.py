@@ -795,3 +795,25 @@ def test_write_errors_name_the_index(
         write_index(build_index(shards.spec()), target)
     assert info.value.url == redact_url(target)
     assert "x.index.json" in str(info.value)
+
+
+def test_an_indexed_checkpoint_on_another_number_of_ranks_is_refused_clearly(
+    make_shards: Callable[..., Shards],
+) -> None:
+    """A map-style epoch is its sampler's order, which depends on the number of ranks: a
+    checkpoint of two ranks restored on one is refused, and the message says why."""
+    from cloudshards.errors import StateMismatchError
+
+    shards = make_shards([4, 4])
+    dataset = IndexedDataset(build_index(shards.spec()))
+    states = []
+    for rank in range(2):
+        sampler = wds.DistributedChunkedSampler(dataset, num_replicas=2, rank=rank, shuffle=False)
+        loader = wds.StatefulLoader(dataset, sampler=sampler, batch_size=2)
+        it = iter(loader)
+        next(it)
+        states.append(loader.state_dict())
+        del it
+    again = wds.StatefulLoader(dataset, batch_size=2)
+    with pytest.raises(StateMismatchError, match="map-style dataset's epoch"):
+        again.load_state_dict({"cloudshards_ranks": states, "world_size": 2})

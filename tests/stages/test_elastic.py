@@ -346,7 +346,7 @@ def test_short_batches_dropped_still_give_every_rank_the_same_batches(make_shard
     for rank in range(2):
         loader = StatefulDataLoader(whole_batches(rank, 2), batch_size=None, num_workers=2)
         it = iter(loader)
-        for _ in range(2):
+        for _ in range(3):  # 71 samples left: a remainder that once gave a rank a batch more
             next(it)
         states.append(loader.state_dict())
         del it
@@ -358,3 +358,22 @@ def test_short_batches_dropped_still_give_every_rank_the_same_batches(make_shard
         assert all(len(keys([batch])) == 4 for batch in batches)
         counts.append(len(batches))
     assert len(set(counts)) == 1, counts
+
+
+@pytest.mark.parametrize("partial", [True, False])
+def test_every_remainder_gives_every_rank_the_same_batches(partial: bool) -> None:
+    """However many samples an epoch has left, the division gives every new rank the same
+    number of batches: counting short batches (partial=True), or only full ones (False)."""
+    from cloudshards.stages.division import batch_size, consumer_counts
+
+    steps = [wds.batched(4, partial=partial)]
+    batch = batch_size(steps, 1)
+    for total in range(40, 300):
+        for ranks, workers in ((3, 2), (2, 3), (4, 2)):
+            counts, _ = consumer_counts(total, ranks, workers, batch, "drop")
+            per_rank = [counts[r * workers : (r + 1) * workers] for r in range(ranks)]
+            if partial:
+                batches = {sum(-(-c // 4) for c in rank) for rank in per_rank}
+            else:
+                batches = {sum(c // 4 for c in rank) for rank in per_rank}
+            assert len(batches) == 1, (total, ranks, workers, per_rank)

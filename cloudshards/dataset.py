@@ -178,7 +178,7 @@ class WebDataset(DataPipeline, FluidInterface):
             source = ShardList(urls, shuffle=bool(shardshuffle), storage_options=storage_options)
             shuffled = bool(shardshuffle)
         self.append(source)
-        self.num_shards = len(getattr(source, "urls", ())) or -1
+        self.num_shards = len(source.urls) if hasattr(source, "urls") else -1
         if balance not in (None, "auto", *BALANCE_MODES):
             raise ConfigError(f"balance={balance!r}; use 'drop', 'pad', 'auto' or None")
         custom_split = any(

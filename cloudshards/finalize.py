@@ -9,9 +9,9 @@ joining its threads, closing streams that cancel or fetch their rest) could wait
 threads that need those very locks, or try to join the current thread.
 
 So while a collection runs, each such close runs on a short-lived thread of its own, outside
-any lock the collecting thread holds. Everywhere else (the end of an
-epoch, a ``break``, ``close()``) they run at once, as before. Written here because neither the
-standard library nor a library we use offers a deferred close for generator finalizers.
+any lock the collecting thread holds. Everywhere else (the end of an epoch, a ``break``,
+``close()``) they run at once, as before. Written here because neither the standard library
+nor a library we use offers a deferred close for generator finalizers.
 """
 
 from __future__ import annotations

@@ -215,12 +215,14 @@ class ObstoreObject:
 
         try:
             if if_match is None:
-                return memoryview(obstore.get_range(self.store, self.key, start=start, end=end))
-            options: Any = {"range": (start, end), "if_match": if_match}
-            return memoryview(obstore.get(self.store, self.key, options=options).bytes())
-        except Exception as exc:
+                data = _call(obstore.get_range, self.store, self.key, start=start, end=end)
+                return memoryview(data)
+            options = {"range": (start, end), "if_match": if_match}
+            result = _call(obstore.get, self.store, self.key, options=options)
+            return memoryview(_call(result.bytes))
+        except ConnectionError as exc:
             if _NON_PARTIAL not in str(exc):
-                raise _translate(exc) from None
+                raise
         # The store answered with the whole object (it ignores Range), which obstore refuses:
         # ask for it whole; its length tells the caller (RangeIgnoredError, then streaming).
         return memoryview(self.cat())

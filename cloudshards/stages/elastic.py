@@ -90,23 +90,20 @@ def share(
     bundle: Mapping[str, Any],
     context: IterationContext,
     split: Any,
-    loop_batch: Callable[[int], int] = int,
+    loop_batch: Callable[[int], int],
 ) -> list[Piece]:
     """This consumer's plan of the restored epoch (``context``: its own, with the old run's
     seed and epoch), from every old consumer's state (``bundle["elastic"]``; ``"batch"``: the
-    samples per batch of the loop; ``"sizes"``: the least each new consumer must get, as a
-    mix asks of its datasets). ``steps``: the pipeline's stages up to its shard reader (the
-    last one builds it), ``split``: its balancing stage if it has one; ``loop_batch``: the
-    loop's samples per batch for a loader's batch size (for states of restores not begun)."""
+    loader's batch size; ``"sizes"``: the least each new consumer must get, as a mix asks of
+    its datasets). ``steps``: the pipeline's stages up to its shard reader (the last one
+    builds it), ``split``: its balancing stage if it has one; ``loop_batch``: the loop's
+    samples per batch for a loader's batch size (the pipeline's ``.batched`` included)."""
     urls = steps[0].urls
     index_of = {url: number for number, url in enumerate(urls)}
     sequence: list[Piece] = []
     for state in _by_consumer(bundle[ELASTIC_KEY]):
         if ELASTIC_KEY in state:  # its own elastic restore had not started: its share of it
-            # ... divided as that run divided it: by its loop's batch (its loader's times the
-            # pipeline's .batched), not by the loader's alone.
-            then = {**state, "batch": loop_batch(int(state.get("batch", 1)))}
-            pieces = share(steps, invoke, then, _of(state, context), split, loop_batch)
+            pieces = share(steps, invoke, state, _of(state, context), split, loop_batch)
             plan = [as_shard(_shard(urls, s), spans) for s, spans in pieces]
         elif "plan" in state:
             plan = [as_shard(_shard(urls, s), spans) for s, spans in decode(state["plan"])]
@@ -123,7 +120,7 @@ def share(
     counts: list[int] | None = list(split.counts()) if open_ended else None
     sized = [(shard, closed(spans, counts, shard)) for shard, spans in sequence]
     total = sum(length(spans) for _, spans in sized)
-    batch = int(bundle.get("batch", 1))
+    batch = loop_batch(int(bundle.get("batch", 1)))
     sizes, left = consumer_counts(total, info.world_size, info.num_workers, batch, mode)
     if least is not None and total >= sum(least):  # each its least, the rest evenly
         spread, _ = consumer_counts(total - sum(least), info.world_size, info.num_workers, 1, None)
@@ -325,8 +322,7 @@ def restore(pipeline: Any, resume: Mapping[str, Any], context: Any) -> tuple[Any
         def loop_batch(loader_batch: int) -> int:
             return batch_size(steps[reader:], loader_batch)
 
-        bundle = {**resume, "batch": loop_batch(int(resume.get("batch", 1)))}
-        plan = share(steps[: reader + 1], pipeline.invoke, bundle, context, split, loop_batch)
+        plan = share(steps[: reader + 1], pipeline.invoke, resume, context, split, loop_batch)
     else:
         plan = decode(resume["plan"])
     return planned(steps, reader, plan), {"plan": encode(plan)}

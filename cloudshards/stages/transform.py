@@ -239,9 +239,9 @@ def _log_keys(data: Iterable[Any], logfile: str | None = None) -> Iterator[Any]:
         yield from data
         return
     # Line-buffered appends: each line is one write, so workers' lines do not interleave.
+    fields = ("__worker__", "__rank__", "__key__")
     with open(logfile, "a", buffering=1) as stream:
         for i, sample in enumerate(data):
-            fields = ("__worker__", "__rank__", "__key__")
             worker, rank, key = (
                 sample.get(k) if isinstance(sample, dict) else None for k in fields
             )

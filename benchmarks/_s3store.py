@@ -159,6 +159,9 @@ class FakeGCS:
         url = f"http://127.0.0.1:{port}"
         argv = [str(binary), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port)]
         argv += ["-backend", "memory", "-external-url", url, "-log-level", "warn"]
+        # XML-API downloads (/bucket/object: obstore's reads) answer only on the public host:
+        # this one, on any port (the simulator in front keeps the Host header).
+        argv += ["-public-host", "127.0.0.1"]
         with (workdir / "fake-gcs.log").open("wb") as out:
             popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
         server = cls(popen, url)

@@ -13,6 +13,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import shutil
 import signal
 import socket
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +30,7 @@ from types import TracebackType
 from typing import Any, NamedTuple, TypeVar
 
 __all__ = [
+    "GCS_DOWNLOAD",
     "AccessEntry",
     "GCSServer",
     "NginxServer",
@@ -36,9 +39,14 @@ __all__ = [
     "ServerStartError",
     "find_fake_gcs_server",
     "free_port",
+    "gcs_download_name",
 ]
 
 START_TIMEOUT_S = 30.0
+#: A regex (on ``path?query``) matching the requests that download GCS object bytes: gcsfs's
+#: JSON API (``alt=media``) and the XML API obstore reads (``/bucket/object``); never
+#: metadata, listings or uploads.
+GCS_DOWNLOAD = r"alt=media|^/(?!storage/v1/|upload/|download/|batch/|__cloudsim__)[^/?]+/[^?]"
 STOP_TIMEOUT_S = 10.0
 _POLL_INTERVAL_S = 0.05
 _START_ATTEMPTS = 3  # a free port can be taken between free_port() and the server's bind()
@@ -387,6 +395,9 @@ class GCSServer(_Closeable):
                 url = f"http://127.0.0.1:{port}"
                 argv = [str(binary), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port)]
                 argv += ["-backend", "memory", "-external-url", url, "-log-level", "warn"]
+                # XML-API downloads (/bucket/object, what obstore reads) answer only on the
+                # public host: this one, on any port (also through a proxy in front).
+                argv += ["-public-host", "127.0.0.1"]
                 return ServerProcess("fake-gcs-server", argv, workdir / "fake-gcs.log", env)
 
             try:
@@ -583,3 +594,10 @@ class NginxServer(_Closeable):
     def close(self) -> None:
         """Stop nginx (fast shutdown of master and workers)."""
         self.process.stop()
+
+
+def gcs_download_name(path: str) -> str | None:
+    """The object name a GCS request (``path?query``) downloads; None for any other request."""
+    if not re.search(GCS_DOWNLOAD, path):
+        return None
+    return urllib.parse.unquote(path.split("?", 1)[0]).rsplit("/", 1)[-1]

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from cloudsim import CloudSim
 from cloudsim_fixtures import cloudsim_factory, via  # noqa: F401
+from servers import GCS_DOWNLOAD
 
 import cloudshards as wds
 from cloudshards.cache import cache_info
@@ -103,12 +104,12 @@ def prefetch_threads() -> list[str]:
 def through(cloudsim: Factory, remote: RemoteDataset, **knobs: Any) -> tuple[CloudSim, Any]:
     """Start a simulator in front of ``remote``'s server; return it and the proxied dataset.
 
-    GCS faults only hit object downloads (``alt=media``), never metadata calls.
+    GCS faults only hit object downloads (JSON or XML API), never metadata calls.
     """
     server = remote.server
     upstream = server.base_url if remote.protocol == "http" else server.endpoint_url
     if remote.protocol == "gs":
-        knobs.setdefault("match", "alt=media")
+        knobs.setdefault("match", GCS_DOWNLOAD)
     sim = cloudsim(upstream, **knobs)
     proxied = via(sim, remote)
     if remote.protocol == "s3":

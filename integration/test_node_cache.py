@@ -42,6 +42,7 @@ from urllib.parse import urlsplit
 import pytest
 import torch.utils.data
 from cloudsim_fixtures import cloudsim_process_factory  # noqa: F401
+from servers import gcs_download_name
 
 import cloudshards as wds
 from cloudshards.cache import ShardCache, cache_info, entry_name
@@ -1095,9 +1096,9 @@ def test_gcs_second_epoch_from_cache(
         check_samples(samples, local.samples, f"gs epoch {epoch}")
         requests = gcs_proxy.take()
         media = Counter(
-            path.split("?", 1)[0].rsplit("/", 1)[-1]
+            gcs_download_name(path)
             for method, path in requests
-            if method == "GET" and "alt=media" in path
+            if method == "GET" and gcs_download_name(path)
         )
         if epoch == 0:
             assert set(media) == set(local.shards), f"first epoch object GETs: {dict(media)}"

@@ -115,14 +115,25 @@ def remote_facts(
     size = getattr(stream, "size", None) or getattr(raw, "size", None)
     if not isinstance(details, dict) or details.get("size") is None:
         # Streaming HTTP files carry {"size": None}: ask the store, or nothing is verified.
-        try:
-            details = object_info(url, options)
-        except Exception:
-            details = {}
+        details = _metadata(url, options)
+    elif protocol_of(url) in _GCS and not {"crc32c", "md5Hash"} & set(details):
+        # GCS read through obstore (its XML API answers carry no checksum fields): one JSON
+        # metadata request, as gcsfs makes at every open, and only if it describes the very
+        # generation being downloaded.
+        described = _metadata(url, options)
+        same = str(described.get("generation")) == str(details.get("VersionId"))
+        details = {**details, **described} if same else details
     if size is None:
         size = details.get("size")
     checksum = None if _distrusted(url, endpoint) else trusted_checksum(url, details, endpoint)
     return (int(size) if size is not None else None), checksum
+
+
+def _metadata(url: str, options: OpenOptions) -> dict[str, Any]:
+    try:
+        return object_info(url, options)
+    except Exception:
+        return {}
 
 
 def trusted_checksum(url: str, details: Mapping[str, Any], endpoint: str | None) -> Checksum | None:

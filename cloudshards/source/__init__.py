@@ -3,9 +3,9 @@
 :func:`open_source` opens a shard (a local file, a ``pipe:`` command, a store object read as
 parallel ranged GETs or one resumable GET, or through the node cache); :class:`ShardPrefetcher`
 keeps the next shards in flight; :mod:`cloudshards.source.transport` picks the transport of
-each store object: obstore (:mod:`cloudshards.source.objstore`) for ``s3://`` where it can,
-else fsspec (:mod:`cloudshards.source.remote`, the one module that calls an fsspec filesystem
-to read bytes or metadata). A new transport plugs in there.
+each store object: obstore (:mod:`cloudshards.source.objstore`) for ``s3://`` and ``gs://``
+where it can, else fsspec (:mod:`cloudshards.source.remote`, the one module that calls an
+fsspec filesystem to read bytes or metadata). A new transport plugs in there.
 """
 
 from __future__ import annotations

@@ -1,15 +1,22 @@
-"""The obstore transport: S3 shard bytes moved by Rust's object_store (``obstore``), which
-releases the GIL while it waits, signs and parses, instead of s3fs's Python event loop.
+"""The obstore transport: S3 and GCS shard bytes moved by Rust's object_store (``obstore``),
+which releases the GIL while it waits, signs and parses, instead of s3fs's and gcsfs's Python
+event loop.
 
-fsspec stays the resolver and the fallback. An ``s3://`` shard is read here when obstore is
-installed and every storage option has an equivalent (:func:`s3_object` says why not, and the
-shard then goes through :mod:`cloudshards.source.remote`). What is translated, as s3fs and
-botocore would read it: ``key``/``secret``/``token``, ``anon``, ``profile``, the endpoint in
-every form s3fs accepts (:func:`~cloudshards.source.endpoints.store_endpoint`), the region
-(``client_kwargs``, the profile, ``AWS_REGION``/``AWS_DEFAULT_REGION``), ``requester_pays``,
-``addressing_style`` and ``verify=False``. Credentials come from botocore's own chain when none
-are given (environment, profiles, SSO, container and instance roles), refreshed when they
-expire. Retries stay cloudshards' (bounded, counted, logged): obstore's own are off.
+fsspec stays the resolver and the fallback. An ``s3://`` or ``gs://`` shard is read here when
+obstore is installed and every storage option has an equivalent (:func:`store_object` says why
+not, and the shard then goes through :mod:`cloudshards.source.remote`).
+
+- S3 (:mod:`cloudshards.source.s3config`), as s3fs and botocore would read the options:
+  ``key``/``secret``/``token``, ``anon``, ``profile``, the endpoint in every form s3fs accepts
+  (:func:`~cloudshards.source.endpoints.store_endpoint`), the region (``client_kwargs``, the
+  profile, ``AWS_REGION``/``AWS_DEFAULT_REGION``), ``requester_pays``, ``addressing_style``
+  and ``verify=False``. Credentials come from botocore's own chain when none are given
+  (environment, profiles, SSO, container and instance roles), refreshed when they expire.
+- GCS (:mod:`cloudshards.source.gcsconfig`): gcsfs's own credentials object, built from the
+  options by gcsfs, gives the bearer token; the endpoint is gcsfs's (``endpoint_url``,
+  ``STORAGE_EMULATOR_HOST``, another universe).
+
+Retries stay cloudshards' (bounded, counted, logged): obstore's own are off.
 
 obstore's runtime does not survive ``fork``: a process forked after its parent used obstore
 (a DataLoader worker whose main process read a shard first) reads through fsspec, and says so
@@ -31,15 +38,17 @@ from urllib.parse import urlsplit
 from cloudshards import config
 from cloudshards.errors import ConfigError
 from cloudshards.process import PerProcess
+from cloudshards.source.gcsconfig import DEFAULT_BASE_URL, gcs_settings, xml_api_missing
 from cloudshards.source.options import OpenOptions
 from cloudshards.source.s3config import Unsupported, s3_settings
 from cloudshards.urls import options_for, protocol_of
 
-__all__ = ["ObstoreObject", "ObstoreReader", "s3_object", "transport_setting"]
+__all__ = ["ObstoreObject", "ObstoreReader", "store_object", "transport_setting"]
 
 logger = logging.getLogger("cloudshards.fetch")
 
-_S3 = ("s3", "s3a")
+#: The fsspec backend each protocol obstore reads would otherwise go through.
+_BACKENDS = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs"}
 _STATUS = re.compile(r"status code: (\d{3})")
 #: obstore's refusal of a whole-object answer to a ranged GET (the store ignores Range).
 _NON_PARTIAL = "non-partial response"
@@ -64,28 +73,32 @@ def transport_setting() -> str:
     return value
 
 
-def s3_object(url: str, options: OpenOptions, *, stall_timeout_s: float) -> ObstoreObject | None:
+def store_object(url: str, options: OpenOptions, *, stall_timeout_s: float) -> ObstoreObject | None:
     """The object at ``url`` read through obstore, or None when fsspec must read it.
 
     Raises:
         ConfigError: ``CLOUDSHARDS_TRANSPORT=obstore`` and obstore cannot read ``url``.
     """
     setting = transport_setting()
-    if setting == "fsspec" or protocol_of(url) not in _S3:
+    protocol = protocol_of(url)
+    if setting == "fsspec" or protocol not in _BACKENDS:
         return None
     try:
         store, key = _store_for(url, options, stall_timeout_s)
     except Unsupported as why:
         if setting == "obstore":
             raise ConfigError(f"CLOUDSHARDS_TRANSPORT=obstore, but {why}") from None
-        if str(why) not in _told:
-            _told.add(str(why))
-            # After a fork the reads are slower than they need be, for a reason the user can
-            # remove: say it. An option without equivalent is the user's choice: only inform.
-            level = logging.WARNING if why.after_fork else logging.INFO
-            logger.log(level, "reading s3:// through s3fs, not obstore: %s", why)
+        told = f"{protocol}: {why}"
+        if told not in _told:
+            _told.add(told)
+            # After a fork, or from an emulator without the XML API, the reads are slower than
+            # they need be, for a reason the user can remove: say it. An option without
+            # equivalent is the user's choice: only inform.
+            level = logging.WARNING if why.fixable else logging.INFO
+            backend = _BACKENDS[protocol]
+            logger.log(level, "reading %s:// through %s, not obstore: %s", protocol, backend, why)
         return None
-    return ObstoreObject(store, key, url)
+    return ObstoreObject(store, key, url, pins_version=_BACKENDS[protocol] == "gcsfs")
 
 
 def _store_for(url: str, options: OpenOptions, stall_timeout_s: float) -> tuple[Any, str]:
@@ -96,38 +109,49 @@ def _store_for(url: str, options: OpenOptions, stall_timeout_s: float) -> tuple[
         raise Unsupported("obstore is not installed (pip install obstore)") from None
     parts = urlsplit(url)
     if parts.query or parts.fragment or not parts.netloc:
-        raise Unsupported("the URL has a query (a version id?) or no bucket")
+        raise Unsupported("the URL has a query or fragment (a version?) or no bucket")
     bucket, key = parts.netloc, parts.path.lstrip("/")
     with _used_lock:
         if _used_in_pid is not None and _used_in_pid != os.getpid():
             raise Unsupported(
                 "obstore was used before this process was forked (start DataLoader workers "
                 "with multiprocessing_context='spawn' or 'forkserver' to use it in workers)",
-                after_fork=True,
+                fixable=True,
             )
         _used_in_pid = os.getpid()
     # Keyed by the user's options as given (secrets only as an in-memory key): the settings,
     # credentials chain and endpoint are worked out once per bucket and options.
-    given = options_for(protocol_of(url), options.storage_options)
-    cache_key = (bucket, repr(sorted(given.items(), key=lambda item: item[0])), stall_timeout_s)
+    protocol = protocol_of(url)
+    given = options_for(protocol, options.storage_options)
+    cache_key = (
+        _BACKENDS[protocol], bucket, repr(sorted(given.items(), key=lambda item: item[0])),
+        stall_timeout_s,
+    )  # fmt: skip
     stores = _stores.get()
     store = stores.get(cache_key)
     if store is None:
-        settings = s3_settings(url, options)
+        gcs = _BACKENDS[protocol] == "gcsfs"
+        settings = gcs_settings(url, options) if gcs else s3_settings(url, options)
         credentials = settings.pop("credentials", None)
-        client = _client_options(settings, stall_timeout_s)
-        store = obstore.store.S3Store(
+        endpoint = str(settings.get("base_url" if gcs else "endpoint", ""))
+        store = (obstore.store.GCSStore if gcs else obstore.store.S3Store)(
             bucket,
             config=settings,  # type: ignore[arg-type]
-            client_options=client,  # type: ignore[arg-type]
+            client_options=_client_options(settings, endpoint, stall_timeout_s),  # type: ignore[arg-type]
             retry_config={"max_retries": 0, "retry_timeout": datetime.timedelta(seconds=1)},
             credential_provider=credentials,
         )
+        if gcs and endpoint != DEFAULT_BASE_URL:
+            store = xml_api_missing(store, key, url, options, endpoint) or store
         stores[cache_key] = store
+    if isinstance(store, Unsupported):
+        raise store
     return store, key
 
 
-def _client_options(settings: dict[str, Any], stall_timeout_s: float) -> dict[str, Any]:
+def _client_options(
+    settings: dict[str, Any], endpoint: str, stall_timeout_s: float
+) -> dict[str, Any]:
     # A whole shard may stream for long: no request deadline, but a connection that delivers
     # nothing for ``stall_timeout_s`` fails (and is retried by cloudshards).
     stall = datetime.timedelta(seconds=stall_timeout_s)
@@ -135,7 +159,7 @@ def _client_options(settings: dict[str, Any], stall_timeout_s: float) -> dict[st
         "timeout": datetime.timedelta(days=1),
         "read_timeout": stall,
         "connect_timeout": min(stall, datetime.timedelta(seconds=30)),
-        "allow_http": str(settings.get("endpoint", "")).startswith("http://"),
+        "allow_http": endpoint.startswith("http://"),
     }
     if settings.pop("_insecure", False):
         client["allow_invalid_certificates"] = True
@@ -151,7 +175,7 @@ def _translate(exc: BaseException) -> BaseException:
     code_match = _CODE.search(text)
     code = code_match.group(1) if code_match else None
     name = type(exc).__name__
-    summary = f"{code} (HTTP {status})" if status else text[:300]
+    summary = (f"{code} (HTTP {status})" if code else f"HTTP {status}") if status else text[:300]
     if isinstance(exc, FileNotFoundError) or name == "NotFoundError" or status == 404:
         return FileNotFoundError(summary)
     if name in ("PermissionDeniedError", "UnauthenticatedError") or status in (401, 403):
@@ -187,10 +211,14 @@ class ObstoreObject:
     #: Ranged GETs can be made conditional on the ETag (``if_match=``).
     conditional = True
 
-    def __init__(self, store: Any, key: str, url: str) -> None:
+    def __init__(self, store: Any, key: str, url: str, *, pins_version: bool = False) -> None:
         self.store = store
         self.key = key
         self.url = url
+        # GCS: the conditional parts ask for the generation the first answer came from (GCS
+        # serves it whole or not at all; fake-gcs-server ignores If-Match), not its ETag.
+        self._pins_version = pins_version
+        self._version: str | None = None
 
     def info(self, timeout: float | None = None) -> dict[str, Any]:
         """One HEAD: the size and ETag, under s3fs's names."""
@@ -217,6 +245,8 @@ class ObstoreObject:
             if if_match is None:
                 data = _call(obstore.get_range, self.store, self.key, start=start, end=end)
                 return memoryview(data)
+            if self._version is not None:
+                return self._pinned_range(start, end, self._version)
             options = {"range": (start, end), "if_match": if_match}
             result = _call(obstore.get, self.store, self.key, options=options)
             return memoryview(_call(result.bytes))
@@ -226,6 +256,20 @@ class ObstoreObject:
         # The store answered with the whole object (it ignores Range), which obstore refuses:
         # ask for it whole; its length tells the caller (RangeIgnoredError, then streaming).
         return memoryview(self.cat())
+
+    def _pinned_range(self, start: int, end: int, version: str) -> memoryview:
+        """A ranged GET of generation ``version``: gone (replaced or deleted since the first
+        part) answers as a failed If-Match would, HTTP 412."""
+        import obstore
+
+        options = {"range": (start, end), "version": version}
+        try:
+            result = _call(obstore.get, self.store, self.key, options=options)
+        except FileNotFoundError:
+            error = OSError(f"generation {version} is gone (HTTP 412)")
+            error.status = 412  # type: ignore[attr-defined]
+            raise error from None
+        return memoryview(_call(result.bytes))
 
     def cat_first(
         self, end: int, on_details: Callable[[dict[str, Any]], None]
@@ -251,6 +295,8 @@ class ObstoreObject:
             on_details(details)
             return b"", details
         details = _details(result.meta)
+        if self._pins_version and details.get("VersionId"):
+            self._version = str(details["VersionId"])
         on_details(details)
         return bytes(_call(result.bytes)), details
 

@@ -41,9 +41,10 @@ _CREDENTIAL_TTL = datetime.timedelta(minutes=5)
 class Unsupported(Exception):
     """Why a shard cannot be read through obstore (it is then read through fsspec)."""
 
-    def __init__(self, why: str, *, after_fork: bool = False) -> None:
+    def __init__(self, why: str, *, fixable: bool = False) -> None:
         super().__init__(why)
-        self.after_fork = after_fork
+        #: The user can remove the reason (not a choice of theirs, such as an option).
+        self.fixable = fixable
 
 
 def s3_settings(url: str, options: OpenOptions) -> dict[str, Any]:

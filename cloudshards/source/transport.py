@@ -1,7 +1,7 @@
 """Which transport reads a store object, and the reads everything above builds on.
 
 :func:`object_at` gives a :class:`StoreObject`: read through obstore
-(:mod:`cloudshards.source.objstore`) for ``s3://`` where it can, through fsspec
+(:mod:`cloudshards.source.objstore`) for ``s3://`` and ``gs://`` where it can, through fsspec
 (:mod:`cloudshards.source.remote`) otherwise. Ranged parts, resumable streams, the cache's
 metadata and index reads all go through the functions here; nothing above them knows which
 transport carried the bytes.
@@ -18,7 +18,7 @@ from typing import IO, Any, Protocol
 from cloudshards.redact import raise_redacted, redact_url
 from cloudshards.source import adapt
 from cloudshards.source.budget import node_budget
-from cloudshards.source.objstore import s3_object
+from cloudshards.source.objstore import store_object
 from cloudshards.source.options import FetchOptions, OpenOptions
 from cloudshards.source.remote import fsspec_object, object_etag
 from cloudshards.source.retries import IOStats, RangeIgnoredError, retry
@@ -66,7 +66,7 @@ def object_at(
         ConfigError: The URL's protocol is unknown, its backend is missing, or
             ``CLOUDSHARDS_TRANSPORT=obstore`` cannot be honoured.
     """
-    fast = s3_object(url, options, stall_timeout_s=stall_timeout_s)
+    fast = store_object(url, options, stall_timeout_s=stall_timeout_s)
     if fast is not None:
         return fast
     return fsspec_object(url, options.storage_options)

@@ -1,0 +1,141 @@
+"""GCS shards read through obstore (the default where it can) give what gcsfs gives, with the
+credentials and endpoints users give gcsfs today; what obstore cannot take falls back to
+gcsfs; errors stay clear; parts of a replaced object are never stitched together."""
+
+from __future__ import annotations
+
+import datetime
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+from test_cache_safety_remote import RewritingProxy, proxies  # noqa: F401 - the fixture
+from test_transport_remote import _read_in_workers, all_keys, keys_of, transport_of
+
+import cloudshards as wds
+from cloudshards.errors import ConfigError, ShardOpenError
+from cloudshards.source.objstore import ObstoreObject
+from cloudshards.source.remote import FsspecObject
+
+if TYPE_CHECKING:
+    from conftest import RemoteDataset
+
+
+def samples_of(url: str, options: Any, **kwargs: Any) -> list[tuple[str, bytes]]:
+    dataset = wds.WebDataset(url, shardshuffle=False, storage_options=options, **kwargs)
+    return [(sample["__key__"], sample["bin"]) for sample in dataset]
+
+
+def xml_downloads(proxy: RewritingProxy) -> list[str]:
+    """Paths of the object GETs obstore sent (GCS's XML API: ``/bucket/object``)."""
+    return [e.path for e in proxy.take() if e.method == "GET" and "/storage/v1/" not in e.path]
+
+
+def test_gcs_reads_through_obstore_by_default_and_matches_gcsfs(
+    gcs_dataset: RemoteDataset, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    options = gcs_dataset.storage_options
+    assert transport_of(gcs_dataset.url_for("x.tar"), options) is ObstoreObject
+    fast = samples_of(gcs_dataset.url, options)
+    cached = samples_of(gcs_dataset.url, options, cache_dir=str(tmp_path / "cache"))
+    monkeypatch.setenv("CLOUDSHARDS_TRANSPORT", "fsspec")
+    assert transport_of(gcs_dataset.url_for("x.tar"), options) is FsspecObject
+    slow = samples_of(gcs_dataset.url, options)
+    assert [key for key, _ in fast] == all_keys(gcs_dataset)
+    assert fast == slow == cached
+    for key, data in fast:
+        assert data == gcs_dataset.local.samples[key]["bin"]
+
+
+def test_the_emulator_named_only_in_the_environment(
+    gcs_dataset: RemoteDataset, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``STORAGE_EMULATOR_HOST`` and no options: gcsfs's chain finds no credentials for an
+    emulator and goes anonymous; obstore reads the same endpoint unsigned."""
+    for name, value in gcs_dataset.env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("CLOUDSHARDS_TRANSPORT", "obstore")
+    assert keys_of(gcs_dataset.url) == all_keys(gcs_dataset)
+
+
+def test_a_given_token_is_the_bearer_obstore_sends(
+    gcs_dataset: RemoteDataset,
+    gcs_server: Any,
+    proxies: Callable[..., RewritingProxy],  # noqa: F811 - the imported fixture
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A ``google.auth`` credentials object as ``token=`` (one of the forms gcsfs takes): every
+    object GET carries its access token, as gcsfs's own requests do, and no error or log
+    shows it."""
+    from google.oauth2.credentials import Credentials
+
+    expiry = datetime.datetime.now(datetime.timezone.utc).replace(tzinfo=None)
+    token = Credentials(token="ya29.integration-token", expiry=expiry + datetime.timedelta(hours=1))
+    proxy = proxies(gcs_server.endpoint_url)
+    options = {"gs": {"endpoint_url": proxy.url, "token": token}}
+    monkeypatch.setenv("CLOUDSHARDS_TRANSPORT", "obstore")
+    url = gcs_dataset.url_for(gcs_dataset.local.shards[0])
+    assert [key for key, _ in samples_of(url, options)] == gcs_dataset.local.shard_keys[0]
+    sent = [e for e in proxy.requests if e.method == "GET"]
+    assert sent
+    assert all(e.request_headers.get("authorization") == f"Bearer {token.token}" for e in sent)
+    assert xml_downloads(proxy)  # through obstore, not gcsfs's JSON API
+
+
+def test_requester_pays_falls_back_to_gcsfs(
+    gcs_dataset: RemoteDataset, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    options = {"gs": {**gcs_dataset.storage_options["gs"], "requester_pays": True}}
+    assert transport_of(gcs_dataset.url_for("x.tar"), options) is FsspecObject
+    assert keys_of(gcs_dataset.url, options) == all_keys(gcs_dataset)
+    monkeypatch.setenv("CLOUDSHARDS_TRANSPORT", "obstore")
+    with pytest.raises(ConfigError, match="requester_pays"):
+        keys_of(gcs_dataset.url, options)
+
+
+def test_a_missing_gcs_object_is_named_and_not_retried(
+    gcs_dataset: RemoteDataset, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("CLOUDSHARDS_TRANSPORT", "obstore")
+    url = gcs_dataset.url_for("no-such-shard.tar")
+    with pytest.raises(ShardOpenError, match="object not found") as info:
+        keys_of(url, gcs_dataset.storage_options)
+    assert url in str(info.value)
+    assert isinstance(info.value, FileNotFoundError)
+    assert "None" not in "".join(traceback.format_exception_only(info.value))
+    assert "retrying" not in caplog.text.lower()
+
+
+def test_spawned_workers_read_gcs_through_obstore(
+    gcs_dataset: RemoteDataset, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CLOUDSHARDS_TRANSPORT", "obstore")  # workers fail rather than fall back
+    keys = _read_in_workers(gcs_dataset.url, gcs_dataset.storage_options, "spawn")
+    assert keys == sorted(all_keys(gcs_dataset))
+
+
+def test_an_emulator_without_the_xml_api_is_read_through_gcsfs(
+    gcs_dataset: RemoteDataset,
+    gcs_server: Any,
+    proxies: Callable[..., RewritingProxy],  # noqa: F811 - the imported fixture
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """fake-gcs-server started without ``-public-host`` (here: a Host it does not take as its
+    own) answers the XML API with 404: one HEAD tells, the shards are read through gcsfs, and
+    one WARNING says how to fix it."""
+
+    def foreign_host(exchange: Any) -> None:
+        exchange.request_headers["host"] = "emulator.invalid:4443"
+
+    proxy = proxies(gcs_server.endpoint_url, on_request=foreign_host)
+    options = {"gs": {"endpoint_url": proxy.url, "token": "anon"}}
+    caplog.set_level("WARNING", logger="cloudshards.fetch")
+    assert keys_of(gcs_dataset.url, options) == all_keys(gcs_dataset)
+    assert keys_of(gcs_dataset.url, options) == all_keys(gcs_dataset)  # decided once
+    sent = proxy.take()
+    assert [e.method for e in sent if "/storage/v1/" not in e.path] == ["HEAD"]
+    (warning,) = [r.getMessage() for r in caplog.records if "XML API" in r.getMessage()]
+    assert "-public-host" in warning
+    assert "through gcsfs" in warning

@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+import cloudshards as wds
+from cloudshards.errors import ShardOpenError
 from cloudshards.source.gcsconfig import DEFAULT_BASE_URL, gcs_settings
 from cloudshards.source.options import OpenOptions
 from cloudshards.source.s3config import Unsupported
@@ -71,15 +73,20 @@ def test_a_credentials_object_gives_gcsfs_token_and_its_expiry() -> None:
 
 
 class _TokenServer(BaseHTTPRequestHandler):
-    """An OAuth2 token endpoint: each request gets a new access token."""
+    """An OAuth2 token endpoint: each request gets a new access token, or (``revoked``) the
+    answer Google gives for a revoked or expired grant."""
 
     issued = 0
+    revoked = False
 
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("Content-Length", 0)))
         type(self).issued += 1
-        body = json.dumps({"access_token": f"tok-{self.issued}", "expires_in": 3600}).encode()
-        self.send_response(200)
+        answer = {"access_token": f"tok-{self.issued}", "expires_in": 3600}
+        if self.revoked:
+            answer = {"error": "invalid_grant", "error_description": "Token has been revoked."}
+        body = json.dumps(answer).encode()
+        self.send_response(400 if self.revoked else 200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -100,7 +107,8 @@ def token_uri() -> Iterator[str]:
     thread.join()
 
 
-def test_a_service_account_token_is_refreshed_by_gcsfs_when_it_expires(token_uri: str) -> None:
+def service_account(token_uri: str) -> dict[str, str]:
+    """A service-account key (a fresh RSA key) whose tokens come from ``token_uri``."""
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import rsa
 
@@ -110,11 +118,16 @@ def test_a_service_account_token_is_refreshed_by_gcsfs_when_it_expires(token_uri
         serialization.PrivateFormat.PKCS8,
         serialization.NoEncryption(),
     ).decode()
-    account = {
+    return {
         "type": "service_account", "project_id": "p", "private_key_id": "k1",
         "private_key": pem, "client_email": "loader@p.iam.gserviceaccount.com",
         "client_id": "1", "token_uri": token_uri,
     }  # fmt: skip
+
+
+def test_a_service_account_token_is_refreshed_by_gcsfs_when_it_expires(token_uri: str) -> None:
+    account = service_account(token_uri)
+    pem = account["private_key"]
     settings = settings_for(token=account)
     provider = settings["credentials"]
     first = provider()
@@ -139,3 +152,20 @@ def test_a_service_account_token_is_refreshed_by_gcsfs_when_it_expires(token_uri
 def test_what_obstore_cannot_honour_is_left_to_gcsfs(option: dict[str, Any], why: str) -> None:
     with pytest.raises(Unsupported, match=why):
         settings_for(token="anon", **option)
+
+
+def test_a_revoked_grant_is_access_denied_at_once(
+    token_uri: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The credentials cannot be refreshed (an expired or revoked grant): the shard fails as
+    access denied, naming it, without a retry and without a request to the store (nothing
+    listens at its endpoint)."""
+    monkeypatch.setattr(_TokenServer, "revoked", True)
+    monkeypatch.setenv("CLOUDSHARDS_TRANSPORT", "obstore")
+    account = service_account(token_uri)
+    options = {"gs": {"token": account, "endpoint_url": "http://127.0.0.1:9"}}
+    with pytest.raises(ShardOpenError, match="access denied") as info:
+        list(wds.WebDataset(URL, shardshuffle=False, storage_options=options))
+    assert URL in str(info.value)
+    assert "retrying" not in caplog.text.lower()
+    assert account["private_key"] not in str(info.value)

@@ -158,11 +158,13 @@ def loader_litdata(spec: dict[str, Any]) -> Callable[[], Batches]:
     import litdata.streaming.downloader as downloader
 
     if spec.get("store") == "gcs":
-        # google-cloud-storage finds the emulator (anonymously) in STORAGE_EMULATOR_HOST.
-        # LitData's obstore path for gs:// cannot reach an emulator (object_store speaks
-        # GCS's XML API, fake-gcs-server its JSON API): LitData then runs as it does without
-        # obstore installed, on google-cloud-storage.
-        downloader._OBSTORE_AVAILABLE = False
+        # google-cloud-storage finds the emulator (anonymously) in STORAGE_EMULATOR_HOST, for
+        # LitData's metadata. Its chunks go through obstore, as on GCS itself: object_store
+        # reads the emulator's endpoint, plain HTTP and unsigned requests from its own
+        # environment variables (fake-gcs-server serves the XML API on -public-host).
+        os.environ["GOOGLE_BASE_URL"] = os.environ["STORAGE_EMULATOR_HOST"]
+        os.environ["GOOGLE_ALLOW_HTTP"] = "true"
+        os.environ["GOOGLE_SKIP_SIGNATURE"] = "true"
         dataset = litdata.StreamingDataset(
             f"gs://{BUCKET}/litdata", cache_dir=spec["work_child"] + "/litdata-cache", shuffle=False
         )

@@ -11,9 +11,10 @@ chunks for LitData 0.2.76, ``MDSWriter`` shards for MosaicML Streaming 0.13.0; a
 uploaded to s3rver 3.7.1, a local S3 server that serves Range requests. Setups: ``proxy``
 reads through the cloud simulator (integration/cloudsim.py in its own process: 30 ms before
 each request, 25 MB/s per connection), ``direct`` reads s3rver itself, ``gcs`` reads the tar
-and LitData copies from fake-gcs-server (the GCS emulator; JSON API) through the simulator:
-cloudshards through gcsfs, LitData through google-cloud-storage (MosaicML Streaming and
-webdataset are measured on S3 only).
+and LitData copies from fake-gcs-server (the GCS emulator) through the simulator: both move
+the bytes through obstore (GCS's XML API), their metadata through gcsfs and
+google-cloud-storage (the JSON API); MosaicML Streaming and webdataset are measured on S3 only.
+``cloudshards+fsspec``, when named, reads through s3fs/gcsfs instead of obstore.
 
 Each measurement (loader x setup x DataLoader workers, batch 32) runs in a fresh child process
 under the peers' interpreter (_s3peers.py) with empty caches: epoch 1 is cold, epoch 2 warm.
@@ -62,6 +63,9 @@ VARIANTS = (
 #: Measured only when --loaders names them: torch's own DataLoader(batch_size=...) over the
 #: dataset, as programs written for webdataset often use it, with the node cache.
 PLAIN = ("cloudshards+dataloader", "cloudshards", True)
+#: Measured only when named: cloudshards with its bytes through s3fs/gcsfs instead of obstore
+#: (CLOUDSHARDS_TRANSPORT=fsspec), no cache: what the obstore transport gains.
+FSSPEC = ("cloudshards+fsspec", "cloudshards", False)
 LIBRARIES = ("cloudshards", "litdata", "streaming", "webdataset")
 SETUPS = ("proxy", "direct", "gcs")
 GCS_LIBRARIES = ("cloudshards", "litdata")  # the loaders measured on GCS too
@@ -179,6 +183,8 @@ def measure(
         extra = gcs_env(endpoint) if store == "gcs" else s3_env(endpoint)
         env = child_env(endpoint, {**os.environ, **extra})
         env["TMPDIR"] = str(child_dir)
+        if label == FSSPEC[0]:
+            env["CLOUDSHARDS_TRANSPORT"] = "fsspec"
         env["CLOUDSHARDS_COUNTS_DIR"] = str(child_dir / "counts")
         py_spy, args.py_spy = args.py_spy, None  # only the first measurement
         result, text = run_child("read", spec, env, args.timeout_s, py_spy, args.gil, args.idle)
@@ -234,7 +240,7 @@ def report(cells: dict[tuple[str, int, str], Cell], args: argparse.Namespace) ->
             where = {
                 "proxy": f"s3rver behind the {sim}",
                 "direct": "direct to s3rver (store bytes from its log, 3 digits)",
-                "gcs": f"fake-gcs-server (GCS JSON API) behind the {sim}",
+                "gcs": f"fake-gcs-server (GCS) behind the {sim}",
             }[setup]
             print(f"\n{setup}: {where}, {workers} DataLoader workers, batch {args.batch}\n")
             print(format_table(header, rows))
@@ -252,7 +258,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--loaders",
         default=",".join(LIBRARIES),
         help="comma-separated libraries, or variants (cloudshards+cache; cloudshards+dataloader:\n"
-        "torch's own DataLoader(batch_size=...) with the cache, only when named)",
+        "torch's own DataLoader(batch_size=...) with the cache, only when named;\n"
+        "cloudshards+fsspec: bytes through s3fs/gcsfs, not obstore, only when named)",
     )
     p.add_argument(
         "--setups",
@@ -280,12 +287,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.shards = args.shards or (4 if args.quick else 16)
     args.samples = args.samples or (250 if args.quick else 1000)
     names = [x.strip() for x in args.loaders.split(",") if x.strip()]
-    labels = {v[0] for v in (*VARIANTS, PLAIN)}
+    labels = {v[0] for v in (*VARIANTS, PLAIN, FSSPEC)}
     if not names or set(names) - set(LIBRARIES) - labels:
         p.error(f"--loaders takes names among {', '.join(sorted(set(LIBRARIES) | labels))}")
     args.variants = [v for v in VARIANTS if v[1] in names or v[0] in names]
-    if PLAIN[0] in names:
-        args.variants.insert(2, PLAIN)
+    for extra in (PLAIN, FSSPEC):
+        if extra[0] in names:
+            args.variants.insert(2, extra)
     args.setups = [x.strip() for x in args.setups.replace("both", "proxy,direct").split(",")]
     args.setups = [x for x in dict.fromkeys(args.setups) if x]
     if not args.setups or set(args.setups) - set(SETUPS):

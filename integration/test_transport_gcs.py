@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import datetime
 import traceback
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from servers import gcs_download_name
 from test_cache_safety_remote import RewritingProxy, proxies  # noqa: F401 - the fixture
-from test_transport_remote import _read_in_workers, all_keys, keys_of, transport_of
+from test_transport_remote import _changing_tar, _read_in_workers, all_keys, keys_of, transport_of
 
 import cloudshards as wds
 from cloudshards.errors import ConfigError, ShardOpenError
@@ -37,11 +39,11 @@ def test_gcs_reads_through_obstore_by_default_and_matches_gcsfs(
     gcs_dataset: RemoteDataset, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     options = gcs_dataset.storage_options
-    assert transport_of(gcs_dataset.url_for("x.tar"), options) is ObstoreObject
+    assert transport_of(gcs_dataset.url_for(gcs_dataset.local.shards[0]), options) is ObstoreObject
     fast = samples_of(gcs_dataset.url, options)
     cached = samples_of(gcs_dataset.url, options, cache_dir=str(tmp_path / "cache"))
     monkeypatch.setenv("CLOUDSHARDS_TRANSPORT", "fsspec")
-    assert transport_of(gcs_dataset.url_for("x.tar"), options) is FsspecObject
+    assert transport_of(gcs_dataset.url_for(gcs_dataset.local.shards[0]), options) is FsspecObject
     slow = samples_of(gcs_dataset.url, options)
     assert [key for key, _ in fast] == all_keys(gcs_dataset)
     assert fast == slow == cached
@@ -88,7 +90,7 @@ def test_requester_pays_falls_back_to_gcsfs(
     gcs_dataset: RemoteDataset, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     options = {"gs": {**gcs_dataset.storage_options["gs"], "requester_pays": True}}
-    assert transport_of(gcs_dataset.url_for("x.tar"), options) is FsspecObject
+    assert transport_of(gcs_dataset.url_for(gcs_dataset.local.shards[0]), options) is FsspecObject
     assert keys_of(gcs_dataset.url, options) == all_keys(gcs_dataset)
     monkeypatch.setenv("CLOUDSHARDS_TRANSPORT", "obstore")
     with pytest.raises(ConfigError, match="requester_pays"):
@@ -139,3 +141,88 @@ def test_an_emulator_without_the_xml_api_is_read_through_gcsfs(
     (warning,) = [r.getMessage() for r in caplog.records if "XML API" in r.getMessage()]
     assert "-public-host" in warning
     assert "through gcsfs" in warning
+
+
+def _publish(dataset: RemoteDataset, source: Path, name: str) -> None:
+    with warnings.catch_warnings():  # gcsfs's upload of bytes: aiohttp's warning
+        warnings.simplefilter("ignore", ResourceWarning)
+        dataset.server.filesystem().put(str(source), f"cloudshards-it/{name}")
+
+
+def test_a_retried_first_part_asks_for_the_generation_it_saw(
+    gcs_dataset: RemoteDataset,
+    gcs_server: Any,
+    proxies: Callable[..., RewritingProxy],  # noqa: F811 - the imported fixture
+    tmp_path: Path,
+) -> None:
+    """The first part's answer is cut short, and the object replaced before the retry: the
+    retry asks for the generation the later parts are already pinned to, so the read gives
+    that generation whole (fake-gcs-server keeps it a while) or fails naming the change;
+    never the new first part with the old rest."""
+    old, new = tmp_path / "old.tar", tmp_path / "new.tar"
+    _changing_tar(old, 1)
+    _changing_tar(new, 2)
+    name = "retried-first.tar"
+    _publish(gcs_dataset, old, name)
+    cut: list[int] = []
+
+    def cut_first_and_replace(exchange: Any) -> None:
+        first = exchange.method == "GET" and exchange.range_start() == 0
+        if cut or not first or gcs_download_name(exchange.path) != name:
+            return
+        cut.append(len(exchange.body))
+        exchange.body = exchange.body[: len(exchange.body) // 2]
+        _publish(gcs_dataset, new, name)
+
+    proxy = proxies(gcs_server.endpoint_url, on_response=cut_first_and_replace)
+    options = {"gs": {"endpoint_url": proxy.url, "token": "anon"}}
+    url = gcs_dataset.url_for(name)
+    try:
+        read = samples_of(url, options, part_bytes=64 << 10, concurrency=2, prefetch=0)
+    except ShardOpenError as exc:
+        assert "changed while it was read" in str(exc)
+    else:
+        assert len(read) == 24
+        assert len({bytes(data[:1]) + bytes(data[-1:]) for _, data in read}) == 1
+    assert cut
+
+
+def test_an_identical_rewrite_mid_read_still_counts_as_a_change(
+    gcs_dataset: RemoteDataset, tmp_path: Path
+) -> None:
+    """The same bytes written again make a new generation: the parts pinned to the old one
+    fail, naming the change, rather than going on unpinned (where a later, real change would
+    be stitched in unseen)."""
+    source = tmp_path / "same.tar"
+    _changing_tar(source, 1)
+    name = "rewritten-same.tar"
+    _publish(gcs_dataset, source, name)
+    url = gcs_dataset.url_for(name)
+    options = gcs_dataset.storage_options
+    samples = iter(wds.WebDataset(url, shardshuffle=False, storage_options=options,
+                                  part_bytes=64 << 10, concurrency=1, prefetch=0))  # fmt: skip
+    next(samples)
+    _publish(gcs_dataset, source, name)
+    with pytest.raises(ShardOpenError, match="changed while it was read"):
+        list(samples)
+
+
+def test_the_xml_api_probe_decides_only_on_an_object_that_exists(
+    gcs_dataset: RemoteDataset,
+    gcs_server: Any,
+    proxies: Callable[..., RewritingProxy],  # noqa: F811 - the imported fixture
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """On an emulator without the XML API, a missing first shard proves nothing: it is named
+    as missing, and the next shards (which exist) still find the gcsfs fallback."""
+
+    def foreign_host(exchange: Any) -> None:
+        exchange.request_headers["host"] = "emulator.invalid:4443"
+
+    proxy = proxies(gcs_server.endpoint_url, on_request=foreign_host)
+    options = {"gs": {"endpoint_url": proxy.url, "token": "anon"}}
+    caplog.set_level("WARNING", logger="cloudshards.fetch")
+    with pytest.raises(ShardOpenError, match="object not found"):
+        keys_of(gcs_dataset.url_for("no-such-shard.tar"), options)
+    assert keys_of(gcs_dataset.url, options) == all_keys(gcs_dataset)
+    assert any("-public-host" in r.getMessage() for r in caplog.records)

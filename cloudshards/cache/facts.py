@@ -121,7 +121,8 @@ def remote_facts(
         # metadata request, as gcsfs makes at every open, and only if it describes the very
         # generation being downloaded.
         described = _metadata(url, options)
-        same = str(described.get("generation")) == str(details.get("VersionId"))
+        generation, version = described.get("generation"), details.get("VersionId")
+        same = generation is not None and version is not None and str(generation) == str(version)
         details = {**details, **described} if same else details
     if size is None:
         size = details.get("size")

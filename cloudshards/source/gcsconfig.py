@@ -22,7 +22,7 @@ from cloudshards.source.remote import fsspec_object
 from cloudshards.source.s3config import Unsupported
 from cloudshards.urls import resolve
 
-__all__ = ["GoogleToken", "gcs_settings", "xml_api_missing"]
+__all__ = ["GoogleToken", "TokenUnavailable", "gcs_settings", "xml_api_missing"]
 
 #: Where gcsfs sends requests when no endpoint, emulator or other universe is configured.
 DEFAULT_BASE_URL = "https://storage.googleapis.com"
@@ -57,10 +57,15 @@ def xml_api_missing(
 ) -> Unsupported | None:
     """Why a GCS endpoint other than Google's cannot be read through obstore: it does not
     serve the XML API (``GET /bucket/object``) obstore reads, as fake-gcs-server does not
-    unless started with ``-public-host``; None where it does, or where this cannot tell.
+    unless started with ``-public-host``; None where it does.
 
-    Told by one HEAD of the object being opened: a 404 there, for an object gcsfs (the JSON
-    API) finds, is an endpoint without the XML API. The caller asks once per endpoint.
+    Told by one HEAD of the object being opened: an answer says it does; a 404 for an
+    object gcsfs (the JSON API) finds says it does not. The caller keeps either verdict.
+
+    Raises:
+        Unsupported: (``passing``) It cannot tell yet: the HEAD failed otherwise, or the
+            object is missing for gcsfs too. This object is read through gcsfs (which names
+            a missing object as such); the next one asks again.
     """
     import obstore
 
@@ -69,17 +74,32 @@ def xml_api_missing(
         return None
     except FileNotFoundError:
         pass
-    except Exception:
-        return None  # the reads will say what is wrong, with retries
+    except Exception as exc:
+        raise Unsupported(f"cannot tell yet whether {redact_url(endpoint)} serves GCS's XML "
+                          f"API ({type(exc).__name__})", passing=True) from None  # fmt: skip
     try:
         fsspec_object(url, options.storage_options).info()
     except Exception:
-        return None  # missing for gcsfs too: a missing object, named by the read
+        raise Unsupported(f"cannot tell yet whether {redact_url(endpoint)} serves GCS's XML "
+                          "API (the object is missing)", passing=True) from None  # fmt: skip
     return Unsupported(
         f"{redact_url(endpoint)} does not serve GCS's XML API (GET /bucket/object); a "
         "fake-gcs-server serves it when started with -public-host set to its host",
         fixable=True,
     )
+
+
+class TokenUnavailable(ConnectionError):
+    """The token endpoint could not be reached (a network failure, not a refusal): retried
+    like any transient failure of the store (obstore carries the name in its error)."""
+
+
+def _unreachable(exc: BaseException) -> bool:
+    """Whether a refresh failed for want of an answer: google-auth's TransportError, or a
+    connection error or timeout of the HTTP client under it."""
+    names = {type(error).__name__ for error in (exc, exc.__cause__, exc.__context__) if error}
+    return bool(names & {"TransportError", "ConnectionError", "Timeout", "ConnectTimeout",
+                         "ReadTimeout", "TimeoutError", "ConnectionRefusedError"})  # fmt: skip
 
 
 class GoogleToken:
@@ -93,7 +113,12 @@ class GoogleToken:
         self._google = google
 
     def __call__(self) -> dict[str, Any]:
-        self._google.maybe_refresh()
+        try:
+            self._google.maybe_refresh()
+        except Exception as exc:
+            if not _unreachable(exc):
+                raise  # a refused grant (gcsfs: HttpError 401): access denied, at once
+            raise TokenUnavailable(f"{type(exc).__name__}: {exc}") from None
         credentials = self._google.credentials
         expiry = getattr(credentials, "expiry", None)  # google.auth: naive UTC, or None
         if isinstance(expiry, datetime.datetime) and expiry.tzinfo is None:

@@ -57,6 +57,7 @@ _CODE = re.compile(r"<Code>([A-Za-z0-9.]{1,64})</Code>")
 _used_in_pid: int | None = None
 _used_lock = threading.Lock()
 _stores: PerProcess[dict[tuple[Any, ...], Any]] = PerProcess(dict)
+_MAX_STORES = 64
 _told: set[str] = set()
 
 
@@ -95,6 +96,7 @@ def store_object(url: str, options: OpenOptions, *, stall_timeout_s: float) -> O
             # they need be, for a reason the user can remove: say it. An option without
             # equivalent is the user's choice: only inform.
             level = logging.WARNING if why.fixable else logging.INFO
+            level = logging.DEBUG if why.passing else level
             backend = _BACKENDS[protocol]
             logger.log(level, "reading %s:// through %s, not obstore: %s", protocol, backend, why)
         return None
@@ -141,8 +143,10 @@ def _store_for(url: str, options: OpenOptions, stall_timeout_s: float) -> tuple[
             retry_config={"max_retries": 0, "retry_timeout": datetime.timedelta(seconds=1)},
             credential_provider=credentials,
         )
-        if gcs and endpoint != DEFAULT_BASE_URL:
+        if gcs and endpoint != DEFAULT_BASE_URL and transport_setting() == "auto":
             store = xml_api_missing(store, key, url, options, endpoint) or store
+        if len(stores) >= _MAX_STORES:  # options rebuilt with new objects in them, each epoch
+            stores.pop(next(iter(stores)))
         stores[cache_key] = store
     if isinstance(store, Unsupported):
         raise store
@@ -176,6 +180,8 @@ def _translate(exc: BaseException) -> BaseException:
     code = code_match.group(1) if code_match else None
     name = type(exc).__name__
     summary = (f"{code} (HTTP {status})" if code else f"HTTP {status}") if status else text[:300]
+    if "TokenUnavailable" in text:  # gcsconfig's: the token endpoint did not answer
+        return ConnectionError(text[:300])
     if isinstance(exc, FileNotFoundError) or name == "NotFoundError" or status == 404:
         return FileNotFoundError(summary)
     if name in ("PermissionDeniedError", "UnauthenticatedError") or status in (401, 403):
@@ -242,14 +248,14 @@ class ObstoreObject:
         import obstore
 
         try:
-            if if_match is None:
+            if if_match is None and self._version is None:
                 data = _call(obstore.get_range, self.store, self.key, start=start, end=end)
                 return memoryview(data)
-            if self._version is not None:
-                return self._pinned_range(start, end, self._version)
-            options = {"range": (start, end), "if_match": if_match}
-            result = _call(obstore.get, self.store, self.key, options=options)
-            return memoryview(_call(result.bytes))
+            # Pinned to the first answer's generation (GCS), else conditional on its ETag.
+            options: dict[str, Any] = {"range": (start, end)}
+            if self._version is None:
+                options["if_match"] = if_match
+            return memoryview(_call(self._get(options).bytes))
         except ConnectionError as exc:
             if _NON_PARTIAL not in str(exc):
                 raise
@@ -257,34 +263,43 @@ class ObstoreObject:
         # ask for it whole; its length tells the caller (RangeIgnoredError, then streaming).
         return memoryview(self.cat())
 
-    def _pinned_range(self, start: int, end: int, version: str) -> memoryview:
-        """A ranged GET of generation ``version``: gone (replaced or deleted since the first
-        part) answers as a failed If-Match would, HTTP 412."""
+    def remember(self, details: Mapping[str, Any]) -> None:
+        """Pin the reads that follow to the generation ``details`` describe (GCS), unless
+        pinned already: the parts of one read all come from one generation."""
+        if self._pins_version and self._version is None and details.get("VersionId"):
+            self._version = str(details["VersionId"])
+
+    def _get(self, options: dict[str, Any] | None = None) -> Any:
+        """One GET (obstore's result), of the pinned generation when there is one: a
+        generation gone since (replaced, even by the same bytes, or deleted) answers as a
+        failed If-Match would, HTTP 412, marked as such (an ETag cannot clear it)."""
         import obstore
 
-        options = {"range": (start, end), "version": version}
+        version = self._version
+        if version is None:
+            return _call(obstore.get, self.store, self.key, options=options)
+        pinned = {**(options or {}), "version": version}
         try:
-            result = _call(obstore.get, self.store, self.key, options=options)
+            return _call(obstore.get, self.store, self.key, options=pinned)
         except FileNotFoundError:
             error = OSError(f"generation {version} is gone (HTTP 412)")
             error.status = 412  # type: ignore[attr-defined]
+            error.generation_gone = True  # type: ignore[attr-defined]
             raise error from None
-        return memoryview(_call(result.bytes))
 
     def cat_first(
         self, end: int, on_details: Callable[[dict[str, Any]], None]
     ) -> tuple[bytes, dict[str, Any]]:
         """Bytes ``[0, end)`` (all of a shorter object) and the object's metadata, in one
         ranged GET: the answer's headers carry the size and ETag (no HEAD), handed to
-        ``on_details`` as soon as they are in, before the body."""
-        import obstore
-
+        ``on_details`` as soon as they are in, before the body. A retry asks for the
+        generation the first attempt saw (GCS)."""
         try:
-            result = _call(obstore.get, self.store, self.key, options={"range": (0, end)})
+            result = self._get({"range": (0, end)})
         except ConnectionError as exc:
             if _NON_PARTIAL not in str(exc):
                 raise
-            result = _call(obstore.get, self.store, self.key)  # ignores Range: see above
+            result = self._get()  # ignores Range: see above
         except OSError as exc:
             if getattr(exc, "status", None) != 416:
                 raise
@@ -295,17 +310,13 @@ class ObstoreObject:
             on_details(details)
             return b"", details
         details = _details(result.meta)
-        if self._pins_version and details.get("VersionId"):
-            self._version = str(details["VersionId"])
+        self.remember(details)
         on_details(details)
         return bytes(_call(result.bytes)), details
 
     def cat(self) -> bytes:
-        """The whole object in one GET."""
-        import obstore
-
-        result = _call(obstore.get, self.store, self.key)
-        return bytes(_call(result.bytes))
+        """The whole object in one GET (of the pinned generation, if any)."""
+        return bytes(_call(self._get().bytes))
 
     def open(self, block_bytes: int) -> IO[bytes]:
         """One streaming GET, started on the first read (a seek before it moves the start)."""

@@ -147,6 +147,9 @@ def open_sized_parts(
     details = source.info(timeout=fetch.stall_timeout_s)
     if details.get("size") is not None:
         check_size(int(details["size"]))
+    remember = getattr(source, "remember", None)  # a transport that pins generations
+    if remember is not None:
+        remember(details)
     stream = PartStream(
         source,
         {**details, "size": size},

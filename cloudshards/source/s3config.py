@@ -41,10 +41,12 @@ _CREDENTIAL_TTL = datetime.timedelta(minutes=5)
 class Unsupported(Exception):
     """Why a shard cannot be read through obstore (it is then read through fsspec)."""
 
-    def __init__(self, why: str, *, fixable: bool = False) -> None:
+    def __init__(self, why: str, *, fixable: bool = False, passing: bool = False) -> None:
         super().__init__(why)
         #: The user can remove the reason (not a choice of theirs, such as an option).
         self.fixable = fixable
+        #: Only this object goes through fsspec: the next one asks again.
+        self.passing = passing
 
 
 def s3_settings(url: str, options: OpenOptions) -> dict[str, Any]:

@@ -174,7 +174,9 @@ def map_backend_error(
         reason = "is a directory, not a shard"
     elif http_status(exc) == 412:
         # A part's If-Match (the ETag of the object's first part) failed: never stitched.
-        reason = "the object changed while it was read (its ETag is not the first part's)"
+        reason = (
+            "the object changed while it was read (its ETag or generation is not the first part's)"
+        )
     elif (
         denied
         or isinstance(exc, PermissionError)

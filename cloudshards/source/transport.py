@@ -189,7 +189,10 @@ def fetch_range(
             try:
                 data = get()
             except Exception as exc:
-                if not (condition and http_status(exc) == 412 and _unchanged(source, etag)):
+                gone = getattr(exc, "generation_gone", False)  # pinned (GCS): it changed
+                if gone or not (condition and http_status(exc) == 412):
+                    raise
+                if not _unchanged(source, etag):
                     raise  # a 412 for an object whose ETag is no longer the first part's
                 # The store refuses the ETag it still reports: a proxy or CDN that rewrites
                 # ETags. The object has not changed; the shard's parts go unconditioned.

@@ -180,8 +180,8 @@ def _translate(exc: BaseException) -> BaseException:
     code = code_match.group(1) if code_match else None
     name = type(exc).__name__
     summary = (f"{code} (HTTP {status})" if code else f"HTTP {status}") if status else text[:300]
-    if "TokenUnavailable" in text:  # gcsconfig's: the token endpoint did not answer
-        return ConnectionError(text[:300])
+    if "TokenUnavailable: " in text:  # gcsconfig's: the token endpoint did not answer
+        return ConnectionError(f"no access token: {text.split('TokenUnavailable: ', 1)[1][:300]}")
     if isinstance(exc, FileNotFoundError) or name == "NotFoundError" or status == 404:
         return FileNotFoundError(summary)
     if name in ("PermissionDeniedError", "UnauthenticatedError") or status in (401, 403):

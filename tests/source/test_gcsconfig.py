@@ -169,3 +169,21 @@ def test_a_revoked_grant_is_access_denied_at_once(
     assert URL in str(info.value)
     assert "retrying" not in caplog.text.lower()
     assert account["private_key"] not in str(info.value)
+
+
+def test_a_token_endpoint_that_does_not_answer_is_retried_not_denied(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Nothing listens where the token comes from (a metadata server or OAuth endpoint
+    down): a transient failure, retried within the bound, never "access denied"."""
+    monkeypatch.setenv("CLOUDSHARDS_TRANSPORT", "obstore")
+    monkeypatch.setenv("CLOUDSHARDS_RETRIES", "2")
+    caplog.set_level("WARNING", logger="cloudshards.fetch")
+    account = service_account("http://127.0.0.1:9/token")
+    options = {"gs": {"token": account, "endpoint_url": "http://127.0.0.1:9"}}
+    with pytest.raises(ShardOpenError) as info:
+        list(wds.WebDataset(URL, shardshuffle=False, storage_options=options))
+    assert "access denied" not in str(info.value)
+    assert "no access token" in str(info.value)
+    assert "gave up after 3 attempts" in str(info.value)
+    assert "retry 2/2" in caplog.text

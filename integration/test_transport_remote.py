@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch.utils.data
+from cloudsim_fixtures import cloudsim_factory, via  # noqa: F401 - the fixture
 
 import cloudshards as wds
 from cloudshards.errors import ConfigError, ShardFormatError, ShardOpenError
@@ -22,6 +23,7 @@ from cloudshards.source import FetchOptions, OpenOptions, object_at, process_sta
 from cloudshards.source.objstore import ObstoreObject
 from cloudshards.source.parts import FIRST_PART_BYTES
 from cloudshards.source.remote import FsspecObject
+from cloudshards.source.resumable import open_remote
 
 if TYPE_CHECKING:
     from conftest import RemoteDataset
@@ -226,6 +228,18 @@ def _changing_tar(path: Path, fill: int) -> None:
             tar.addfile(info, io.BytesIO(bytes([fill]) * info.size))
 
 
+def _publish(dataset: RemoteDataset, remote: str, source: Path, name: str, mtime: int) -> None:
+    """Write ``source`` as object ``name`` of ``dataset``'s bucket (replacing it)."""
+    if remote in ("s3", "gcs"):
+        with warnings.catch_warnings():  # gcsfs's upload of bytes: aiohttp's warning
+            warnings.simplefilter("ignore", ResourceWarning)
+            dataset.server.filesystem().put(str(source), f"cloudshards-it/{name}")
+    else:
+        target = dataset.server.root / "cloudshards-it" / name
+        shutil.copyfile(source, target)
+        os.utime(target, (mtime, mtime))  # nginx's ETag is the mtime and size
+
+
 @pytest.mark.parametrize("remote", ["s3", "gcs", "http"])
 def test_an_object_replaced_while_it_is_read_is_never_stitched(
     request: pytest.FixtureRequest, tmp_path: Path, remote: str
@@ -243,14 +257,7 @@ def test_an_object_replaced_while_it_is_read_is_never_stitched(
     url = dataset.url_for(name)
 
     def publish(source: Path, mtime: int) -> None:
-        if remote in ("s3", "gcs"):
-            with warnings.catch_warnings():  # gcsfs's upload of bytes: aiohttp's warning
-                warnings.simplefilter("ignore", ResourceWarning)
-                dataset.server.filesystem().put(str(source), f"cloudshards-it/{name}")
-        else:
-            target = dataset.server.root / "cloudshards-it" / name
-            shutil.copyfile(source, target)
-            os.utime(target, (mtime, mtime))  # nginx's ETag is the mtime and size
+        _publish(dataset, remote, source, name, mtime)
 
     cache = tmp_path / "cache"
     for cache_dir in (None, cache):
@@ -275,3 +282,35 @@ def test_an_object_replaced_while_it_is_read_is_never_stitched(
         assert name in str(info.value)
         assert all(bytes(s["bin"]) == b"\x01" * (64 << 10) for s in read)  # never version 2
     assert not [p for p in (cache / "data").glob("*") if not p.name.endswith(".partial")]
+
+
+@pytest.mark.parametrize("remote", ["s3", "gcs"])
+def test_a_stream_resumed_after_a_cut_never_continues_into_a_new_version(
+    request: pytest.FixtureRequest, tmp_path: Path, remote: str, cloudsim: Any
+) -> None:
+    """A whole-shard stream (the cache's downloads, counting, index building) cut mid-way
+    resumes with a ranged GET: when the object was replaced meanwhile, the resumed answer's
+    ETag or generation is not the first one's, and the read fails naming the change instead
+    of handing on the old start with the new rest."""
+    dataset: RemoteDataset = request.getfixturevalue(f"{remote}_dataset")
+    old, new = tmp_path / "old.tar", tmp_path / "new.tar"
+    _changing_tar(old, 1)
+    _changing_tar(new, 2)
+    name = f"resumed-{remote}.tar"
+    _publish(dataset, remote, old, name, 1_700_000_000)
+    sim = cloudsim(dataset.server.endpoint_url, cut_all=True, cut_after_bytes=1_000_000)
+    proxied = via(sim, dataset)
+    options = OpenOptions(storage_options=proxied.storage_options, block_bytes=64 << 10)
+    stream = open_remote(proxied.url_for(name), options)
+    try:
+        head = b""
+        while len(head) < 100_000:  # a read gives what one chunk holds
+            head += stream.read(100_000 - len(head))
+        assert head == old.read_bytes()[:100_000]
+        _publish(dataset, remote, new, name, 1_700_000_500)
+        sim.configure(cut_all=False)
+        with pytest.raises(ShardOpenError, match="changed while it was read"):
+            stream.read()
+    finally:
+        stream.close()
+    assert sim.stats().cuts >= 1

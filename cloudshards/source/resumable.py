@@ -103,6 +103,11 @@ class ResumableStream(ClosingStream):
             size, details = stream.response_facts()
             if self.size is None and self.details is None:
                 self.size, self.details = size, details
+            elif _another_version(self.details, details):
+                # Resuming would stitch the new object's rest onto the old one's start.
+                changed = OSError("the object changed while it was read (HTTP 412)")
+                changed.status = 412  # type: ignore[attr-defined]
+                raise changed
         except BaseException:
             with contextlib.suppress(Exception):
                 stream.close()
@@ -131,3 +136,19 @@ def _seek(stream: ShardStream, offset: int) -> bool:
     except (ValueError, OSError):
         return False
     return True
+
+
+#: Metadata that names one version of an object (s3fs/obstore, HTTP, gcsfs, obstore on GCS).
+_VERSION_FIELDS = ("ETag", "etag", "VersionId", "generation")
+
+
+def _another_version(details: Any, now_details: Any) -> bool:
+    """Whether a resumed response describes another version of the object than the first
+    did: another ETag or generation, where both say."""
+    if not isinstance(details, dict) or not isinstance(now_details, dict):
+        return False
+    for field in _VERSION_FIELDS:
+        first, then = details.get(field), now_details.get(field)
+        if first is not None and then is not None and first != then:
+            return True
+    return False

@@ -5,8 +5,6 @@ gcsfs; errors stay clear; parts of a replaced object are never stitched together
 from __future__ import annotations
 
 import datetime
-import traceback
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -14,52 +12,26 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from servers import gcs_download_name
 from test_cache_safety_remote import RewritingProxy, proxies  # noqa: F401 - the fixture
-from test_transport_remote import _changing_tar, _read_in_workers, all_keys, keys_of, transport_of
+from test_transport_remote import (
+    _changing_tar,
+    _publish,
+    all_keys,
+    keys_of,
+    samples_of,
+    transport_of,
+)
 
 import cloudshards as wds
 from cloudshards.errors import ConfigError, ShardOpenError
-from cloudshards.source.objstore import ObstoreObject
 from cloudshards.source.remote import FsspecObject
 
 if TYPE_CHECKING:
     from conftest import RemoteDataset
 
 
-def samples_of(url: str, options: Any, **kwargs: Any) -> list[tuple[str, bytes]]:
-    dataset = wds.WebDataset(url, shardshuffle=False, storage_options=options, **kwargs)
-    return [(sample["__key__"], sample["bin"]) for sample in dataset]
-
-
 def xml_downloads(proxy: RewritingProxy) -> list[str]:
     """Paths of the object GETs obstore sent (GCS's XML API: ``/bucket/object``)."""
     return [e.path for e in proxy.take() if e.method == "GET" and "/storage/v1/" not in e.path]
-
-
-def test_gcs_reads_through_obstore_by_default_and_matches_gcsfs(
-    gcs_dataset: RemoteDataset, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    options = gcs_dataset.storage_options
-    assert transport_of(gcs_dataset.url_for(gcs_dataset.local.shards[0]), options) is ObstoreObject
-    fast = samples_of(gcs_dataset.url, options)
-    cached = samples_of(gcs_dataset.url, options, cache_dir=str(tmp_path / "cache"))
-    monkeypatch.setenv("CLOUDSHARDS_TRANSPORT", "fsspec")
-    assert transport_of(gcs_dataset.url_for(gcs_dataset.local.shards[0]), options) is FsspecObject
-    slow = samples_of(gcs_dataset.url, options)
-    assert [key for key, _ in fast] == all_keys(gcs_dataset)
-    assert fast == slow == cached
-    for key, data in fast:
-        assert data == gcs_dataset.local.samples[key]["bin"]
-
-
-def test_the_emulator_named_only_in_the_environment(
-    gcs_dataset: RemoteDataset, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """``STORAGE_EMULATOR_HOST`` and no options: gcsfs's chain finds no credentials for an
-    emulator and goes anonymous; obstore reads the same endpoint unsigned."""
-    for name, value in gcs_dataset.env.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setenv("CLOUDSHARDS_TRANSPORT", "obstore")
-    assert keys_of(gcs_dataset.url) == all_keys(gcs_dataset)
 
 
 def test_a_given_token_is_the_bearer_obstore_sends(
@@ -97,27 +69,6 @@ def test_requester_pays_falls_back_to_gcsfs(
         keys_of(gcs_dataset.url, options)
 
 
-def test_a_missing_gcs_object_is_named_and_not_retried(
-    gcs_dataset: RemoteDataset, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    monkeypatch.setenv("CLOUDSHARDS_TRANSPORT", "obstore")
-    url = gcs_dataset.url_for("no-such-shard.tar")
-    with pytest.raises(ShardOpenError, match="object not found") as info:
-        keys_of(url, gcs_dataset.storage_options)
-    assert url in str(info.value)
-    assert isinstance(info.value, FileNotFoundError)
-    assert "None" not in "".join(traceback.format_exception_only(info.value))
-    assert "retrying" not in caplog.text.lower()
-
-
-def test_spawned_workers_read_gcs_through_obstore(
-    gcs_dataset: RemoteDataset, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("CLOUDSHARDS_TRANSPORT", "obstore")  # workers fail rather than fall back
-    keys = _read_in_workers(gcs_dataset.url, gcs_dataset.storage_options, "spawn")
-    assert keys == sorted(all_keys(gcs_dataset))
-
-
 def test_an_emulator_without_the_xml_api_is_read_through_gcsfs(
     gcs_dataset: RemoteDataset,
     gcs_server: Any,
@@ -143,13 +94,8 @@ def test_an_emulator_without_the_xml_api_is_read_through_gcsfs(
     assert "through gcsfs" in warning
 
 
-def _publish(dataset: RemoteDataset, source: Path, name: str) -> None:
-    with warnings.catch_warnings():  # gcsfs's upload of bytes: aiohttp's warning
-        warnings.simplefilter("ignore", ResourceWarning)
-        dataset.server.filesystem().put(str(source), f"cloudshards-it/{name}")
-
-
 def test_a_retried_first_part_asks_for_the_generation_it_saw(
+    gcs_dataset: RemoteDataset,
     gcs_server: Any,
     proxies: Callable[..., RewritingProxy],  # noqa: F811 - the imported fixture
     tmp_path: Path,
@@ -161,14 +107,11 @@ def test_a_retried_first_part_asks_for_the_generation_it_saw(
     old, new = tmp_path / "old.tar", tmp_path / "new.tar"
     _changing_tar(old, 1)
     _changing_tar(new, 2)
-    fs = gcs_server.filesystem()
-    fs.mkdir("cloudshards-versioned", enable_versioning=True)
+    gcs_server.filesystem().mkdir("cloudshards-versioned", enable_versioning=True)
     target = "cloudshards-versioned/retried-first.tar"
 
     def publish(source: Path) -> None:
-        with warnings.catch_warnings():  # gcsfs's upload of bytes: aiohttp's warning
-            warnings.simplefilter("ignore", ResourceWarning)
-            fs.put(str(source), target)
+        _publish(gcs_dataset, "gcs", source, "retried-first.tar", bucket="cloudshards-versioned")
 
     publish(old)
     cut: list[int] = []
@@ -199,13 +142,13 @@ def test_an_identical_rewrite_mid_read_still_counts_as_a_change(
     source = tmp_path / "same.tar"
     _changing_tar(source, 1)
     name = "rewritten-same.tar"
-    _publish(gcs_dataset, source, name)
+    _publish(gcs_dataset, "gcs", source, name)
     url = gcs_dataset.url_for(name)
     options = gcs_dataset.storage_options
     samples = iter(wds.WebDataset(url, shardshuffle=False, storage_options=options,
                                   part_bytes=64 << 10, concurrency=1, prefetch=0))  # fmt: skip
     next(samples)
-    _publish(gcs_dataset, source, name)
+    _publish(gcs_dataset, "gcs", source, name)
     with pytest.raises(ShardOpenError, match="changed while it was read"):
         list(samples)
     assert "refuses If-Match" not in caplog.text

@@ -1,6 +1,7 @@
 """S3 shards read through obstore (the default where it can) give what s3fs gives, with every
 way users pass credentials and endpoints to fsspec today; what obstore cannot take falls back
-to s3fs; errors stay clear and secret-free; a forked worker never hangs on obstore's runtime."""
+to s3fs; errors stay clear and secret-free; a forked worker never hangs on obstore's runtime.
+The checks that hold for GCS as well run for it too (its own are in test_transport_gcs.py)."""
 
 from __future__ import annotations
 
@@ -42,33 +43,43 @@ def transport_of(url: str, storage_options: Any) -> type:
     return type(object_at(url, OpenOptions(storage_options=storage_options)))
 
 
-def test_s3_reads_through_obstore_by_default_and_matches_s3fs(
-    s3_dataset: RemoteDataset, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+def samples_of(url: str, storage_options: Any, **kwargs: Any) -> list[tuple[str, bytes]]:
+    dataset = wds.WebDataset(url, shardshuffle=False, storage_options=storage_options, **kwargs)
+    return [(sample["__key__"], sample["bin"]) for sample in dataset]
+
+
+@pytest.mark.parametrize("remote", ["s3", "gcs"])
+def test_reads_through_obstore_by_default_and_match_s3fs_and_gcsfs(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, remote: str
 ) -> None:
-    options = s3_dataset.storage_options
-    assert transport_of(s3_dataset.url_for("x.tar"), options) is ObstoreObject
-    fast = [(s["__key__"], s["bin"]) for s in wds.WebDataset(
-        s3_dataset.url, shardshuffle=False, storage_options=options)]  # fmt: skip
-    cached = [(s["__key__"], s["bin"]) for s in wds.WebDataset(
-        s3_dataset.url, shardshuffle=False, storage_options=options,
-        cache_dir=str(tmp_path / "cache"))]  # fmt: skip
+    dataset: RemoteDataset = request.getfixturevalue(f"{remote}_dataset")
+    options = dataset.storage_options
+    # A shard that exists: an emulator's GCS endpoint is probed with a HEAD of it.
+    shard = dataset.url_for(dataset.local.shards[0])
+    assert transport_of(shard, options) is ObstoreObject
+    fast = samples_of(dataset.url, options)
+    cached = samples_of(dataset.url, options, cache_dir=str(tmp_path / "cache"))
     monkeypatch.setenv("CLOUDSHARDS_TRANSPORT", "fsspec")
-    assert transport_of(s3_dataset.url_for("x.tar"), options) is FsspecObject
-    slow = [(s["__key__"], s["bin"]) for s in wds.WebDataset(
-        s3_dataset.url, shardshuffle=False, storage_options=options)]  # fmt: skip
-    assert [key for key, _ in fast] == all_keys(s3_dataset)
+    assert transport_of(shard, options) is FsspecObject
+    slow = samples_of(dataset.url, options)
+    assert [key for key, _ in fast] == all_keys(dataset)
     assert fast == slow == cached
     for key, data in fast:
-        assert data == s3_dataset.local.samples[key]["bin"]
+        assert data == dataset.local.samples[key]["bin"]
 
 
+@pytest.mark.parametrize("remote", ["s3", "gcs"])
 def test_credentials_and_endpoint_from_the_environment(
-    s3_dataset: RemoteDataset, monkeypatch: pytest.MonkeyPatch
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, remote: str
 ) -> None:
-    for name, value in s3_dataset.env.items():
+    """S3: keys and endpoint in ``AWS_*``. GCS: ``STORAGE_EMULATOR_HOST`` alone, where gcsfs's
+    chain finds no credentials for an emulator and goes anonymous; obstore reads the same
+    endpoint unsigned."""
+    dataset: RemoteDataset = request.getfixturevalue(f"{remote}_dataset")
+    for name, value in dataset.env.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("CLOUDSHARDS_TRANSPORT", "obstore")
-    assert keys_of(s3_dataset.url) == all_keys(s3_dataset)
+    assert keys_of(dataset.url) == all_keys(dataset)
 
 
 def test_credentials_and_endpoint_from_an_aws_profile(
@@ -137,15 +148,22 @@ def test_a_wrong_secret_is_access_denied_without_the_secret(
     assert wrong not in text
 
 
+@pytest.mark.parametrize("remote", ["s3", "gcs"])
 def test_a_missing_object_is_named_and_not_retried(
-    s3_dataset: RemoteDataset, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    remote: str,
 ) -> None:
+    dataset: RemoteDataset = request.getfixturevalue(f"{remote}_dataset")
     monkeypatch.setenv("CLOUDSHARDS_TRANSPORT", "obstore")
-    url = s3_dataset.url_for("no-such-shard.tar")
+    url = dataset.url_for("no-such-shard.tar")
     with pytest.raises(ShardOpenError, match="object not found") as info:
-        keys_of(url, s3_dataset.storage_options)
+        keys_of(url, dataset.storage_options)
     assert url in str(info.value)
-    assert isinstance(info.value, FileNotFoundError)  # S3's 404, as webdataset code catches it
+    assert isinstance(info.value, FileNotFoundError)  # the 404, as webdataset code catches it
+    # GCS's 404 carries no error code: the message says "HTTP 404", never "None".
+    assert "None" not in "".join(traceback.format_exception_only(info.value))
     assert "retrying" not in caplog.text.lower()
 
 
@@ -168,13 +186,15 @@ def test_forked_workers_of_a_process_that_used_obstore_read_through_s3fs(
     assert _read_in_workers(url, options, "fork") == sorted(all_keys(s3_dataset))
 
 
+@pytest.mark.parametrize("remote", ["s3", "gcs"])
 def test_spawned_workers_read_through_obstore(
-    s3_dataset: RemoteDataset, monkeypatch: pytest.MonkeyPatch
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, remote: str
 ) -> None:
+    dataset: RemoteDataset = request.getfixturevalue(f"{remote}_dataset")
     # CLOUDSHARDS_TRANSPORT=obstore reaches the workers: they fail rather than fall back.
     monkeypatch.setenv("CLOUDSHARDS_TRANSPORT", "obstore")
-    keys = _read_in_workers(s3_dataset.url, s3_dataset.storage_options, "spawn")
-    assert keys == sorted(all_keys(s3_dataset))
+    keys = _read_in_workers(dataset.url, dataset.storage_options, "spawn")
+    assert keys == sorted(all_keys(dataset))
 
 
 def _requests_and_samples(url: str, options: Any) -> tuple[int, list[tuple[str, bytes]]]:
@@ -228,14 +248,21 @@ def _changing_tar(path: Path, fill: int) -> None:
             tar.addfile(info, io.BytesIO(bytes([fill]) * info.size))
 
 
-def _publish(dataset: RemoteDataset, remote: str, source: Path, name: str, mtime: int) -> None:
-    """Write ``source`` as object ``name`` of ``dataset``'s bucket (replacing it)."""
+def _publish(
+    dataset: RemoteDataset,
+    remote: str,
+    source: Path,
+    name: str,
+    mtime: int = 1_700_000_000,
+    bucket: str = "cloudshards-it",
+) -> None:
+    """Write ``source`` as object ``name`` of ``bucket`` (replacing it); ``mtime`` over HTTP."""
     if remote in ("s3", "gcs"):
         with warnings.catch_warnings():  # gcsfs's upload of bytes: aiohttp's warning
             warnings.simplefilter("ignore", ResourceWarning)
-            dataset.server.filesystem().put(str(source), f"cloudshards-it/{name}")
+            dataset.server.filesystem().put(str(source), f"{bucket}/{name}")
     else:
-        target = dataset.server.root / "cloudshards-it" / name
+        target = dataset.server.root / bucket / name
         shutil.copyfile(source, target)
         os.utime(target, (mtime, mtime))  # nginx's ETag is the mtime and size
 

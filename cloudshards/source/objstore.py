@@ -41,6 +41,7 @@ from cloudshards.process import PerProcess
 from cloudshards.source.gcsconfig import DEFAULT_BASE_URL, gcs_settings, xml_api_missing
 from cloudshards.source.options import OpenOptions
 from cloudshards.source.s3config import Unsupported, s3_settings
+from cloudshards.source.stream import status_error
 from cloudshards.urls import options_for, protocol_of
 
 __all__ = ["ObstoreObject", "ObstoreReader", "store_object", "transport_setting"]
@@ -85,7 +86,7 @@ def store_object(url: str, options: OpenOptions, *, stall_timeout_s: float) -> O
     if setting == "fsspec" or protocol not in _BACKENDS:
         return None
     try:
-        store, key = _store_for(url, options, stall_timeout_s)
+        store, key = _store_for(url, protocol, options, stall_timeout_s)
     except Unsupported as why:
         if setting == "obstore":
             raise ConfigError(f"CLOUDSHARDS_TRANSPORT=obstore, but {why}") from None
@@ -103,7 +104,9 @@ def store_object(url: str, options: OpenOptions, *, stall_timeout_s: float) -> O
     return ObstoreObject(store, key, url, pins_version=_BACKENDS[protocol] == "gcsfs")
 
 
-def _store_for(url: str, options: OpenOptions, stall_timeout_s: float) -> tuple[Any, str]:
+def _store_for(
+    url: str, protocol: str, options: OpenOptions, stall_timeout_s: float
+) -> tuple[Any, str]:
     global _used_in_pid
     try:
         import obstore.store
@@ -123,7 +126,6 @@ def _store_for(url: str, options: OpenOptions, stall_timeout_s: float) -> tuple[
         _used_in_pid = os.getpid()
     # Keyed by the user's options as given (secrets only as an in-memory key): the settings,
     # credentials chain and endpoint are worked out once per bucket and options.
-    protocol = protocol_of(url)
     given = options_for(protocol, options.storage_options)
     cache_key = (
         _BACKENDS[protocol], bucket, repr(sorted(given.items(), key=lambda item: item[0])),
@@ -187,9 +189,7 @@ def _translate(exc: BaseException) -> BaseException:
     if name in ("PermissionDeniedError", "UnauthenticatedError") or status in (401, 403):
         return PermissionError(summary)
     if status is not None and 400 <= status < 500 and status not in (408, 429):
-        error = OSError(summary)
-        error.status = status  # type: ignore[attr-defined]
-        return error
+        return status_error(summary, status)
     return ConnectionError(f"{name}: {text[:300]}")
 
 
@@ -221,8 +221,8 @@ class ObstoreObject:
         self.store = store
         self.key = key
         self.url = url
-        # GCS: the conditional parts ask for the generation the first answer came from (GCS
-        # serves it whole or not at all; fake-gcs-server ignores If-Match), not its ETag.
+        # GCS: every GET after the first answer asks for that answer's generation (exact,
+        # where fake-gcs-server ignores If-Match), instead of making the parts conditional.
         self._pins_version = pins_version
         self._version: str | None = None
 
@@ -282,8 +282,7 @@ class ObstoreObject:
         try:
             return _call(obstore.get, self.store, self.key, options=pinned)
         except FileNotFoundError:
-            error = OSError(f"generation {version} is gone (HTTP 412)")
-            error.status = 412  # type: ignore[attr-defined]
+            error = status_error(f"generation {version} is gone (HTTP 412)", 412)
             error.generation_gone = True  # type: ignore[attr-defined]
             raise error from None
 

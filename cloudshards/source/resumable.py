@@ -9,8 +9,9 @@ from typing import Any
 
 from cloudshards.source.options import FetchOptions, OpenOptions
 from cloudshards.source.plain import open_shard
+from cloudshards.source.remote import object_etag
 from cloudshards.source.retries import IOStats, is_retryable, process_stats, retry
-from cloudshards.source.stream import ShardStream, discard
+from cloudshards.source.stream import ShardStream, discard, status_error
 from cloudshards.types import ClosingStream
 
 __all__ = ["ResumableStream", "open_remote"]
@@ -105,9 +106,7 @@ class ResumableStream(ClosingStream):
                 self.size, self.details = size, details
             elif _another_version(self.details, details):
                 # Resuming would stitch the new object's rest onto the old one's start.
-                changed = OSError("the object changed while it was read (HTTP 412)")
-                changed.status = 412  # type: ignore[attr-defined]
-                raise changed
+                raise status_error("the object changed while it was read (HTTP 412)", 412)
         except BaseException:
             with contextlib.suppress(Exception):
                 stream.close()
@@ -138,17 +137,16 @@ def _seek(stream: ShardStream, offset: int) -> bool:
     return True
 
 
-#: Metadata that names one version of an object (s3fs/obstore, HTTP, gcsfs, obstore on GCS).
-_VERSION_FIELDS = ("ETag", "etag", "VersionId", "generation")
-
-
 def _another_version(details: Any, now_details: Any) -> bool:
     """Whether a resumed response describes another version of the object than the first
     did: another ETag or generation, where both say."""
     if not isinstance(details, dict) or not isinstance(now_details, dict):
         return False
-    for field in _VERSION_FIELDS:
-        first, then = details.get(field), now_details.get(field)
-        if first is not None and then is not None and first != then:
-            return True
-    return False
+    pairs = zip(_version(details), _version(now_details), strict=True)
+    return any(first is not None and then is not None and first != then for first, then in pairs)
+
+
+def _version(details: dict[str, Any]) -> tuple[Any, Any]:
+    """The ETag (:func:`object_etag`) and generation (obstore's ``VersionId``, gcsfs's
+    ``generation``) an answer names, None where it does not."""
+    return object_etag(details), details.get("VersionId") or details.get("generation")

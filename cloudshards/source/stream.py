@@ -15,7 +15,14 @@ from cloudshards.redact import raise_redacted, redact_text
 if TYPE_CHECKING:
     from cloudshards.cache.membertable import MemberTable
 
-__all__ = ["EntrySource", "ShardSource", "ShardStream", "discard", "map_backend_error"]
+__all__ = [
+    "EntrySource",
+    "ShardSource",
+    "ShardStream",
+    "discard",
+    "map_backend_error",
+    "status_error",
+]
 
 
 class ShardSource(Protocol):
@@ -173,7 +180,8 @@ def map_backend_error(
     if isinstance(exc, IsADirectoryError):
         reason = "is a directory, not a shard"
     elif http_status(exc) == 412:
-        # A part's If-Match (the ETag of the object's first part) failed: never stitched.
+        # A later part's If-Match or generation, or a resumed stream's ETag, is not the
+        # first answer's: the object changed, and is never stitched.
         reason = (
             "the object changed while it was read (its ETag or generation is not the first part's)"
         )
@@ -208,6 +216,14 @@ def hidden_failure(exc: BaseException) -> BaseException | None:
 def http_status(exc: BaseException | None) -> Any:
     """A backend exception's HTTP status (aiohttp's ``status``, urllib's ``code``), or None."""
     return getattr(exc, "status", None) or getattr(exc, "code", None)
+
+
+def status_error(message: str, status: int) -> OSError:
+    """An ``OSError`` carrying an HTTP ``status`` (as :func:`http_status` reads it), judged by
+    the retries and the error mapping as the store's own answer with that status would be."""
+    error = OSError(message)
+    error.status = status  # type: ignore[attr-defined]
+    return error
 
 
 def discard(stream: Any, count: int) -> int:

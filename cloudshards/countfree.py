@@ -1,21 +1,29 @@
-"""Balanced epochs without sample counts: the ranks agree on the epoch's end as they go.
+"""Balanced epochs that the ranks end together, with or without sample counts.
 
-Balancing by counts (:mod:`cloudshards.balance`) needs every shard's number of samples before
-the first one is read; without an index or metadata that is a counting pass over the whole
-dataset on every node. When cloudshards' own loaders (:class:`~cloudshards.WebLoader`,
-:class:`~cloudshards.StatefulLoader`) drive a multi-rank job, they avoid it:
+Balancing by counts (:mod:`cloudshards.balance`) hands every rank and worker the same number
+of samples. Two things remain that it cannot settle alone, and that cloudshards' own loaders
+(:class:`~cloudshards.WebLoader`, :class:`~cloudshards.StatefulLoader`) settle when they drive
+a multi-rank job:
 
-1. At the start of an epoch the ranks say, through the job's rendezvous store, whether they
-   know the counts. A rank that does not hear from every other one within two minutes (a
-   loader iterated on some ranks only) balances by counts as before: never a hang.
-2. If some rank lacks them (and the shards are remote, at least one per worker of the job),
-   the epoch runs *count-free*: each rank and worker reads whole
-   shards (split as webdataset splits them), notes the count of each shard it reads whole,
-   and after every batch the ranks check (one small all-reduce on a gloo group) that all of
-   them still have one; the first rank to run out ends the epoch for all, so every rank
-   takes the same number of steps. The samples the other ranks had left are not delivered
-   this epoch (as ``balance="drop"`` leaves out a few).
-3. At its end the ranks pool the counts they noted; the next epochs balance by counts.
+- A sample dropped after the reader (a ``select``, an ``rsample``, a ``map`` that returns
+  None, a ``decode`` whose handler continues past a damaged sample) can leave one rank a batch
+  short, and DDP then waits for it at an all-reduce forever. So after every batch the ranks
+  check (one small all-reduce on a gloo group) that all of them still have one; the first rank
+  to run out ends the epoch for all, and every rank takes the same number of steps. The
+  batches the others had left are not delivered this epoch (as ``balance="drop"`` leaves out
+  a few). ``CLOUDSHARDS_END_TOGETHER=0`` turns the check off.
+- Counts need every shard's number of samples before the first one is read; without an index
+  or metadata that is a counting pass over the whole dataset on every node. Instead:
+
+  1. At the start of an epoch the ranks say, through the job's rendezvous store, whether they
+     know the counts. A rank that does not hear from every other one within two minutes (a
+     loader iterated on some ranks only) balances by counts as before, and neither waits nor
+     checks for that loader again: never a hang.
+  2. If some rank lacks them (and the shards are remote, at least one per worker of the job),
+     the epoch runs *count-free*: each rank and worker reads whole shards (split as webdataset
+     splits them), notes the count of each shard it reads whole, and the ranks end the epoch
+     together as above.
+  3. At its end the ranks pool the counts they noted; the next epochs balance by counts.
 
 Bytes read before the first sample: the first shards of each worker, not the dataset; in the
 first epoch each node reads its own shards once. ``CLOUDSHARDS_COUNT_FREE=0`` counts first
@@ -43,8 +51,9 @@ __all__ = ["CountFree"]
 
 logger = logging.getLogger(__name__)
 
-#: How long a rank waits to hear from every other one before balancing by counts instead.
-DECIDE_TIMEOUT_S = 120.0
+#: How long a rank waits to hear from every other one before balancing by counts instead
+#: (``CLOUDSHARDS_RANKS_WAIT_S``).
+DECIDE_TIMEOUT_S = 120
 
 
 class CountFree:
@@ -53,32 +62,49 @@ class CountFree:
     def __init__(self) -> None:
         self._rounds = itertools.count()
         self._group: Any = None
+        self._free = False  # this epoch runs count-free
+        self._solo = False  # some rank does not iterate this loader
         self.restored = False  # the loader restored a count-free epoch: run it as one
 
     def begin(self, dataset: Any, workers: int) -> bool:
-        """Before the epoch's workers start (``workers`` per rank): whether it runs count-free
-        (a collective step of all ranks, through the store; sets the dataset's flag that its
-        workers read). Only for remote shards, at least one per worker of the job: local ones
-        are counted from their headers alone, and with fewer shards the first rank to run out
-        would end the epoch early."""
+        """Before the epoch's workers start (``workers`` per rank): whether the ranks end it
+        together (a collective step of all ranks, through the store). True for every balanced
+        multi-rank epoch that every rank iterates: each batch then waits for all ranks to have
+        one (``CLOUDSHARDS_END_TOGETHER=0`` turns this off), so a sample dropped after the
+        reader (a ``select``, a handler that continues) can never leave a rank a batch short.
+        The epoch also runs count-free (sets the dataset's flag that its workers read) when a
+        rank lacks the counts; only for remote shards, at least one per worker of the job:
+        local ones are counted from their headers alone, and with fewer shards the first rank
+        to run out would end the epoch early."""
         restored, self.restored = self.restored, False
+        self._free = False
         split = _split_of(dataset)
-        if split is None or not _distributed():
+        if split is None or not _distributed() or self._solo:
             return False
-        if not restored and not config.env_bool("COUNT_FREE", True):
-            return False  # CLOUDSHARDS_COUNT_FREE=0: count first, as before
+        if not restored and not _balanced(split, dataset):
+            return False
         consumers = torch_dist.get_world_size() * max(1, workers)
-        worth = len(split.urls) >= consumers and not any(
-            protocol_of(url) == "file" for url in split.urls
+        free = restored or (
+            config.env_bool("COUNT_FREE", True)  # CLOUDSHARDS_COUNT_FREE=0: count first
+            and split.sample_limit is None
+            and len(split.urls) >= consumers
+            and not any(protocol_of(url) == "file" for url in split.urls)
         )
-        if not restored and not (worth and _needs_counts(split, dataset)):
+        together = config.env_bool("END_TOGETHER", True)
+        if not (free or together):
             return False
-        known = not restored and split.known_counts() is not None
+        known = not free or (not restored and split.known_counts() is not None)
         verdict = self._everyone_knows(dataset, known)
-        if verdict is None or (verdict and not restored):
+        if verdict is None:
+            self._solo = True  # not every rank iterates this loader: never wait for it again
+            return False
+        self._free = free and (restored or not verdict)
+        if not (self._free or together):
             return False
         if self._group is None:  # every rank is here: safe to make the group
             self._group = torch_dist.new_group(backend="gloo")
+        if not self._free:
+            return True
         dataset.__dict__["_count_free"] = dataset.epoch
         if torch_dist.get_rank() == 0:
             logger.info(
@@ -88,15 +114,21 @@ class CountFree:
             )
         return True
 
-    def run(self, batches: Iterator[Any], dataset: Any) -> Iterator[Any]:
-        """``batches`` until any rank runs out, then the counts noted are pooled."""
+    def run(self, batches: Iterator[Any], dataset: Any, *, drain: bool = False) -> Iterator[Any]:
+        """``batches`` until any rank runs out (then, with ``drain``, this rank's remaining
+        batches are read and dropped, so that a stateful loader's state says the epoch ended,
+        as it says on the rank that ran out); then the counts noted are pooled."""
         for batch in batches:
             if not self._all(True):
+                if drain:
+                    for _ in batches:
+                        pass
                 break
             yield batch
         else:
             self._all(False)
-        self._pool(_split_of(dataset))
+        if self._free:
+            self._pool(_split_of(dataset))
 
     def _all(self, flag: bool) -> bool:
         value = torch.tensor([1 if flag else 0], dtype=torch.int32)
@@ -115,7 +147,11 @@ class CountFree:
         split._counts = None  # ask the counts file again next epoch
 
     def _everyone_knows(self, dataset: Any, known: bool) -> bool | None:
-        """Whether every rank knows the counts; None when some rank never answered."""
+        """Whether every rank knows the counts; None when some rank did not come in time.
+
+        One verdict for all ranks: the last rank to arrive sets it to "go", a rank that waited
+        in vain to "abandon", whichever comes first (an atomic compare-and-set), so a rank
+        arriving late can never decide to end the epoch together with ranks that gave up."""
         store = _store()
         if store is None:
             return None
@@ -123,15 +159,22 @@ class CountFree:
         digest = dataset._fingerprint()[0][:16]
         prefix = f"cloudshards/count-free/{digest}/{dataset.epoch}/{next(self._rounds)}"
         store.set(f"{prefix}/{rank}", "1" if known else "0")
-        keys = [f"{prefix}/{other}" for other in range(world)]
+        decision = f"{prefix}/verdict"
+        if store.add(f"{prefix}/arrived", 1) == world:
+            store.compare_set(decision, "", "go")
+        wait_s = config.env_int("RANKS_WAIT_S", DECIDE_TIMEOUT_S)
         try:
-            store.wait(keys, datetime.timedelta(seconds=DECIDE_TIMEOUT_S))
+            store.wait([decision], datetime.timedelta(seconds=wait_s))
         except Exception as exc:  # a rank that never came: not all ranks iterate this loader
+            logger.debug("no verdict from every rank: %s", type(exc).__name__)
+        if store.compare_set(decision, "", "abandon") != b"go":
             logger.warning(
-                "not every rank iterates this loader (%s): balancing by counts", type(exc).__name__
+                "not every rank iterates this loader (no answer within %d s): balancing by "
+                "counts, without ending epochs together",
+                wait_s,
             )
             return None
-        return all(store.get(key) == b"1" for key in keys)
+        return all(store.get(f"{prefix}/{other}") == b"1" for other in range(world))
 
 
 def _distributed() -> bool:
@@ -162,10 +205,10 @@ def _split_of(dataset: Any) -> Any:
     return None
 
 
-def _needs_counts(split: Any, dataset: Any) -> bool:
-    """Whether this epoch balances by counts (several ranks as the dataset sees them, no
-    with_epoch, no subsample)."""
-    if getattr(dataset, "nsamples", -1) > 0 or split.sample_limit is not None:
+def _balanced(split: Any, dataset: Any) -> bool:
+    """Whether this epoch is balanced across ranks (several ranks as the dataset sees them,
+    no with_epoch: that one counts the items the pipeline yields, after any filter)."""
+    if getattr(dataset, "nsamples", -1) > 0:
         return False
     if split.balance == "auto":
         ranks = effective_info(getattr(dataset, "_ranks", None), dataset.replication)

@@ -314,7 +314,7 @@ class WebLoader(DataPipeline, FluidInterface):
         single = self.repetitions == 1 and self.nsamples <= 0  # one pass of the loader
         free = single and isinstance(dataset, DataPipeline)
         if free and self._free_epochs.begin(dataset, loader.num_workers):
-            return self._free_epochs.run(batches, dataset)  # an epoch without counts
+            return self._free_epochs.run(batches, dataset)  # the ranks end it together
         return batches
 
 

@@ -162,7 +162,8 @@ class StatefulLoader(SettledFork, StatefulDataLoader):  # type: ignore[misc]
             dataset.__dict__["_loader_passes"] = dataset.__dict__.get("_loader_passes", 0) + 1
             if self.num_workers > 0 and not self.persistent_workers:
                 self._keep_epoch_in_step(dataset)
-        # Before the workers start: an epoch without sample counts (cloudshards.countfree).
+        # Before the workers start: whether the ranks end the epoch together, and whether it
+        # runs without sample counts (cloudshards.countfree).
         free = isinstance(dataset, DataPipeline) and self._count_free.begin(
             dataset, self.num_workers
         )
@@ -173,7 +174,7 @@ class StatefulLoader(SettledFork, StatefulDataLoader):  # type: ignore[misc]
             self._elastic_pending = False
             if isinstance(dataset, DataPipeline):
                 dataset._resume = None
-        return self._count_free.run(iterator, dataset) if free else iterator
+        return self._count_free.run(iterator, dataset, drain=True) if free else iterator
 
     def _keep_epoch_in_step(self, dataset: DataPipeline) -> None:
         """Fresh (non-persistent) workers copy the dataset each pass, so its epoch would never

@@ -64,6 +64,11 @@ def parse_args() -> argparse.Namespace:
         help="a plain torch.utils.data.DataLoader, as most webdataset programs use",
     )
     parser.add_argument(
+        "--skip-bad",
+        action="store_true",
+        help="skip samples that fail to decode (warn_and_continue) instead of stopping",
+    )
+    parser.add_argument(
         "--mix-counts",
         help="mix datasets: DATA is comma-separated shard specs, this their samples per epoch "
         "(comma-separated, over all ranks), e.g. 5000,3000,2000",
@@ -84,7 +89,12 @@ def shards(spec: str, args: argparse.Namespace, seed: int) -> wds.WebDataset:
 
 def make_dataset(args: argparse.Namespace) -> Any:
     # decode, pick the fields, batch in the worker (one pickle per batch, not per sample)
-    tail = [wds.decode(), wds.to_tuple("__key__", "npy", "cls"), wds.batched(args.batch_size)]
+    handler = wds.warn_and_continue if args.skip_bad else wds.reraise_exception
+    tail = [
+        wds.decode(handler=handler),
+        wds.to_tuple("__key__", "npy", "cls"),
+        wds.batched(args.batch_size),
+    ]
     if args.mix_counts is None:
         return shards(args.data, args, args.seed).compose(*tail)
     # Each epoch exactly these many samples of each dataset, in a fixed interleaving; every

@@ -1,0 +1,128 @@
+"""Balanced epochs under DDP whose pipelines drop samples after the reader: every rank still
+takes the same steps, because cloudshards' loaders end each epoch together.
+
+The shards are the uneven ones of ``test_distributed`` with three samples of shard 1 damaged
+(their ``npy`` does not decode). ``examples/train_epochs.py --skip-bad`` decodes with
+``warn_and_continue``, so the worker that reads shard 1 yields three samples fewer than
+balancing handed it: a batch fewer for its rank, which without the check would leave the
+other rank's last step waiting at DDP's all-reduce (or, over several epochs, all-reducing
+with the short rank's next epoch).
+"""
+
+from __future__ import annotations
+
+import io
+import tarfile
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from test_distributed import (
+    BATCH_SIZE,
+    EPOCHS,
+    EPOCHS_SCRIPT,
+    SHARD_SIZES,
+    TEST_TIMEOUT_S,
+    Run,
+    Runner,
+    check_lockstep,
+    common_args,
+    sample_key,
+    write_shards,
+)
+from torchrun_util import torchrun
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(TEST_TIMEOUT_S)]
+
+#: Shard 1's damaged samples: 3 of the 27 samples its worker is handed, so 5 batches of 5
+#: where the others have 6.
+DAMAGED = tuple(sample_key(1, index) for index in (5, 6, 7))
+SOLO_SCRIPT = Path(__file__).with_name("solo_loader.py")
+
+
+@pytest.fixture(scope="module")
+def damaged(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[str]]:
+    """The shards, three samples of shard 1 damaged; their spec and every key."""
+    root = tmp_path_factory.mktemp("end-together") / "shards"
+    keys = write_shards(root)
+    _damage(root / "train-000001.tar", DAMAGED)
+    spec = f"{root}/train-{{000000..{len(SHARD_SIZES) - 1:06d}}}.tar"
+    return spec, keys
+
+
+def _damage(path: Path, keys: tuple[str, ...]) -> None:
+    """Rewrite ``path`` with the ``npy`` member of each of ``keys`` replaced by garbage."""
+    with tarfile.open(path) as tar:
+        members = [(info, tar.extractfile(info).read()) for info in tar.getmembers()]  # type: ignore[union-attr]
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+        for info, data in members:
+            if info.name.endswith(".npy") and info.name.split(".")[0] in keys:
+                data = b"not an npy array"
+                info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory: pytest.TempPathFactory) -> Runner:
+    root = tmp_path_factory.mktemp("end-together-runs")
+    return Runner(root, env={"CLOUDSHARDS_COUNTS_DIR": str(root / "counts")})
+
+
+def _check_epochs(run: Run, keys: list[str]) -> None:
+    check_lockstep(run)
+    for epoch in range(EPOCHS):
+        seen = run.epoch_keys(epoch)
+        assert not [k for k, n in Counter(seen).items() if n > 1], f"epoch {epoch}: a repeat"
+        assert not set(seen) & set(DAMAGED)
+        # At most a batch per rank left out by ending together, beyond balance="drop"'s few.
+        assert len(seen) >= len(keys) - len(DAMAGED) - run.world_size * (BATCH_SIZE + 2)
+
+
+@pytest.mark.parametrize("loader", ["WebLoader", "StatefulLoader"])
+def test_samples_dropped_after_the_reader_never_leave_a_rank_short(
+    runner: Runner, damaged: tuple[str, list[str]], tmp_path: Path, loader: str
+) -> None:
+    spec, keys = damaged
+    extra = ["--skip-bad"] + ([f"--state={tmp_path}"] if loader == "StatefulLoader" else [])
+    run = runner.run(EPOCHS_SCRIPT, [*common_args(spec), *extra], cached=False)
+    output = run.result.stdout + "".join(node.stderr for node in run.result.nodes)
+    assert "s1-005.npy" in output  # the damage was met (and skipped) in this run
+    _check_epochs(run, keys)
+
+
+def test_a_checkpoint_after_an_epoch_ended_together_resumes_at_the_next_epoch(
+    runner: Runner, damaged: tuple[str, list[str]]
+) -> None:
+    """The rank that still had a batch when the other ran out says, in its loader's state, that
+    its epoch ended: a run stopped after epoch 0 and resumed trains epoch 1 exactly as an
+    uninterrupted run does (not the one batch left of epoch 0 on one rank)."""
+    spec, keys = damaged
+    args = [*common_args(spec), "--skip-bad"]
+    reference = runner.run(
+        EPOCHS_SCRIPT, [*args, f"--state={runner.new_dir('ref-state')}"], cached=False
+    )
+    _check_epochs(reference, keys)
+    state, log_dir = runner.new_dir("state"), runner.new_dir("resumed")
+    first = [a if not a.startswith("--epochs") else "--epochs=1" for a in args]
+    runner.run(EPOCHS_SCRIPT, [*first, f"--state={state}"], log_dir=log_dir, cached=False)
+    resumed = runner.run(EPOCHS_SCRIPT, [*args, f"--resume={state}"], log_dir=log_dir, cached=False)
+    for rank in range(resumed.world_size):
+        assert resumed.steps[rank] == reference.steps[rank], f"rank {rank}"
+
+
+def test_a_loader_only_rank_0_iterates_waits_once_then_runs_alone(
+    damaged: tuple[str, list[str]], tmp_path: Path
+) -> None:
+    """Not every rank iterates a balanced loader (an evaluation on rank 0): rank 0 waits for
+    the others once (``CLOUDSHARDS_RANKS_WAIT_S``), says so, and then reads its share every
+    epoch without waiting or checking again; nothing hangs."""
+    spec, keys = damaged
+    env = {"CLOUDSHARDS_RANKS_WAIT_S": "3", "CLOUDSHARDS_COUNTS_DIR": str(tmp_path / "counts")}
+    result = torchrun(SOLO_SCRIPT, [spec], nproc_per_node=2, env=env, timeout_s=120)
+    assert result.ok, result.describe()
+    output = result.stdout + "".join(node.stderr for node in result.nodes)
+    assert output.count("not every rank iterates this loader") == 1, output
+    share = len(keys) // 2  # balance="drop" over 2 ranks x 1 worker
+    for epoch in range(2):
+        assert f"rank 0: epoch {epoch}, {share} samples" in output, output
+    assert "rank 1 done" in output

@@ -108,12 +108,20 @@ class StatefulLoader(SettledFork, StatefulDataLoader):  # type: ignore[misc]
         self._count_free.restored = any(one.get("count_free") for one in found)
         layouts = {(int(one["consumer"][1]), int(one["consumer"][3])) for one in found}
         ended = bool(found) and all(state.get("_iterator_finished") for state in states)
+        # Saved after the epoch's last batch but before the loop asked for one more: every
+        # consumer's share ran out, and the loader was not told yet.
+        spent = bool(found) and all(one.get("ended") is not None for one in found)
         if ended and isinstance(self.dataset, DataPipeline):
             # Saved after the epoch ended (Lightning's end-of-epoch checkpoint): nothing of it
             # is left, on any layout; the next epoch starts afresh, as torchdata starts it.
             self.dataset.set_epoch(_next_epoch(found))
         if layouts and layouts != {self._layout()}:
-            if ended:
+            if ended or spent:
+                if isinstance(self.dataset, DataPipeline):
+                    self.dataset.set_epoch(_next_epoch(found))
+                # Spent: the loop is still in that epoch, which has nothing left: its next
+                # pass yields nothing, as torchdata's own restore gives on the same layout.
+                self._spent = spent and not ended
                 self._before = None
                 return
             self._restore_elastic(found)
@@ -156,6 +164,8 @@ class StatefulLoader(SettledFork, StatefulDataLoader):  # type: ignore[misc]
         self._elastic_pending = True
 
     def __iter__(self) -> Any:
+        if self.__dict__.pop("_spent", False):
+            return iter(())  # the rest of an epoch restored after its last batch: nothing
         dataset = self.dataset
         if isinstance(dataset, DataPipeline):
             # The passes so far: a missing set_epoch is worth a warning from the second on.

@@ -56,13 +56,16 @@ def elastic_restore(
 ) -> tuple[list[int], dict[str, Any]]:
     """This consumer's quotas for the rest of the epoch, and the mix state to start from
     (each dataset's elastic restore as its source state). ``old``: every old consumer's mix
-    state (``{}`` for one that took nothing), ``layout``: the old (ranks, workers)."""
+    state (``{}`` for one that took nothing, ``{"ended": 1}`` for one whose share ran out),
+    ``layout``: the old (ranks, workers)."""
     world, workers = layout
     quotas = [count // (world * workers) for count in counts]
     remaining = [0] * len(counts)
     sources: dict[str, list[Any]] = {str(i): [] for i in range(len(counts))}
     fresh: set[int] = set()
     for state in old:
+        if state.get("ended"):
+            continue  # its share ran out: nothing left
         taken = state.get("taken", [0] * len(counts))
         old_quotas = state.get("quotas", quotas)
         for number in range(len(counts)):

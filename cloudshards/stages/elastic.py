@@ -102,6 +102,8 @@ def share(
     index_of = {url: number for number, url in enumerate(urls)}
     sequence: list[Piece] = []
     for state in _by_consumer(bundle[ELASTIC_KEY]):
+        if state.get("ended") is not None:
+            continue  # its share ran out
         if ELASTIC_KEY in state:  # its own elastic restore had not started: its share of it
             pieces = share(steps, invoke, state, _of(state, context), split, loop_batch)
             plan = [as_shard(_shard(urls, s), spans) for s, spans in pieces]
@@ -250,6 +252,13 @@ def gathered(states: Sequence[Any], check: Callable[[Any], dict[str, Any]]) -> d
         )
     epoch = epochs.pop()
     kept = [state for state in checked if state.get("seed") is not None or state["epoch"] == epoch]
+    # A consumer whose share of the epoch ran out saved the next epoch's start, marked with
+    # the epoch it ended: it has nothing left (not its whole share again).
+    kept += [
+        {"consumer": state["consumer"], "epoch": epoch, "ended": epoch, "stages": {}}
+        for state in checked
+        if state.get("seed") is None and state["epoch"] != epoch and state.get("ended") == epoch
+    ]
     return {
         ELASTIC_KEY: kept,
         "epoch": epoch,
@@ -302,7 +311,10 @@ def restore(pipeline: Any, resume: Mapping[str, Any], context: Any) -> tuple[Any
         old = _by_consumer(resume[ELASTIC_KEY])
         layout = (int(old[0]["consumer"][1]), int(old[0]["consumer"][3]))
         batch = batch_size(steps[1:], int(resume.get("batch", 1)))
-        steps[0].restore_elastic([s.get("stages", {}).get("mix", {}) for s in old], layout, batch)
+        mixes = [
+            s.get("stages", {}).get("mix", {}) if "ended" not in s else {"ended": 1} for s in old
+        ]
+        steps[0].restore_elastic(mixes, layout, batch)
         return None, {}
     if pipeline.repetitions != 1:
         raise StateMismatchError(
@@ -338,6 +350,8 @@ def items_share(
     resampled shards)."""
     total = 0
     for state in _by_consumer(states):
+        if state.get("ended") is not None:
+            continue  # its share ran out
         epoch_items = nsamples
         if "limit" in state:
             epoch_items = int(state["limit"])

@@ -126,6 +126,35 @@ def test_a_state_saved_at_an_epochs_end_restores_the_next_epoch_on_another_layou
     assert got == expected
 
 
+@pytest.mark.parametrize(("saved_with", "restored_with"), [(2, 1), (1, 2), (0, 2), (2, 0)])
+def test_a_state_saved_after_an_epochs_last_batch_restores_nothing_of_it_on_another_layout(
+    make_shards: Any, saved_with: int, restored_with: int
+) -> None:
+    """Saved right after the epoch's last batch (a checkpoint every k steps landing there),
+    before the loop asked for one more: on another layout the rest of that epoch is empty,
+    and the next epoch follows in its own order (the whole next epoch once ran in its place,
+    and then again: every sample of it twice)."""
+    shards = make_shards([9, 14, 5, 20, 11])  # 59 samples: the last batch of 4 is partial
+    dataset, loader = _epochs_loader(shards.spec(), saved_with)
+    dataset.set_epoch(0)
+    batches = len(list(loader))
+    dataset.set_epoch(0)
+    it = iter(loader)
+    for _ in range(batches):
+        next(it)
+    state = loader.state_dict()
+    del it
+    fresh, reference = _epochs_loader(shards.spec(), restored_with)
+    fresh.set_epoch(1)
+    expected = keys(reference)
+    dataset, restored = _epochs_loader(shards.spec(), restored_with)
+    dataset.set_epoch(0)  # a loop that saved its epoch with the state sets it again
+    restored.load_state_dict(state)
+    assert keys(restored) == []
+    dataset.set_epoch(1)
+    assert keys(restored) == expected
+
+
 def test_fresh_workers_reshuffle_each_epoch_without_set_epoch(make_shards: Any) -> None:
     """Non-persistent workers copy the dataset each epoch; without set_epoch every epoch once
     repeated epoch 0's order (Lightning calls no set_epoch on a dataset). The loader counts

@@ -46,6 +46,7 @@ __all__ = [
     "observed",
     "resolve_sample_counts",
     "save_counts",
+    "saved_counts",
 ]
 
 logger = logging.getLogger(__name__)
@@ -254,6 +255,11 @@ def observed(path: Path) -> dict[str, int]:
             if count.isdigit():
                 result[key] = int(count)
     return result
+
+
+def saved_counts(path: Path) -> dict[str, int]:
+    """The counts in the counts file at ``path`` (by key); empty when it has none."""
+    return _read_counts(path) or {}
 
 
 def save_counts(path: Path, counts: Mapping[str, int]) -> None:

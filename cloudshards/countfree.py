@@ -43,8 +43,8 @@ import torch
 import torch.distributed as torch_dist
 
 from cloudshards import config
-from cloudshards.balance import counts_file, observed, save_counts
-from cloudshards.dist import effective_info
+from cloudshards.balance import counts_file, observe, observed, save_counts, saved_counts
+from cloudshards.dist import WorkerInfo, effective_info
 from cloudshards.urls import protocol_of
 
 __all__ = ["CountFree"]
@@ -129,6 +129,28 @@ class CountFree:
             self._all(False)
         if self._free:
             self._pool(_split_of(dataset))
+
+    def carried(self, dataset: Any) -> dict[str, int] | None:
+        """During (or right after) a count-free epoch, the counts this node noted so far, to
+        travel with a checkpoint: a job restored on other nodes (or with another counts
+        directory) then balances the next epoch by every count, as the job it continues
+        would have. From one rank per node (they share the node's notes); None otherwise."""
+        split = _split_of(dataset)
+        if not self._free or split is None or WorkerInfo.detect().local_rank != 0:
+            return None
+        path, _ = counts_file(split.urls)
+        return {**saved_counts(path), **observed(Path(str(path) + ".seen"))}
+
+    def take(self, dataset: Any, seen: dict[str, int]) -> None:
+        """Note counts carried by a checkpoint (:meth:`carried`) on this node, as if read
+        here: the restored epoch pools them with the ones it notes itself."""
+        split = _split_of(dataset)
+        if split is None or not seen or WorkerInfo.detect().local_rank != 0:
+            return  # (one rank per node notes them)
+        path, keys = counts_file(split.urls)
+        where = str(path) + ".seen"
+        for key in set(keys) & set(seen):
+            observe(where, key, int(seen[key]))
 
     def _all(self, flag: bool) -> bool:
         value = torch.tensor([1 if flag else 0], dtype=torch.int32)

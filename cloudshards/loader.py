@@ -36,6 +36,8 @@ __all__ = ["StatefulLoader"]
 
 #: The key of a state that holds every rank's.
 RANKS_KEY = "cloudshards_ranks"
+#: The key of the sample counts a rank's state carries from a count-free epoch.
+SEEN_KEY = "cloudshards_counts_seen"
 
 
 class StatefulLoader(SettledFork, StatefulDataLoader):  # type: ignore[misc]
@@ -98,12 +100,21 @@ class StatefulLoader(SettledFork, StatefulDataLoader):  # type: ignore[misc]
         world = _world_size()
         if not self.all_ranks or world <= 1:
             return state
+        seen = self._count_free.carried(self.dataset)
+        if seen:  # a count-free epoch: the counts noted so far travel with it
+            state = {**state, SEEN_KEY: seen}
         gathered: list[Any] = [None] * world
         torch_dist.all_gather_object(gathered, state)
         return {RANKS_KEY: gathered, "world_size": world}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         states = list(state_dict[RANKS_KEY]) if RANKS_KEY in state_dict else [state_dict]
+        seen: dict[str, int] = {}
+        for state in states:
+            seen.update(state.get(SEEN_KEY) or {})
+        states = [{k: v for k, v in state.items() if k != SEEN_KEY} for state in states]
+        if seen:
+            self._count_free.take(self.dataset, seen)
         found = [one for state in states for one in _pipeline_states(state)]
         self._count_free.restored = any(one.get("count_free") for one in found)
         layouts = {(int(one["consumer"][1]), int(one["consumer"][3])) for one in found}

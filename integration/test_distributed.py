@@ -592,6 +592,17 @@ def test_epochs_without_counts_read_no_counting_pass(
     for rank in range(resumed.world_size):
         assert resumed.steps[rank] == reference.steps[rank], f"rank {rank}"
 
+    # Resumed where the counts noted before the stop are not (another node, an empty counts
+    # directory): they travel with the checkpoint, and epoch 1 is balanced by every count
+    # as in the uninterrupted run (it once ran without counts again, other samples).
+    log_dir, state = runner.new_dir("cf-moved"), runner.new_dir("cf-moved-state")
+    here = runner.new_dir("cf-c3")
+    launch(f"--state={state}", f"--steps-limit={stop}", counts=here, log_dir=log_dir)
+    elsewhere = runner.new_dir("cf-c4")
+    resumed = launch(f"--resume={state}", counts=elsewhere, log_dir=log_dir)
+    for rank in range(resumed.world_size):
+        assert resumed.steps[rank] == reference.steps[rank], f"rank {rank}"
+
 
 def test_the_first_step_reads_one_shard_per_worker(
     runner: Runner, http_server: NginxServer, cloudsim_process: Any

@@ -8,6 +8,8 @@ from __future__ import annotations
 import io
 import os
 import shutil
+import subprocess
+import sys
 import tarfile
 import traceback
 import warnings
@@ -184,6 +186,53 @@ def test_forked_workers_of_a_process_that_used_obstore_read_through_s3fs(
     url = s3_dataset.url
     assert keys_of(url, options) == all_keys(s3_dataset)  # the parent uses obstore
     assert _read_in_workers(url, options, "fork") == sorted(all_keys(s3_dataset))
+
+
+_METADATA_THEN_WORKERS = """
+import logging, sys
+import torch.utils.data
+import cloudshards as wds
+from cloudshards import install_as_webdataset
+from cloudshards.source import objstore
+
+logging.basicConfig(level=logging.WARNING)
+install_as_webdataset()
+import webdataset
+
+url, first = sys.argv[1], sys.argv[2]
+for opener in (wds.gopen, webdataset.gopen):  # both spellings of gopen, before training
+    with opener(first) as stream:
+        assert stream.read(512)
+print("main used obstore:", objstore._used_in_pid is not None)
+dataset = wds.WebDataset(url, shardshuffle=False)
+loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2, timeout=60)
+print("samples:", sum(1 for _ in loader))
+"""
+
+
+def test_metadata_read_with_gopen_before_training_leaves_forked_workers_on_obstore(
+    s3_dataset: RemoteDataset, tmp_path: Path
+) -> None:
+    """A script that reads a file with gopen in the main process (timm reads its _info.json
+    so) and then forks DataLoader workers: the main process reads it through s3fs, so the
+    workers can still use obstore (one that used it before forking would leave them on s3fs,
+    0.74-0.80x as fast)."""
+    script = tmp_path / "metadata_then_workers.py"
+    script.write_text(_METADATA_THEN_WORKERS)
+    first = s3_dataset.url_for(s3_dataset.local.shards[0])
+    env = {**os.environ, **s3_dataset.env}
+    result = subprocess.run(
+        [sys.executable, str(script), s3_dataset.url, first],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "main used obstore: False" in result.stdout
+    assert f"samples: {len(all_keys(s3_dataset))}" in result.stdout
+    assert "not obstore" not in result.stderr, result.stderr[-3000:]
 
 
 @pytest.mark.parametrize("remote", ["s3", "gcs"])

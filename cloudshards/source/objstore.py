@@ -85,6 +85,8 @@ def store_object(url: str, options: OpenOptions, *, stall_timeout_s: float) -> O
     protocol = protocol_of(url)
     if setting == "fsspec" or protocol not in _BACKENDS:
         return None
+    if setting == "auto" and not options.obstore:
+        return None
     try:
         store, key = _store_for(url, protocol, options, stall_timeout_s)
     except Unsupported as why:

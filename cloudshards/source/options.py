@@ -32,6 +32,9 @@ class OpenOptions:
         block_bytes: Size of each read from the store.
         max_member_bytes: Largest tar member read into memory (a guard against hostile or
             corrupt headers); None means ``CLOUDSHARDS_MAX_MEMBER_BYTES`` or 1 GiB.
+        obstore: Whether the bytes may go through obstore (under ``CLOUDSHARDS_TRANSPORT=auto``);
+            False reads through fsspec, as a main process's small reads do (``gopen``): a
+            process forked after it used obstore cannot use it.
     """
 
     # Never in the repr: it holds credentials.
@@ -39,6 +42,7 @@ class OpenOptions:
     allow_pipe: bool | None = None
     block_bytes: int = config.DEFAULT_BLOCK_BYTES
     max_member_bytes: int | None = None
+    obstore: bool = True
 
     def member_limit(self) -> int:
         """The member size limit, after the environment default."""

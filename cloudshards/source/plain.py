@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from cloudshards.errors import ConfigError
+from cloudshards.process import in_dataloader_worker
 from cloudshards.redact import redact_url
 from cloudshards.source import local, remote, transport
 from cloudshards.source.options import OpenOptions
@@ -71,8 +72,12 @@ def gopen(url: str, mode: str = "rb", bufsize: int = 8192, **kw: Any) -> Any:
         raise ConfigError(f"gopen: mode must be 'rb' or 'wb', got {mode!r}")
     if url == "-":
         return sys.stdin.buffer if mode == "rb" else sys.stdout.buffer
+    # Through fsspec outside a DataLoader worker (metadata a script reads before training): a
+    # main process that used obstore would leave every DataLoader worker it forks without it.
     options = OpenOptions(
-        storage_options=kw.get("storage_options"), allow_pipe=kw.get("allow_pipe")
+        storage_options=kw.get("storage_options"),
+        allow_pipe=kw.get("allow_pipe"),
+        obstore=in_dataloader_worker(),
     )
     if mode == "rb":
         return open_shard(url, options)

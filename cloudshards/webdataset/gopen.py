@@ -20,6 +20,7 @@ from urllib.parse import urlparse
 from cloudshards import config
 from cloudshards import source as _io
 from cloudshards.errors import ConfigError
+from cloudshards.process import in_dataloader_worker
 from cloudshards.source import OpenOptions, open_remote
 from cloudshards.webdataset._unsupported import unsupported_function
 
@@ -199,7 +200,10 @@ def gopen_fsspec(url: str, mode: str = "rb", bufsize: int = 8192, **kw: Any) -> 
 
     Keyword arguments: ``storage_options`` (fsspec options, per protocol or flat).
     """
-    options = OpenOptions(storage_options=kw.get("storage_options"))
+    # Outside a DataLoader worker (timm reading its _info.json, a script reading metadata),
+    # through fsspec: a main process that used obstore would leave every DataLoader worker it
+    # forks later without it.
+    options = OpenOptions(storage_options=kw.get("storage_options"), obstore=in_dataloader_worker())
     if mode[0] == "r":
         return _Reader(open_remote(url, options), url)
     if mode[0] == "w":

@@ -5,13 +5,16 @@ of samples. Two things remain that it cannot settle alone, and that cloudshards'
 (:class:`~cloudshards.WebLoader`, :class:`~cloudshards.StatefulLoader`) settle when they drive
 a multi-rank job:
 
-- A sample dropped after the reader (a ``select``, an ``rsample``, a ``map`` that returns
-  None, a ``decode`` whose handler continues past a damaged sample) can leave one rank a batch
-  short, and DDP then waits for it at an all-reduce forever. So after every batch the ranks
-  check (one small all-reduce on a gloo group) that all of them still have one; the first rank
-  to run out ends the epoch for all, and every rank takes the same number of steps. The
-  batches the others had left are not delivered this epoch (as ``balance="drop"`` leaves out
-  a few). ``CLOUDSHARDS_END_TOGETHER=0`` turns the check off.
+- A sample dropped after the reader (a ``select``, an ``rsample``, a ``slice``, a stage
+  whose handler continues past a damaged sample) can leave one rank a batch short, and DDP
+  then waits for it at an all-reduce forever. For pipelines with such a stage, after every
+  batch but the first the ranks check (one small all-reduce on a gloo group) that all of
+  them still have one; the first rank to run out ends the epoch for all, and every rank
+  takes the same number of steps. The batches the others had left are not delivered this
+  epoch (as ``balance="drop"`` leaves out a few). The ranks first meet once per loader, so a
+  loader that only some ranks iterate waits once and then runs unchecked; the first batch
+  goes unchecked so that a look at one batch on one rank takes no part.
+  ``CLOUDSHARDS_END_TOGETHER=0`` turns the check off.
 - Counts need every shard's number of samples before the first one is read; without an index
   or metadata that is a counting pass over the whole dataset on every node. Instead:
 
@@ -35,7 +38,7 @@ from __future__ import annotations
 import datetime
 import itertools
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +48,7 @@ import torch.distributed as torch_dist
 from cloudshards import config
 from cloudshards.balance import counts_file, observe, observed, save_counts, saved_counts
 from cloudshards.dist import WorkerInfo, effective_info
+from cloudshards.handlers import reraise_exception
 from cloudshards.urls import protocol_of
 
 __all__ = ["CountFree"]
@@ -64,18 +68,22 @@ class CountFree:
         self._group: Any = None
         self._free = False  # this epoch runs count-free
         self._solo = False  # some rank does not iterate this loader
+        self._met = False  # every rank said it iterates this loader
+        self._id: int | None = None  # this loader among this process's over the same data
         self.restored = False  # the loader restored a count-free epoch: run it as one
 
-    def begin(self, dataset: Any, workers: int) -> bool:
+    def begin(self, dataset: Any, workers: int, after: Sequence[Any] = ()) -> bool:
         """Before the epoch's workers start (``workers`` per rank): whether the ranks end it
-        together (a collective step of all ranks, through the store). True for every balanced
-        multi-rank epoch that every rank iterates: each batch then waits for all ranks to have
-        one (``CLOUDSHARDS_END_TOGETHER=0`` turns this off), so a sample dropped after the
-        reader (a ``select``, a handler that continues) can never leave a rank a batch short.
-        The epoch also runs count-free (sets the dataset's flag that its workers read) when a
-        rank lacks the counts; only for remote shards, at least one per worker of the job:
-        local ones are counted from their headers alone, and with fewer shards the first rank
-        to run out would end the epoch early."""
+        together. True for a balanced multi-rank epoch whose pipeline (or ``after``: stages
+        the loader applies to its batches) can drop samples after the reader, once every rank
+        said it iterates this loader (``CLOUDSHARDS_END_TOGETHER=0`` turns this off): the
+        batches then stop as soon as one rank has none, so a ``select`` or a handler that
+        continues can never leave a rank a batch short. The epoch also runs count-free (sets
+        the dataset's flag that its workers read) when a rank lacks the counts; only for
+        remote shards, at least one per worker of the job: local ones are counted from their
+        headers alone, and with fewer shards the first rank to run out would end the epoch
+        early. Ranks meet through the store for that every epoch, and once per loader for
+        ending together."""
         restored, self.restored = self.restored, False
         self._free = False
         split = _split_of(dataset)
@@ -90,19 +98,24 @@ class CountFree:
             and len(split.urls) >= consumers
             and not any(protocol_of(url) == "file" for url in split.urls)
         )
-        together = config.env_bool("END_TOGETHER", True)
+        together = config.env_bool("END_TOGETHER", True) and (
+            _may_drop(getattr(dataset, "pipeline", [])) or _may_drop(after, reader_seen=True)
+        )
         if not (free or together):
             return False
-        known = not free or (not restored and split.known_counts() is not None)
-        verdict = self._everyone_knows(dataset, known)
+        verdict: bool | None = True
+        if free or not self._met:
+            known = not free or (not restored and split.known_counts() is not None)
+            verdict = self._everyone_knows(dataset, known)
         if verdict is None:
             self._solo = True  # not every rank iterates this loader: never wait for it again
             return False
+        self._met = True
         self._free = free and (restored or not verdict)
         if not (self._free or together):
             return False
         if self._group is None:  # every rank is here: safe to make the group
-            self._group = torch_dist.new_group(backend="gloo")
+            self._group = torch_dist.new_group(backend="gloo", timeout=_job_timeout())
         if not self._free:
             return True
         dataset.__dict__["_count_free"] = dataset.epoch
@@ -117,13 +130,19 @@ class CountFree:
     def run(self, batches: Iterator[Any], dataset: Any, *, drain: bool = False) -> Iterator[Any]:
         """``batches`` until any rank runs out (then, with ``drain``, this rank's remaining
         batches are read and dropped, so that a stateful loader's state says the epoch ended,
-        as it says on the rank that ran out); then the counts noted are pooled."""
+        as it says on the rank that ran out); then the counts noted are pooled.
+
+        The first batch goes without a check (every rank has one but in a freak case): a
+        look at one batch on one rank alone (``next(iter(loader))``) then takes no part in
+        the ranks' collective steps."""
+        first = True
         for batch in batches:
-            if not self._all(True):
+            if not first and not self._all(True):
                 if drain:
                     for _ in batches:
                         pass
                 break
+            first = False
             yield batch
         else:
             self._all(False)
@@ -179,7 +198,9 @@ class CountFree:
             return None
         rank, world = torch_dist.get_rank(), torch_dist.get_world_size()
         digest = dataset._fingerprint()[0][:16]
-        prefix = f"cloudshards/count-free/{digest}/{dataset.epoch}/{next(self._rounds)}"
+        if self._id is None:  # the n-th loader over this data to meet: the same on every rank
+            self._id = next(_loaders.setdefault(digest, itertools.count()))
+        prefix = f"cloudshards/count-free/{digest}/{self._id}/{dataset.epoch}/{next(self._rounds)}"
         store.set(f"{prefix}/{rank}", "1" if known else "0")
         decision = f"{prefix}/verdict"
         if store.add(f"{prefix}/arrived", 1) == world:
@@ -197,6 +218,44 @@ class CountFree:
             )
             return None
         return all(store.get(f"{prefix}/{other}") == b"1" for other in range(world))
+
+
+#: Per data fingerprint, how many of this process's loaders over it have met the other ranks.
+_loaders: dict[str, Iterator[int]] = {}
+
+#: Stages that can drop samples whatever their handler.
+_DROPPING = frozenset({"_select", "_rsample", "_slice"})
+
+
+def _may_drop(steps: Sequence[Any], *, reader_seen: bool = False) -> bool:
+    """Whether a stage after the shard reader can drop samples: a select, rsample or slice, or
+    a stage whose handler continues past an error. (The reader makes up what it drops
+    itself; a map that returns None is not looked for.)"""
+    for step in steps:
+        if type(step).__name__ == "_ShardReader":
+            reader_seen = True
+            continue
+        if not reader_seen:
+            continue
+        if getattr(getattr(step, "f", None), "__name__", "") in _DROPPING:
+            return True
+        handler = getattr(step, "handler", None) or (getattr(step, "kw", None) or {}).get("handler")
+        if handler is not None and handler is not reraise_exception:
+            return True
+    return False
+
+
+def _job_timeout() -> datetime.timedelta | None:
+    """The timeout the job gave its default process group, for the group made here (torch's
+    own default otherwise)."""
+    try:
+        from torch.distributed import distributed_c10d
+
+        group = distributed_c10d._get_default_group()
+        device = torch.device("cuda" if group._get_backend_name() == "nccl" else "cpu")
+        return group._get_backend(device).options._timeout
+    except Exception:  # a torch without these internals: its default
+        return None
 
 
 def _distributed() -> bool:

@@ -313,7 +313,7 @@ class WebLoader(DataPipeline, FluidInterface):
         dataset = loader.dataset
         single = self.repetitions == 1 and self.nsamples <= 0  # one pass of the loader
         free = single and isinstance(dataset, DataPipeline)
-        if free and self._free_epochs.begin(dataset, loader.num_workers):
+        if free and self._free_epochs.begin(dataset, loader.num_workers, self.pipeline[1:]):
             return self._free_epochs.run(batches, dataset)  # the ranks end it together
         return batches
 

@@ -1,8 +1,14 @@
-"""A loader that rank 0 iterates alone in a 2-rank job (an evaluation on rank 0, say), over a
-dataset balanced across the ranks; rank 1 only joins the final barrier.
+"""Loaders that not every rank iterates alike, in a 2-rank job over a dataset balanced across
+the ranks, whose pipeline can drop samples (a ``select``): nothing may hang.
 
-Prints ``rank 0: epoch E, N samples`` per epoch and ``rank R done`` at the end; the test reads
-the lines and the wait it logged.
+``solo``: rank 0 alone iterates a loader (an evaluation on rank 0, say), two epochs; rank 1
+only joins the final barrier. Prints ``rank 0: epoch E, N samples``.
+
+``peek``: rank 0 alone looks at one batch (``next(iter(loader))``), then both ranks train
+two epochs on the loader, dropping ``s1-005`` to ``s1-007`` with a ``select`` (one rank a
+batch short without the check). Prints ``rank R: epoch E, N batches``.
+
+Each rank prints ``rank R done`` at the end.
 """
 
 from __future__ import annotations
@@ -14,17 +20,31 @@ import torch.distributed as dist
 
 import cloudshards as wds
 
+DROPPED = {"s1-005", "s1-006", "s1-007"}
+
+
+def kept(sample: dict[str, object]) -> bool:
+    return sample["__key__"] not in DROPPED
+
 
 def main() -> None:
     logging.basicConfig(level=logging.WARNING)
+    spec, mode = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    if rank == 0:
-        dataset = wds.WebDataset(sys.argv[1], shardshuffle=False).batched(4)
-        loader = wds.WebLoader(dataset, batch_size=None, num_workers=0)
+    dataset = wds.WebDataset(spec, shardshuffle=False).select(kept).batched(4)
+    loader = wds.WebLoader(dataset, batch_size=None, num_workers=0)
+    if mode == "solo" and rank == 0:
         for epoch in range(2):
             samples = sum(len(batch["__key__"]) for batch in loader)
             print(f"rank 0: epoch {epoch}, {samples} samples", flush=True)
+    if mode == "peek":
+        if rank == 0:
+            next(iter(loader))
+        for epoch in range(2):
+            dataset.set_epoch(epoch)
+            batches = sum(1 for _ in loader)
+            print(f"rank {rank}: epoch {epoch}, {batches} batches", flush=True)
     dist.barrier()
     print(f"rank {rank} done", flush=True)
     dist.destroy_process_group()

@@ -12,6 +12,7 @@ with the short rank's next epoch).
 from __future__ import annotations
 
 import io
+import re
 import tarfile
 from collections import Counter
 from pathlib import Path
@@ -118,11 +119,32 @@ def test_a_loader_only_rank_0_iterates_waits_once_then_runs_alone(
     epoch without waiting or checking again; nothing hangs."""
     spec, keys = damaged
     env = {"CLOUDSHARDS_RANKS_WAIT_S": "3", "CLOUDSHARDS_COUNTS_DIR": str(tmp_path / "counts")}
-    result = torchrun(SOLO_SCRIPT, [spec], nproc_per_node=2, env=env, timeout_s=120)
+    result = torchrun(SOLO_SCRIPT, [spec, "solo"], nproc_per_node=2, env=env, timeout_s=120)
     assert result.ok, result.describe()
     output = result.stdout + "".join(node.stderr for node in result.nodes)
     assert output.count("not every rank iterates this loader") == 1, output
     share = len(keys) // 2  # balance="drop" over 2 ranks x 1 worker
+    dropped = sum(1 for key in keys[:share] if key in ("s1-005", "s1-006", "s1-007"))
     for epoch in range(2):
-        assert f"rank 0: epoch {epoch}, {share} samples" in output, output
+        assert f"rank 0: epoch {epoch}, {share - dropped} samples" in output, output
     assert "rank 1 done" in output
+
+
+def test_a_look_at_one_batch_on_one_rank_takes_no_part_in_the_check(
+    damaged: tuple[str, list[str]], tmp_path: Path
+) -> None:
+    """Rank 0 alone looks at a batch (``next(iter(loader))``) before training: the look
+    takes no part in the ranks' collective steps, and training still ends each epoch together
+    (the look once took the first epoch's meeting and one of its checks: a hang)."""
+    spec, _ = damaged
+    env = {"CLOUDSHARDS_RANKS_WAIT_S": "5", "CLOUDSHARDS_COUNTS_DIR": str(tmp_path / "counts")}
+    result = torchrun(SOLO_SCRIPT, [spec, "peek"], nproc_per_node=2, env=env, timeout_s=120)
+    assert result.ok, result.describe()
+    output = result.stdout
+    for epoch in range(2):
+        counts = {
+            rank: re.search(rf"rank {rank}: epoch {epoch}, (\d+) batches", output)
+            for rank in range(2)
+        }
+        assert all(counts.values()), output
+        assert len({match.group(1) for match in counts.values() if match}) == 1, output

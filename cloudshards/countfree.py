@@ -69,6 +69,7 @@ class CountFree:
         self._free = False  # this epoch runs count-free
         self._solo = False  # some rank does not iterate this loader
         self._met = False  # every rank said it iterates this loader
+        self._counted = False  # every rank said it knows the counts
         self._id: int | None = None  # this loader among this process's over the same data
         self.restored = False  # the loader restored a count-free epoch: run it as one
 
@@ -94,6 +95,7 @@ class CountFree:
         consumers = torch_dist.get_world_size() * max(1, workers)
         free = restored or (
             config.env_bool("COUNT_FREE", True)  # CLOUDSHARDS_COUNT_FREE=0: count first
+            and not self._counted
             and split.sample_limit is None
             and len(split.urls) >= consumers
             and not any(protocol_of(url) == "file" for url in split.urls)
@@ -111,6 +113,8 @@ class CountFree:
             self._solo = True  # not every rank iterates this loader: never wait for it again
             return False
         self._met = True
+        # Every rank knows the counts (a counts file stays): no more meetings to ask.
+        self._counted = self._counted or (free and verdict and not restored)
         self._free = free and (restored or not verdict)
         if not (self._free or together):
             return False

@@ -19,6 +19,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -43,6 +44,10 @@ def close_safely(close: Callable[[], object]) -> None:
     the module doc), which ends when ``close`` returns."""
     if not _collections:
         close()
+        return
+    if sys.is_finalizing():
+        # The interpreter is going away (its last collections): a new thread would never
+        # run, and start() would wait for it forever. The process's end closes what it held.
         return
     thread = threading.Thread(target=_quietly, args=(close,), name="cloudshards-close")
     thread.daemon = True

@@ -131,10 +131,11 @@ class CountFree:
             )
         return True
 
-    def run(self, batches: Iterator[Any], dataset: Any, *, drain: bool = False) -> Iterator[Any]:
-        """``batches`` until any rank runs out (then, with ``drain``, this rank's remaining
-        batches are read and dropped, so that a stateful loader's state says the epoch ended,
-        as it says on the rank that ran out); then the counts noted are pooled.
+    def run(self, batches: Iterator[Any], dataset: Any) -> Iterator[Any]:
+        """``batches`` until any rank runs out (then this rank's remaining batches are read
+        and dropped: a stateful loader's state then says the epoch ended, as it says on the
+        rank that ran out, and a count-free epoch notes the count of every shard it began);
+        then the counts noted are pooled.
 
         The first batch goes without a check (every rank has one but in a freak case): a
         look at one batch on one rank alone (``next(iter(loader))``) then takes no part in
@@ -142,9 +143,8 @@ class CountFree:
         first = True
         for batch in batches:
             if not first and not self._all(True):
-                if drain:
-                    for _ in batches:
-                        pass
+                for _ in batches:
+                    pass
                 break
             first = False
             yield batch

@@ -195,7 +195,7 @@ class StatefulLoader(SettledFork, StatefulDataLoader):  # type: ignore[misc]
             self._elastic_pending = False
             if isinstance(dataset, DataPipeline):
                 dataset._resume = None
-        return self._count_free.run(iterator, dataset, drain=True) if free else iterator
+        return self._count_free.run(iterator, dataset) if free else iterator
 
     def _keep_epoch_in_step(self, dataset: DataPipeline) -> None:
         """Fresh (non-persistent) workers copy the dataset each pass, so its epoch would never

@@ -109,12 +109,24 @@ class CountFree:
         if free or not self._met:
             known = not free or (not restored and split.known_counts() is not None)
             verdict = self._everyone_knows(dataset, known)
-        if verdict is None:
+        if verdict is None and not self._met:
             self._solo = True  # not every rank iterates this loader: never wait for it again
+            logger.warning(
+                "not every rank iterates this loader (no answer within %d s): balancing by "
+                "counts, without ending epochs together",
+                _wait_s(),
+            )
             return False
+        if verdict is None:  # every rank iterates it, one came late: counts, as restored
+            logger.warning(
+                "a rank came over %d s late to epoch %d: it balances by counts",
+                _wait_s(),
+                dataset.epoch,
+            )
+            free = restored
         self._met = True
         # Every rank knows the counts (a counts file stays): no more meetings to ask.
-        self._counted = self._counted or (free and verdict and not restored)
+        self._counted = self._counted or (free and verdict is True and not restored)
         self._free = free and (restored or not verdict)
         if not (self._free or together):
             return False
@@ -209,19 +221,17 @@ class CountFree:
         decision = f"{prefix}/verdict"
         if store.add(f"{prefix}/arrived", 1) == world:
             store.compare_set(decision, "", "go")
-        wait_s = config.env_int("RANKS_WAIT_S", DECIDE_TIMEOUT_S)
         try:
-            store.wait([decision], datetime.timedelta(seconds=wait_s))
+            store.wait([decision], datetime.timedelta(seconds=_wait_s()))
         except Exception as exc:  # a rank that never came: not all ranks iterate this loader
             logger.debug("no verdict from every rank: %s", type(exc).__name__)
         if store.compare_set(decision, "", "abandon") != b"go":
-            logger.warning(
-                "not every rank iterates this loader (no answer within %d s): balancing by "
-                "counts, without ending epochs together",
-                wait_s,
-            )
             return None
         return all(store.get(f"{prefix}/{other}") == b"1" for other in range(world))
+
+
+def _wait_s() -> int:
+    return config.env_int("RANKS_WAIT_S", DECIDE_TIMEOUT_S)
 
 
 #: Per data fingerprint, how many of this process's loaders over it have met the other ranks.

@@ -316,6 +316,18 @@ def _publish(
         os.utime(target, (mtime, mtime))  # nginx's ETag is the mtime and size
 
 
+def test_a_key_obstore_cannot_name_is_read_through_s3fs(
+    s3_dataset: RemoteDataset, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A key with a '..' part is legal in S3, but obstore refuses to name it (before any
+    request): it is read through s3fs, not retried as a connection error and given up."""
+    source = s3_dataset.local.root / s3_dataset.local.shards[0]
+    _publish(s3_dataset, "s3", source, "odd/../dotted.tar")
+    url = s3_dataset.url_for("odd/../dotted.tar")
+    assert keys_of(url, s3_dataset.storage_options) == s3_dataset.local.shard_keys[0]
+    assert "retry" not in caplog.text.lower()
+
+
 @pytest.mark.parametrize("remote", ["s3", "gcs", "http"])
 def test_an_object_replaced_while_it_is_read_is_never_stitched(
     request: pytest.FixtureRequest, tmp_path: Path, remote: str

@@ -42,6 +42,10 @@ class FollowStream(ClosingStream):
 
     POLL_MIN_S = 0.002
     POLL_MAX_S = 0.05
+    #: How long the file may stay as it is, its downloader alive, before this reader reads
+    #: the rest from the store itself: a downloader that stopped reading (an iterator left
+    #: alive, a paused process) would otherwise hold it forever.
+    STALL_S = 60.0
 
     def __init__(
         self,
@@ -81,6 +85,7 @@ class FollowStream(ClosingStream):
             return b""
         delay = self.POLL_MIN_S
         handoff = self._handoff
+        waited_since = time.monotonic()
         while True:
             data: bytes | memoryview | None = None
             if handoff is not None:
@@ -92,7 +97,8 @@ class FollowStream(ClosingStream):
                 self.stats.bytes_disk += len(data)
                 return data
             _cachelock._checkpoint("follower_caught_up")
-            if self._committed() or not is_locked(self.lock_path):
+            stalled = time.monotonic() - waited_since > self.STALL_S
+            if self._committed() or stalled or not is_locked(self.lock_path):
                 # Committed means no more writes, so one more read is authoritative: the
                 # bytes written between our last read and the commit are still to come.
                 # (The downloader renames before it unlocks, so a free lock is checked the
@@ -109,9 +115,17 @@ class FollowStream(ClosingStream):
                         url=self.url,
                         offset=self.offset,
                     )
-                logger.info(
-                    "cache: download of %s was abandoned; taking over", redact_url(self.url)
-                )
+                if stalled:
+                    logger.warning(
+                        "cache: the download of %s this reader follows made no progress for "
+                        "%.0f s; reading the rest from the store",
+                        redact_url(self.url),
+                        self.STALL_S,
+                    )
+                else:
+                    logger.info(
+                        "cache: download of %s was abandoned; taking over", redact_url(self.url)
+                    )
                 self._release_handoff()
                 os.close(self.fd)
                 self.fd = -1

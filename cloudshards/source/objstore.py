@@ -118,6 +118,8 @@ def _store_for(
     if parts.query or parts.fragment or not parts.netloc:
         raise Unsupported("the URL has a query or fragment (a version?) or no bucket")
     bucket, key = parts.netloc, parts.path.lstrip("/")
+    if any(segment in ("", ".", "..") for segment in key.split("/")):
+        raise Unsupported("the key has an empty, '.' or '..' part, which obstore cannot name")
     with _used_lock:
         if _used_in_pid is not None and _used_in_pid != os.getpid():
             raise Unsupported(

@@ -211,6 +211,24 @@ def test_an_abandoned_download_is_taken_over_at_the_offset_reached(
     assert open_fds() == before - 1  # the downloader's lock was released
 
 
+def test_a_download_that_makes_no_progress_is_read_past_from_the_store(
+    download: Download, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The downloader is alive (its lock held) but stopped: its consumer stopped reading and
+    kept the iterator (a caught error's traceback holds it). The follower waits STALL_S, then
+    reads the rest from the store itself (it once waited forever)."""
+    monkeypatch.setattr(FollowStream, "STALL_S", 0.2)
+    download.write(DATA[:3000])
+    follow = download.follow()
+    assert read_exactly(follow, 3000) == DATA[:3000]
+    began = time.monotonic()
+    assert read_all(follow) == DATA[3000:]  # the lock is still held, nothing committed
+    assert 0.2 <= time.monotonic() - began < 5
+    assert download.takeovers == [3000]
+    assert "made no progress" in caplog.text
+    follow.close()
+
+
 def test_a_poisoned_download_fails_its_followers(download: Download) -> None:
     download.write(DATA[:3000])
     follow = download.follow()

@@ -8,23 +8,34 @@ only joins the final barrier. Prints ``rank 0: epoch E, N samples``.
 two epochs on the loader, dropping ``s1-005`` to ``s1-007`` with a ``select`` (one rank a
 batch short without the check). Prints ``rank R: epoch E, N batches``.
 
+``late``: both ranks train three epochs, dropping ``s1-000`` to ``s1-003`` (remote shards
+without counts: epoch 0 runs count-free); rank 0 comes ``LATE_S`` seconds late to epoch 1
+(a long validation or checkpoint). Prints ``rank R: epoch E, N batches``.
+
 Each rank prints ``rank R done`` at the end.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
+import time
 
 import torch.distributed as dist
 
 import cloudshards as wds
 
 DROPPED = {"s1-005", "s1-006", "s1-007"}
+DROPPED_LATE = {"s1-000", "s1-001", "s1-002", "s1-003"}
 
 
 def kept(sample: dict[str, object]) -> bool:
     return sample["__key__"] not in DROPPED
+
+
+def kept_late(sample: dict[str, object]) -> bool:
+    return sample["__key__"] not in DROPPED_LATE
 
 
 def main() -> None:
@@ -32,7 +43,8 @@ def main() -> None:
     spec, mode = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    dataset = wds.WebDataset(spec, shardshuffle=False).select(kept).batched(4)
+    dataset = wds.WebDataset(spec, shardshuffle=False)
+    dataset = dataset.select(kept_late if mode == "late" else kept).batched(4)
     loader = wds.WebLoader(dataset, batch_size=None, num_workers=0)
     if mode == "solo" and rank == 0:
         for epoch in range(2):
@@ -42,6 +54,13 @@ def main() -> None:
         if rank == 0:
             next(iter(loader))
         for epoch in range(2):
+            dataset.set_epoch(epoch)
+            batches = sum(1 for _ in loader)
+            print(f"rank {rank}: epoch {epoch}, {batches} batches", flush=True)
+    if mode == "late":
+        for epoch in range(3):
+            if epoch == 1 and rank == 0:
+                time.sleep(float(os.environ["LATE_S"]))
             dataset.set_epoch(epoch)
             batches = sum(1 for _ in loader)
             print(f"rank {rank}: epoch {epoch}, {batches} batches", flush=True)

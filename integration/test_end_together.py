@@ -16,22 +16,28 @@ import re
 import tarfile
 from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from test_distributed import (
     BATCH_SIZE,
+    COUNT_FREE_SHARDS,
     EPOCHS,
     EPOCHS_SCRIPT,
     SHARD_SIZES,
     TEST_TIMEOUT_S,
     Run,
     Runner,
+    _count_free_shards,
     check_lockstep,
     common_args,
     sample_key,
     write_shards,
 )
 from torchrun_util import torchrun
+
+if TYPE_CHECKING:
+    from servers import NginxServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(TEST_TIMEOUT_S)]
 
@@ -130,6 +136,37 @@ def test_a_loader_only_rank_0_iterates_waits_once_then_runs_alone(
     assert "rank 1 done" in output
 
 
+def test_a_rank_late_to_a_later_epoch_keeps_the_check(
+    http_server: NginxServer, tmp_path: Path
+) -> None:
+    """Remote shards without counts (epoch 0 count-free); rank 0 comes later than
+    CLOUDSHARDS_RANKS_WAIT_S to epoch 1's meeting (a long validation): that epoch balances
+    by counts and the ranks still end every epoch together (the late meeting once switched
+    the check off for good: unequal batches, then a hang)."""
+    root, _ = _count_free_shards(http_server, "end-together-late")
+    spec = f"{http_server.base_url}/{root.name}/train-{{000000..{COUNT_FREE_SHARDS - 1:06d}}}.tar"
+    env = {
+        "CLOUDSHARDS_RANKS_WAIT_S": "3",
+        "LATE_S": "6",
+        "CLOUDSHARDS_COUNTS_DIR": str(tmp_path / "counts"),
+    }
+    result = torchrun(SOLO_SCRIPT, [spec, "late"], nproc_per_node=2, env=env, timeout_s=180)
+    assert result.ok, result.describe()
+    output = result.stdout + "".join(node.stderr for node in result.nodes)
+    assert "came over 3 s late to epoch 1" in output, output
+    _check_equal_batches(result.stdout, epochs=3)
+
+
+def _check_equal_batches(output: str, epochs: int) -> None:
+    for epoch in range(epochs):
+        counts = {
+            rank: re.search(rf"rank {rank}: epoch {epoch}, (\d+) batches", output)
+            for rank in range(2)
+        }
+        assert all(counts.values()), output
+        assert len({match.group(1) for match in counts.values() if match}) == 1, output
+
+
 def test_a_look_at_one_batch_on_one_rank_takes_no_part_in_the_check(
     damaged: tuple[str, list[str]], tmp_path: Path
 ) -> None:
@@ -140,11 +177,4 @@ def test_a_look_at_one_batch_on_one_rank_takes_no_part_in_the_check(
     env = {"CLOUDSHARDS_RANKS_WAIT_S": "5", "CLOUDSHARDS_COUNTS_DIR": str(tmp_path / "counts")}
     result = torchrun(SOLO_SCRIPT, [spec, "peek"], nproc_per_node=2, env=env, timeout_s=120)
     assert result.ok, result.describe()
-    output = result.stdout
-    for epoch in range(2):
-        counts = {
-            rank: re.search(rf"rank {rank}: epoch {epoch}, (\d+) batches", output)
-            for rank in range(2)
-        }
-        assert all(counts.values()), output
-        assert len({match.group(1) for match in counts.values() if match}) == 1, output
+    _check_equal_batches(result.stdout, epochs=2)

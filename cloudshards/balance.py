@@ -47,6 +47,7 @@ __all__ = [
     "resolve_sample_counts",
     "save_counts",
     "saved_counts",
+    "seen_file",
 ]
 
 logger = logging.getLogger(__name__)
@@ -236,6 +237,12 @@ def counts_file(urls: Sequence[str]) -> tuple[Path, list[str]]:
     return directory / name, keys
 
 
+def seen_file(path: Path) -> str:
+    """Where the counts noted on this node (:func:`observe`) go, beside the counts file at
+    ``path``."""
+    return str(path) + ".seen"
+
+
 def observe(path: str, key: str, count: int) -> None:
     """Note that the shard with ``key`` held ``count`` samples (read whole in an epoch without
     counts): one line appended to ``path`` (appends of a line are atomic: no lock)."""
@@ -246,11 +253,11 @@ def observe(path: str, key: str, count: int) -> None:
         logger.debug("cannot note a shard's count in %s: %s", path, exc)
 
 
-def observed(path: Path) -> dict[str, int]:
+def observed(path: str | Path) -> dict[str, int]:
     """The counts noted in ``path`` by :func:`observe`."""
     result: dict[str, int] = {}
     with contextlib.suppress(OSError):
-        for line in path.read_text().splitlines():
+        for line in Path(path).read_text().splitlines():
             key, _, count = line.partition("\t")
             if count.isdigit():
                 result[key] = int(count)

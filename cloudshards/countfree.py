@@ -39,14 +39,20 @@ import datetime
 import itertools
 import logging
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as torch_dist
 
 from cloudshards import config
-from cloudshards.balance import counts_file, observe, observed, save_counts, saved_counts
+from cloudshards.balance import (
+    counts_file,
+    observe,
+    observed,
+    save_counts,
+    saved_counts,
+    seen_file,
+)
 from cloudshards.dist import WorkerInfo, effective_info
 from cloudshards.handlers import reraise_exception
 from cloudshards.urls import protocol_of
@@ -174,7 +180,7 @@ class CountFree:
         if not self._free or split is None or WorkerInfo.detect().local_rank != 0:
             return None
         path, _ = counts_file(split.urls)
-        return {**saved_counts(path), **observed(Path(str(path) + ".seen"))}
+        return {**saved_counts(path), **observed(seen_file(path))}
 
     def take(self, dataset: Any, seen: dict[str, int]) -> None:
         """Note counts carried by a checkpoint (:meth:`carried`) on this node, as if read
@@ -183,9 +189,8 @@ class CountFree:
         if split is None or not seen or WorkerInfo.detect().local_rank != 0:
             return  # (one rank per node notes them)
         path, keys = counts_file(split.urls)
-        where = str(path) + ".seen"
         for key in set(keys) & set(seen):
-            observe(where, key, int(seen[key]))
+            observe(seen_file(path), key, int(seen[key]))
 
     def _all(self, flag: bool) -> bool:
         value = torch.tensor([1 if flag else 0], dtype=torch.int32)
@@ -194,7 +199,7 @@ class CountFree:
 
     def _pool(self, split: Any) -> None:
         path, _ = counts_file(split.urls)
-        seen = observed(Path(str(path) + ".seen"))
+        seen = observed(seen_file(path))
         pooled: list[Any] = [None] * torch_dist.get_world_size()
         torch_dist.all_gather_object(pooled, seen, group=self._group)
         merged: dict[str, int] = {}
@@ -245,8 +250,10 @@ def _may_drop(steps: Sequence[Any], *, reader_seen: bool = False) -> bool:
     """Whether a stage after the shard reader can drop samples: a select, rsample or slice, or
     a stage whose handler continues past an error. (The reader makes up what it drops
     itself; a map that returns None is not looked for.)"""
+    from cloudshards.datasetstages import _ShardReader
+
     for step in steps:
-        if type(step).__name__ == "_ShardReader":
+        if isinstance(step, _ShardReader):
             reader_seen = True
             continue
         if not reader_seen:

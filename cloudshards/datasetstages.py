@@ -10,7 +10,7 @@ import logging
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from cloudshards.balance import assign_samples, counts_file, resolve_sample_counts
+from cloudshards.balance import assign_samples, counts_file, resolve_sample_counts, seen_file
 from cloudshards.cache import ShardCache
 from cloudshards.dist import WorkerInfo
 from cloudshards.grouping import make_name_filter
@@ -212,7 +212,7 @@ def _noting(shards: Iterator[dict[str, Any]], urls: list[str]) -> Iterator[dict[
     """``shards``, each told where to note its count once read whole (see
     :func:`~cloudshards.balance.observe`)."""
     path, keys = counts_file(urls)
-    where = str(path) + ".seen"
+    where = seen_file(path)
     for shard in shards:
         yield {**shard, "observe": (where, keys[shard["shard_index"]])}
 

@@ -122,14 +122,14 @@ class StatefulLoader(SettledFork, StatefulDataLoader):  # type: ignore[misc]
         # Saved after the epoch's last batch but before the loop asked for one more: every
         # consumer's share ran out, and the loader was not told yet.
         spent = bool(found) and all(one.get("ended") is not None for one in found)
-        if ended and isinstance(self.dataset, DataPipeline):
+        elastic = bool(layouts) and layouts != {self._layout()}
+        if (ended or (spent and elastic)) and isinstance(self.dataset, DataPipeline):
             # Saved after the epoch ended (Lightning's end-of-epoch checkpoint): nothing of it
             # is left, on any layout; the next epoch starts afresh, as torchdata starts it.
+            # (Spent, on the same layout, torchdata's restore of the workers says so itself.)
             self.dataset.set_epoch(_next_epoch(found))
-        if layouts and layouts != {self._layout()}:
+        if elastic:
             if ended or spent:
-                if isinstance(self.dataset, DataPipeline):
-                    self.dataset.set_epoch(_next_epoch(found))
                 # Spent: the loop is still in that epoch, which has nothing left: its next
                 # pass yields nothing, as torchdata's own restore gives on the same layout.
                 self._spent = spent and not ended

@@ -30,21 +30,14 @@ DROPPED = {"s1-005", "s1-006", "s1-007"}
 DROPPED_LATE = {"s1-000", "s1-001", "s1-002", "s1-003"}
 
 
-def kept(sample: dict[str, object]) -> bool:
-    return sample["__key__"] not in DROPPED
-
-
-def kept_late(sample: dict[str, object]) -> bool:
-    return sample["__key__"] not in DROPPED_LATE
-
-
 def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     spec, mode = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    dropped = DROPPED_LATE if mode == "late" else DROPPED
     dataset = wds.WebDataset(spec, shardshuffle=False)
-    dataset = dataset.select(kept_late if mode == "late" else kept).batched(4)
+    dataset = dataset.select(lambda sample: sample["__key__"] not in dropped).batched(4)
     loader = wds.WebLoader(dataset, batch_size=None, num_workers=0)
     if mode == "solo" and rank == 0:
         for epoch in range(2):

@@ -101,9 +101,7 @@ def share(
     urls = steps[0].urls
     index_of = {url: number for number, url in enumerate(urls)}
     sequence: list[Piece] = []
-    for state in _by_consumer(bundle[ELASTIC_KEY]):
-        if state.get("ended") is not None:
-            continue  # its share ran out
+    for state in _unfinished(bundle[ELASTIC_KEY]):
         if ELASTIC_KEY in state:  # its own elastic restore had not started: its share of it
             pieces = share(steps, invoke, state, _of(state, context), split, loop_batch)
             plan = [as_shard(_shard(urls, s), spans) for s, spans in pieces]
@@ -167,6 +165,11 @@ def _by_consumer(states: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]
         rank, worker = divmod(number, workers)
         result.append(found.get(number) or {**start, "consumer": [rank, world, worker, workers]})
     return result
+
+
+def _unfinished(states: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """:func:`_by_consumer` without the consumers whose share ran out (nothing left)."""
+    return [state for state in _by_consumer(states) if state.get("ended") is None]
 
 
 def _shard(urls: list[str], number: int) -> dict[str, Any]:
@@ -349,9 +352,7 @@ def items_share(
     more). What they are is this consumer's own stream of that epoch (fresh draws with
     resampled shards)."""
     total = 0
-    for state in _by_consumer(states):
-        if state.get("ended") is not None:
-            continue  # its share ran out
+    for state in _unfinished(states):
         epoch_items = nsamples
         if "limit" in state:
             epoch_items = int(state["limit"])

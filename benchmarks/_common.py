@@ -29,9 +29,11 @@ def use_checkout() -> None:
     """Put the repository root first on ``sys.path``.
 
     The benchmarks measure the cloudshards of the checkout they live in, whether or not it is
-    installed (an editable install points to the same files).
+    installed (an editable install points to the same files). ``BENCH_CHECKOUT`` names
+    another checkout instead (``bench_s3.py --against DIR``: the same benchmark run, two
+    versions side by side).
     """
-    root = str(REPO_ROOT)
+    root = os.environ.get("BENCH_CHECKOUT") or str(REPO_ROOT)
     if root not in sys.path:
         sys.path.insert(0, root)
 

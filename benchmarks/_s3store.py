@@ -18,6 +18,7 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 BUCKET = "bench"
 KEY = SECRET = "S3RVER"
@@ -104,12 +105,14 @@ class StoreCounter:
     @classmethod
     def from_spec(cls, spec: str) -> StoreCounter:
         kind, _, where = spec.partition(":")
-        if kind not in ("cloudsim", "s3rverlog"):
+        if kind not in ("cloudsim", "s3rverlog", "none"):
             raise ValueError(f"unknown counter {spec!r}")
         return cls(kind, where)
 
     def snapshot(self) -> tuple[int, int]:
         """(GETs, bytes) for cloudsim; (log offset, 0) for the s3rver log."""
+        if self.kind == "none":  # moto keeps no request log
+            return 0, 0
         if self.kind == "cloudsim":
             url = f"{self.where}/__cloudsim__/stats"
             with urllib.request.urlopen(url, timeout=10) as response:
@@ -120,6 +123,8 @@ class StoreCounter:
 
     def since(self, before: tuple[int, int]) -> tuple[int, int]:
         """GETs and bytes sent since ``before`` (a ``snapshot()``)."""
+        if self.kind == "none":
+            return 0, 0
         if self.kind == "cloudsim":
             gets, nbytes = self.snapshot()
             return gets - before[0], nbytes - before[1]
@@ -127,6 +132,65 @@ class StoreCounter:
         with open(self.where, "rb") as f:
             f.seek(before[0])
             return parse_log(f.read().decode("utf-8", "replace"))
+
+
+class Moto:
+    """``moto_server`` (the S3 server the tests use, pip-installable) under the driver's
+    interpreter, holding a copy of the benchmark's bucket. moto reads the whole object for
+    every GET, ranged ones included: a loader that reads a shard as many ranged GETs pays
+    for it here, as a user who compares loaders on moto would see."""
+
+    def __init__(self, popen: subprocess.Popen[bytes], url: str) -> None:
+        self.popen, self.url = popen, url
+
+    @classmethod
+    def start(cls, workdir: Path, timeout_s: float = 30.0) -> Moto:
+        import socket
+        import sys
+
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        argv = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+        with (workdir / "moto.log").open("wb") as out:
+            popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+        server = cls(popen, f"http://127.0.0.1:{port}")
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(server.url + "/moto-api/", timeout=5).close()
+                return server
+            except OSError:
+                if popen.poll() is not None:
+                    break
+                select.select([], [], [], 0.1)
+        server.stop()
+        raise RuntimeError(f"moto_server did not start: see {workdir / 'moto.log'}")
+
+    def mirror(self, source: str) -> None:
+        """Copy every object of the benchmark's bucket from the S3 server at ``source``."""
+        import boto3  # the driver's interpreter only
+
+        def client(endpoint: str) -> Any:
+            return boto3.client(
+                "s3",
+                endpoint_url=endpoint,
+                aws_access_key_id=KEY,
+                aws_secret_access_key=SECRET,
+                region_name="us-east-1",
+            )
+
+        src, dst = client(source), client(self.url)
+        dst.create_bucket(Bucket=BUCKET)
+        for page in src.get_paginator("list_objects_v2").paginate(Bucket=BUCKET):
+            for item in page.get("Contents", []):
+                body = src.get_object(Bucket=BUCKET, Key=item["Key"])["Body"].read()
+                dst.put_object(Bucket=BUCKET, Key=item["Key"], Body=body)
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            self.popen.wait(10)
 
 
 # ------------------------------------------------------------------------------------- GCS

@@ -47,7 +47,7 @@ from typing import Any
 from _common import REPO_ROOT, format_table, median
 from _s3peers import S3RVER, child_env, ensure, fake_gcs_server, python
 from _s3peers import versions as peer_versions
-from _s3store import FakeGCS, S3rver, gcs_env, s3_env
+from _s3store import FakeGCS, Moto, S3rver, gcs_env, s3_env
 
 HERE = Path(__file__).resolve().parent
 CLOUDSIM = REPO_ROOT / "integration" / "cloudsim.py"
@@ -66,8 +66,10 @@ PLAIN = ("cloudshards+dataloader", "cloudshards", True)
 #: Measured only when named: cloudshards with its bytes through s3fs/gcsfs instead of obstore
 #: (CLOUDSHARDS_TRANSPORT=fsspec), no cache: what the obstore transport gains.
 FSSPEC = ("cloudshards+fsspec", "cloudshards", False)
+#: With --against DIR: the cloudshards of another checkout, without and with the cache.
+AGAINST = (("before", "cloudshards", False), ("before+cache", "cloudshards", True))
 LIBRARIES = ("cloudshards", "litdata", "streaming", "webdataset")
-SETUPS = ("proxy", "direct", "gcs")
+SETUPS = ("proxy", "direct", "gcs", "moto")
 GCS_LIBRARIES = ("cloudshards", "litdata")  # the loaders measured on GCS too
 
 
@@ -183,6 +185,8 @@ def measure(
         extra = gcs_env(endpoint) if store == "gcs" else s3_env(endpoint)
         env = child_env(endpoint, {**os.environ, **extra})
         env["TMPDIR"] = str(child_dir)
+        if label.startswith("before"):
+            env["BENCH_CHECKOUT"] = str(args.against)
         if label == FSSPEC[0]:
             env["CLOUDSHARDS_TRANSPORT"] = "fsspec"
         env["CLOUDSHARDS_COUNTS_DIR"] = str(child_dir / "counts")
@@ -241,6 +245,7 @@ def report(cells: dict[tuple[str, int, str], Cell], args: argparse.Namespace) ->
                 "proxy": f"s3rver behind the {sim}",
                 "direct": "direct to s3rver (store bytes from its log, 3 digits)",
                 "gcs": f"fake-gcs-server (GCS) behind the {sim}",
+                "moto": "direct to moto_server (no request log: GETs and bytes not counted)",
             }[setup]
             print(f"\n{setup}: {where}, {workers} DataLoader workers, batch {args.batch}\n")
             print(format_table(header, rows))
@@ -263,8 +268,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--setups",
-        default=",".join(SETUPS),
-        help="comma-separated among proxy, direct, gcs; both = proxy,direct (default: all)",
+        default="proxy,direct,gcs",
+        help="comma-separated among proxy, direct, gcs, moto; both = proxy,direct\n"
+        "(default: proxy,direct,gcs; moto: the S3 server the tests use, direct)",
     )
     p.add_argument("--workers", default="0,2", help="DataLoader worker counts (default 0,2)")
     p.add_argument("--batch", type=int, default=32)
@@ -282,6 +288,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gil", action="store_true", help="with --py-spy: GIL holders only")
     p.add_argument("--idle", action="store_true", help="with --py-spy: waiting threads too")
     p.add_argument("--setup-only", action="store_true", help="install the peers and stop")
+    p.add_argument(
+        "--against",
+        type=Path,
+        metavar="DIR",
+        help="also measure the cloudshards of another checkout (before, before+cache):\n"
+        "a change's effect, side by side in one run (git worktree add DIR HEAD~1)",
+    )
     args = p.parse_args(argv)
     args.repeats = args.repeats or (1 if args.quick else 2)
     args.shards = args.shards or (4 if args.quick else 16)
@@ -294,10 +307,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for extra in (PLAIN, FSSPEC):
         if extra[0] in names:
             args.variants.insert(2, extra)
+    if args.against is not None:
+        if not (args.against / "cloudshards" / "__init__.py").exists():
+            p.error(f"--against: no cloudshards checkout at {args.against}")
+        args.against = args.against.resolve()
+        args.variants[2:2] = AGAINST
     args.setups = [x.strip() for x in args.setups.replace("both", "proxy,direct").split(",")]
     args.setups = [x for x in dict.fromkeys(args.setups) if x]
     if not args.setups or set(args.setups) - set(SETUPS):
-        p.error("--setups takes proxy, direct, gcs (comma-separated) or both")
+        p.error("--setups takes proxy, direct, gcs, moto (comma-separated) or both")
     args.workers = [int(x) for x in args.workers.split(",") if x.strip()]
     if min(args.repeats, args.shards, args.samples, args.bin_kib, args.batch) < 1:
         p.error("--repeats, --shards, --samples, --bin-kib and --batch must be positive")
@@ -323,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(args.work / scratch, ignore_errors=True)
     started = time.perf_counter()
     server = S3rver.start(S3RVER, args.work)
-    sim = gcs = gcs_sim = None
+    sim = gcs = gcs_sim = moto = None
     try:
         spec = {"shards": args.shards, "samples": args.samples, "bin_bytes": args.bin_kib * 1024}
         spec |= {"work": str(args.work / "data"), "endpoint": server.url}
@@ -343,6 +361,9 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"repeats    {args.repeats}, order alternating; batch {args.batch}; fresh process each"
         )
+        if "moto" in args.setups:
+            moto = Moto.start(args.work)
+            moto.mirror(server.url)
         if "proxy" in args.setups:
             sim = Simulator(server.url, args.latency_s, args.mbps)
         if gcs is not None:
@@ -357,9 +378,9 @@ def main(argv: list[str] | None = None) -> int:
         for repeat in range(args.repeats):
             order = args.variants if repeat % 2 == 0 else args.variants[::-1]
             for setup in args.setups:
-                endpoint = {"proxy": sim, "gcs": gcs_sim}.get(setup) or server
-                counter = (
-                    f"s3rverlog:{server.log}" if setup == "direct" else f"cloudsim:{endpoint.url}"
+                endpoint = {"proxy": sim, "gcs": gcs_sim, "moto": moto}.get(setup) or server
+                counter = {"direct": f"s3rverlog:{server.log}", "moto": "none:"}.get(
+                    setup, f"cloudsim:{endpoint.url}"
                 )
                 store = "gcs" if setup == "gcs" else "s3"
                 for workers in args.workers:
@@ -384,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
                         print(line, flush=True)
         problems = report(cells, args)
     finally:
-        for running in (sim, gcs_sim, gcs):
+        for running in (sim, gcs_sim, gcs, moto):
             if running is not None:
                 running.stop()
         server.stop()

@@ -3,9 +3,10 @@
 Put it in front of nginx, moto or fake-gcs-server. It forwards every request unchanged (method,
 raw path and query, every header including Host, so S3 SigV4 signatures stay valid, and the body)
 and streams the answer back, adding on demand: first-byte latency and jitter, a per-connection
-bandwidth cap, injected error answers (503 SlowDown), bodies cut mid-way, stalls, and a server
-that ignores Range. Knobs are ``SimConfig`` fields, changeable at runtime through
-``POST /__cloudsim__/config`` (JSON); ``GET /__cloudsim__/stats`` returns the counters.
+bandwidth cap or one shared by every answer, injected error answers (503 SlowDown), bodies cut
+mid-way, stalls, and a server that ignores Range. Knobs are ``SimConfig`` fields, changeable at
+runtime through ``POST /__cloudsim__/config`` (JSON); ``GET /__cloudsim__/stats`` returns the
+counters.
 
 In-process: ``with CloudSim(upstream, latency_s=0.03).start() as sim: ... sim.url``.
 As a process (no shared GIL): ``python integration/cloudsim.py --upstream URL --port 0 [knobs]``
@@ -63,6 +64,9 @@ class SimConfig:
     latency_s: float = 0.0  # added before forwarding each request (first-byte delay)
     jitter_s: float = 0.0  # plus a uniform random delay in [0, jitter_s]
     bandwidth_bps: float = 0.0  # bytes/s per response body (one connection); 0 = unlimited
+    # bytes/s of all response bodies together (one shared bottleneck: a server's disk or
+    # CPU, a local network); 0 = unlimited
+    total_bandwidth_bps: float = 0.0
     fail_every_n: int = 0  # every Nth request with a method in fail_methods gets fail_status
     fail_status: int = 503  # S3-style XML body for signed S3 requests, JSON otherwise
     fail_methods: tuple[str, ...] = ("GET",)
@@ -169,6 +173,7 @@ class CloudSim:
         self.host, self.port = host, port
         self._config = SimConfig().replace(**knobs)
         self._stats = SimStats()
+        self._link_free = 0.0  # when the shared bottleneck is free again (loop time)
         self._seq = {"fail": 0, "cut": 0, "stall": 0}
         self._admitted: collections.deque[float] = collections.deque()  # rate limit's second
         self._gets_in_flight = 0
@@ -420,14 +425,19 @@ class CloudSim:
     ) -> None:
         """Stream the body, paced and faulted as configured."""
         loop = asyncio.get_running_loop()
-        bps = cfg.bandwidth_bps
-        step = max(1024, min(1 << 16, int(bps / 100))) if bps > 0 else 1 << 30
+        bps, total = cfg.bandwidth_bps, cfg.total_bandwidth_bps
+        pace = min(x for x in (bps, total, float("inf")) if x > 0)
+        step = max(1024, min(1 << 16, int(pace / 100))) if pace < float("inf") else 1 << 30
         sent, start = 0, loop.time()
 
         async def send(data: bytes) -> None:
             nonlocal sent
             if bps > 0 and (wait := start + sent / bps - loop.time()) > 0:
                 await asyncio.sleep(wait)
+            if total > 0:  # every body takes its turn on the shared bottleneck
+                now = loop.time()
+                self._link_free = max(self._link_free, now) + len(data) / total
+                await asyncio.sleep(self._link_free - now)
             self._count(bytes_sent=len(data))  # before the client can see them: stats never lag
             await response.write(data)
             sent += len(data)

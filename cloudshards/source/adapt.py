@@ -21,6 +21,19 @@ connection, not 16: less memory, fewer connections and fewer GETs in flight on t
 without its waits, so a starved reader asks for more, never less; more demand is believed
 at once, less only gradually.
 
+Connections that share one bottleneck (a store on the local network, or on the same machine:
+one server process, one disk) look slow when many are in flight: each carries its share of
+the bottleneck, and parts sized from that share stay small, as many GETs as behind a slow
+link. So each host's first shard in a process sends one part alone (no other GET of that host
+from the process in flight) and keeps the rate that part was carried at; the parts are sized
+from the faster of that rate and the rate measured under load. Behind a link that caps each
+connection (S3's ~100 MB/s, the cloud simulator's 25 MB/s) a connection alone is no faster
+than under load and the plan is as before; against a shared bottleneck it is many times
+faster, and the parts grow to match: s3rver directly, moto, a MinIO nearby. The probe holds
+the host's other GETs back for one part's time, once per process and host, and only where the
+first shard's size came back within :data:`PROBE_FIRST_BYTE_S` (a store on the local
+network): behind a cloud's latency it would cost more than it could tell.
+
 A process-wide estimate is written by hand: no library sizes ranged reads from measurements
 (fsspec's and obstore's part sizes are fixed numbers).
 """
@@ -29,23 +42,37 @@ from __future__ import annotations
 
 import math
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from cloudshards.process import PerProcess
 
 __all__ = [
+    "ALONE",
+    "FIRST_PART_BYTES",
     "HEADROOM",
     "MAX_PART_BYTES",
+    "PROBE_FIRST_BYTE_S",
     "TARGET_PART_S",
     "PartPlan",
+    "Ticket",
+    "await_probe",
+    "claim_probe",
     "connection_rate",
+    "fixed_plan",
     "forget",
     "plan",
+    "probe_done",
     "record",
     "record_reading",
+    "started",
+    "wait_for_probe",
 ]
 
+#: Size of each shard's first ranged GET (the rest use ``part_bytes``): time to first sample.
+FIRST_PART_BYTES = 64 << 10
 #: Transfer time one part should take once the first byte is in.
 TARGET_PART_S = 0.08
 MAX_PART_BYTES = 16 << 20
@@ -61,6 +88,15 @@ HEADROOM = 2.0
 #: A shard read for less than this (or fewer bytes) says nothing about its reader's demand.
 _MIN_READ_S = 0.02
 _MIN_READ_BYTES = 1 << 20
+#: A GET with at most this many of its host's GETs in flight on average (itself included)
+#: measures what a connection alone carries.
+ALONE = 1.5
+#: The probe is sent only where the shard's size came back this fast: it holds the host's
+#: other GETs back for one part's time, a few ms on a local network, more than a part's worth
+#: of a fast reader's time behind a cloud's 20-60 ms (whose connections are capped anyway).
+PROBE_FIRST_BYTE_S = 0.015
+#: Other shards wait at most this long for a host's probe (then it no longer counts).
+_PROBE_WAIT_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +107,8 @@ class PartPlan:
     first_bytes: int
     part_bytes: int
     in_flight: int
+    #: Send the part after the first one alone, to measure a connection alone.
+    probe: bool = False
 
 
 class _Link:
@@ -78,13 +116,39 @@ class _Link:
     every shard), of what one connection carries after it, and of what this process's readers
     of the host's shards take."""
 
-    __slots__ = ("demand", "latency_s", "lock", "rate")
+    __slots__ = (
+        "active",
+        "alone",
+        "area",
+        "demand",
+        "latency_s",
+        "lock",
+        "probe",
+        "probe_began",
+        "probed",
+        "rate",
+        "stamp",
+        "waiting",
+    )
 
     def __init__(self) -> None:
         self.latency_s: float | None = None
         self.rate: float | None = None  # bytes/s of one connection, after the first byte
+        self.alone: float | None = None  # the same, of a connection with no other in flight
         self.demand: float | None = None  # bytes/s a reader takes while not waiting for bytes
         self.lock = threading.Lock()
+        # GETs in flight now, and their integral over time (mean crowding of each GET).
+        self.active = 0
+        self.area = 0.0
+        self.stamp = time.perf_counter()
+        self.probe = _NOT_YET
+        self.probe_began = 0.0
+        self.probed = threading.Event()
+        self.waiting: list[Callable[[], None]] = []
+
+    def advance(self, now: float) -> None:
+        self.area += self.active * (now - self.stamp)
+        self.stamp = now
 
     def add_reading(self, nbytes: int, busy_s: float) -> None:
         new = nbytes / busy_s
@@ -94,13 +158,52 @@ class _Link:
             old = self.demand
             self.demand = new if old is None or new > old else _average(old, new)
 
-    def add(self, nbytes: int, seconds: float) -> None:
+    def add(self, nbytes: int, seconds: float, crowd: float | None) -> None:
         with self.lock:
             if nbytes <= _SMALL:
                 self.latency_s = _average(self.latency_s, seconds)
             elif nbytes >= _LARGE and self.latency_s is not None:
                 transfer = max(seconds - self.latency_s, seconds / 4)
                 self.rate = _average(self.rate, nbytes / transfer)
+                if crowd is not None and crowd <= ALONE:
+                    self.alone = _average(self.alone, nbytes / transfer)
+
+
+# A host's probe: not sent yet, in flight, done.
+_NOT_YET, _IN_FLIGHT, _DONE = 0, 1, 2
+
+
+class Ticket:
+    """One GET in flight to a host (from :func:`started`): :meth:`done` ends it once. Its
+    ``crowd`` is the mean number of large GETs of the host in flight from this process while
+    it was (itself included, if large)."""
+
+    __slots__ = ("_area", "_began", "_counted", "_link", "crowd", "seconds")
+
+    def __init__(self, link: _Link, nbytes: int) -> None:
+        self._link = link
+        # Small GETs (first parts, lookups) take little of the link: not counted as crowding.
+        self._counted = nbytes >= _LARGE
+        with link.lock:
+            now = time.perf_counter()
+            link.advance(now)
+            link.active += self._counted
+            self._began, self._area = now, link.area
+        self.crowd: float | None = None  # mean GETs of the host in flight during this one
+        self.seconds = 0.0
+
+    def done(self) -> float:
+        """End the GET (once; later calls change nothing); returns its duration."""
+        link = self._link
+        with link.lock:
+            if self.crowd is None:
+                now = time.perf_counter()
+                link.advance(now)
+                link.active -= self._counted
+                self.seconds = now - self._began
+                area = link.area - self._area
+                self.crowd = area / self.seconds if self.seconds > 0 else 1.0
+        return self.seconds
 
 
 def _average(old: float | None, new: float) -> float:
@@ -126,10 +229,52 @@ def _link(url: str) -> _Link:
     return link
 
 
-def record(url: str, nbytes: int, seconds: float) -> None:
-    """One completed GET of ``nbytes`` from ``url``'s host that took ``seconds``."""
+def started(url: str, nbytes: int) -> Ticket:
+    """A GET of ``nbytes`` to ``url``'s host starts; end it with :meth:`Ticket.done`
+    whatever happens."""
+    return Ticket(_link(url), nbytes)
+
+
+def record(url: str, nbytes: int, seconds: float, crowd: float | None = None) -> None:
+    """One completed GET of ``nbytes`` from ``url``'s host that took ``seconds``, with on
+    average ``crowd`` of the host's GETs in flight (itself included; None: not known)."""
     if nbytes > 0 and seconds > 0:
-        _link(url).add(nbytes, seconds)
+        _link(url).add(nbytes, seconds, crowd)
+
+
+def wait_for_probe(url: str, then: Callable[[], None]) -> bool:
+    """True if a shard of ``url``'s host is measuring a connection alone: ``then`` is called
+    when it is done (start no GET of the host before). False: go on now."""
+    link = _link(url)
+    with link.lock:
+        if link.probe != _IN_FLIGHT or time.perf_counter() - link.probe_began > _PROBE_WAIT_S:
+            return False
+        link.waiting.append(then)
+        return True
+
+
+def await_probe(url: str) -> bool:
+    """Wait until the probe of ``url``'s host is over (at most what is left of
+    :data:`_PROBE_WAIT_S`); False at once if none is in flight."""
+    link = _link(url)
+    with link.lock:
+        left = _PROBE_WAIT_S - (time.perf_counter() - link.probe_began)
+        if link.probe != _IN_FLIGHT or left <= 0:
+            return False
+    link.probed.wait(left)
+    return True
+
+
+def probe_done(url: str) -> None:
+    """The probe of ``url``'s host is over (measured, failed or abandoned): the shards that
+    waited for it go on."""
+    link = _link(url)
+    with link.lock:
+        link.probe = _DONE
+        link.probed.set()
+        waiting, link.waiting = link.waiting, []
+    for then in waiting:
+        then()
 
 
 def record_reading(url: str, nbytes: int, busy_s: float) -> None:
@@ -156,12 +301,20 @@ def forget() -> None:
         _links.get().clear()
 
 
+def fixed_plan(part_bytes: int, concurrency: int) -> PartPlan:
+    """The parts as the settings fix them, with a small first part."""
+    return PartPlan(min(FIRST_PART_BYTES, part_bytes), part_bytes, concurrency)
+
+
 def plan(url: str, part_bytes: int, concurrency: int, first_bytes: int) -> PartPlan:
     """The parts for the next shard of ``url``'s host; ``part_bytes`` x ``concurrency`` (the
     fixed settings) bound the bytes in flight. Before anything is measured: the fixed
     settings, with a small first part (``first_bytes``) for a quick first sample."""
     link = _link(url)
-    rate, latency_s, demand = link.rate, link.latency_s, link.demand
+    with link.lock:
+        rate, latency_s, demand = link.rate, link.latency_s, link.demand
+        if rate is not None and link.alone is not None:
+            rate = max(rate, link.alone)  # connections that share one bottleneck
     if rate is None or latency_s is None:
         return PartPlan(first_bytes, part_bytes, concurrency)
     size = int(rate * TARGET_PART_S) // _PART_STEP * _PART_STEP
@@ -176,3 +329,14 @@ def plan(url: str, part_bytes: int, concurrency: int, first_bytes: int) -> PartP
         in_flight = min(most, max(2, math.ceil(HEADROOM * demand / per_connection)))
     # The first part stays small: the shards prefetched behind one wait for its first part.
     return PartPlan(first_bytes, size, in_flight)
+
+
+def claim_probe(url: str) -> bool:
+    """True once per host and process: the shard about to be opened measures a connection
+    alone (its :class:`PartPlan` says ``probe``); it must end with :func:`probe_done`."""
+    link = _link(url)
+    with link.lock:
+        if link.probe != _NOT_YET:
+            return False
+        link.probe, link.probe_began = _IN_FLIGHT, time.perf_counter()
+        return True

@@ -5,14 +5,16 @@ parts planned from the link (:mod:`cloudshards.source.adapt`)."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import threading
+import time
 from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 from cloudshards.source import adapt
 from cloudshards.source.options import FetchOptions, OpenOptions
-from cloudshards.source.parts import _UNRANGED_HOSTS, PartStream, _host_key, fixed_plan
+from cloudshards.source.parts import _UNRANGED_HOSTS, PartStream, _host_key
 from cloudshards.source.resumable import ResumableStream, open_remote
 from cloudshards.source.retries import IOStats, RangeIgnoredError, retry
 from cloudshards.source.transport import fetch_first, fetch_range, object_at
@@ -43,7 +45,7 @@ def open_parts(
         return stream()
     source = object_at(url, options, stall_timeout_s=fetch.stall_timeout_s)
 
-    plan = plan_parts(url, fetch)
+    plan = plan_parts(url, fetch, shard=True)
     first: cf.Future[Any]
     details: cf.Future[dict[str, Any]]
     if hasattr(source, "cat_first"):
@@ -144,7 +146,10 @@ def open_sized_parts(
     """Ranged GETs of an object whose size is known already (from an index): one metadata
     request first, whose size goes to ``check_size`` (which raises to refuse the object)."""
     source = object_at(url, options, stall_timeout_s=fetch.stall_timeout_s)
+    began = time.perf_counter()
     details = source.info(timeout=fetch.stall_timeout_s)
+    # A store that answered this fast may be measured alone (see adapt's probe).
+    quick = time.perf_counter() - began <= adapt.PROBE_FIRST_BYTE_S
     if details.get("size") is not None:
         check_size(int(details["size"]))
     remember = getattr(source, "remember", None)  # a transport that pins generations
@@ -157,16 +162,19 @@ def open_sized_parts(
         options=fetch,
         stats=stats,
         shard_index=shard_index,
-        plan=plan_parts(url, fetch),
+        plan=plan_parts(url, fetch, shard=quick),
     )
     stream.start()
     return stream
 
 
-def plan_parts(url: str, fetch: FetchOptions) -> adapt.PartPlan:
+def plan_parts(url: str, fetch: FetchOptions, *, shard: bool = False) -> adapt.PartPlan:
     """The parts of the next shard of ``url``: as the settings fix them, or as the link and
-    its reader measured so far size them (adaptive settings)."""
-    plan = fixed_plan(fetch)
+    its reader measured so far size them (adaptive settings). ``shard``: for a shard about
+    to be opened, which may be the one to measure a connection alone."""
+    plan = adapt.fixed_plan(fetch.part_bytes, fetch.concurrency)
     if fetch.adaptive:
         plan = adapt.plan(url, fetch.part_bytes, fetch.concurrency, plan.first_bytes)
+        if shard and adapt.claim_probe(url):
+            plan = dataclasses.replace(plan, probe=True)
     return plan

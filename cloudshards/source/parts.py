@@ -20,6 +20,7 @@ from cloudshards import config
 from cloudshards.errors import ShardOpenError
 from cloudshards.redact import redact_url
 from cloudshards.source import adapt
+from cloudshards.source.adapt import FIRST_PART_BYTES
 from cloudshards.source.options import FetchOptions
 from cloudshards.source.remote import object_etag
 from cloudshards.source.retries import IOStats, RangeIgnoredError
@@ -27,7 +28,7 @@ from cloudshards.source.stream import ShardSource
 from cloudshards.source.transport import IfMatch, StoreObject, fetch_range
 from cloudshards.types import ClosingStream
 
-__all__ = ["FIRST_PART_BYTES", "PartStream", "fixed_plan"]
+__all__ = ["FIRST_PART_BYTES", "PartStream"]
 
 #: How often a wait for the object's size looks whether the reader was closed.
 _CANCEL_CHECK_S = 0.1
@@ -35,8 +36,6 @@ _CANCEL_CHECK_S = 0.1
 # The logger's name from before the module moved: logging configurations name it.
 logger = logging.getLogger("cloudshards.prefetch")
 
-#: Size of each shard's first ranged GET (the rest use ``part_bytes``): time to first sample.
-FIRST_PART_BYTES = 64 << 10
 
 #: Hosts seen answering ranged GETs with whole objects: streamed with one GET from then on.
 _UNRANGED_HOSTS: set[str] = set()
@@ -87,7 +86,9 @@ class PartStream(ClosingStream):
         # mtime-based ETag on each host) while their bytes are the same.
         self._if_match = config.env_bool("IF_MATCH", True)
         self._if_match_state: IfMatch | None = None
-        self._plan = plan or fixed_plan(options)
+        self._plan = plan or adapt.fixed_plan(options.part_bytes, options.concurrency)
+        # adapt's probe: this shard's second part goes out alone (no other large GET of the host)
+        self._probing, self._probe_sent = self._plan.probe, False
         self._open_tail = open_tail
         # Per-shard counters; every increment also lands in the process totals.
         self._stats = IOStats(parent=stats)
@@ -175,36 +176,64 @@ class PartStream(ClosingStream):
     def _fill(self) -> None:
         size = self._known_size()
         if size is None:
+            if self._details.done():
+                self._end_probe()  # no size (streamed) or no object: nothing to measure
             return  # not known yet (the lookup's callback fills), or unknown (streamed)
-        options, plan = self._options, self._plan
+        if self._probing and time.perf_counter() - self._started > adapt.PROBE_FIRST_BYTE_S:
+            self._end_probe()  # a store this far away: the probe would cost a part's time
+        plan, probe = self._plan, None
         with self._lock:
             # The part being read counts against the parts in flight: memory stays within
             # (prefetch + 1) x concurrency x part_bytes (a plan's parts x size never exceed it).
             held = 1 if self._position < len(self._current) else 0
-            while (
-                not self.closed
-                and len(self._window) + held < plan.in_flight
-                and self._next_start < size
-            ):
-                start = self._next_start
-                end = min(start + plan.part_bytes, size)
-                try:
-                    future = self._executor.submit(
-                        fetch_range,
-                        self._source,
-                        start,
-                        end,
-                        size=size,
-                        options=options,
-                        stats=self._stats,
-                        cancel=self._cancel_event,
-                        view=True,
-                        if_match=self._condition(),
-                    )
-                except RuntimeError:  # the reader was closed, its pool shut down
+            most = plan.in_flight
+            if self._probing:
+                most = 0 if self._probe_sent else len(self._window) + held + 1
+            elif adapt.wait_for_probe(self.url, self._fill):
+                most = 0  # another shard's probe (a reader with nothing to read waits for it)
+            while not self.closed and len(self._window) + held < most and self._next_start < size:
+                end = min(self._next_start + plan.part_bytes, size)
+                future = self._submit(self._next_start, end)
+                if future is None:
                     return
-                self._next_start = end
-                self._window.append((future, start, end - start))
+                if self._probing:
+                    self._probe_sent, probe = True, future
+        if probe is not None:  # outside the lock: a part done already calls back at once
+            probe.add_done_callback(self._probed)
+        elif self._probing and not self._probe_sent:
+            self._end_probe()  # a shard of one part, or closed: no probe
+
+    def _submit(self, start: int, end: int) -> cf.Future[Any] | None:
+        """Put ``[start, end)`` in flight at the window's end (lock held); None once closed."""
+        try:
+            future = self._executor.submit(
+                fetch_range,
+                self._source,
+                start,
+                end,
+                size=self._known_size(),
+                options=self._options,
+                stats=self._stats,
+                cancel=self._cancel_event,
+                view=True,
+                if_match=self._condition(),
+            )
+        except RuntimeError:  # the reader was closed, its pool shut down
+            return None
+        self._next_start = end
+        self._window.append((future, start, end - start))
+        return future
+
+    def _probed(self, _: object) -> None:
+        """The probe came back (or failed): this and every shard of the host go on."""
+        self._end_probe()
+        self._fill()
+
+    def _end_probe(self) -> None:
+        """This shard's probe is over (or will not be sent): every shard goes on."""
+        if self._probing:
+            self._probing = False
+            adapt.probe_done(self.url)
 
     def read(self, size: int = -1) -> bytes:
         """Return up to ``size`` bytes (a whole part when ``size`` is -1); ``b""`` at the end."""
@@ -255,6 +284,10 @@ class PartStream(ClosingStream):
             self._fill()
             with self._lock:
                 entry = self._window.popleft() if self._window else None
+            if entry is None and self._next_start < total and adapt.await_probe(self.url):
+                self._fill()  # held back by another shard's probe, over now
+                with self._lock:
+                    entry = self._window.popleft() if self._window else None
             if entry is None:
                 return None
         future, start, requested = entry
@@ -346,6 +379,7 @@ class PartStream(ClosingStream):
         if not self.closed:
             self.closed = True
             self._cancel()
+            self._end_probe()
             self._details.cancel()
             self._current = memoryview(b"")
             self._part = b""
@@ -364,9 +398,3 @@ class PartStream(ClosingStream):
             )
             self._process_stats.per_shard.append(record)
             logger.debug("shard done: %s", record)
-
-
-def fixed_plan(options: FetchOptions) -> adapt.PartPlan:
-    """The parts as the options fix them, with a small first part."""
-    first = min(FIRST_PART_BYTES, options.part_bytes)
-    return adapt.PartPlan(first, options.part_bytes, options.concurrency)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Mapping
 from typing import IO, Any, Protocol
 
@@ -115,9 +114,9 @@ def read_object(url: str, storage_options: Mapping[str, Any] | None) -> bytes:
     return fsspec_object(url, storage_options).cat()
 
 
-def _answered(source: StoreObject, stats: IOStats, nbytes: int, began: float) -> None:
+def _answered(source: StoreObject, stats: IOStats, nbytes: int, ticket: adapt.Ticket) -> None:
     """One GET answered: its bytes in the counters, its duration in the link's estimate."""
-    adapt.record(source.url, nbytes, time.perf_counter() - began)
+    adapt.record(source.url, nbytes, ticket.done(), ticket.crowd)
     stats.add(bytes=nbytes)
 
 
@@ -184,11 +183,12 @@ def fetch_range(
     def call() -> bytes | memoryview:
         with node_budget().slot():  # one of the node's requests in flight
             stats.add(requests=1)
-            began = time.perf_counter()
+            ticket = adapt.started(source.url, expected)
             data: bytes | memoryview
             try:
                 data = get()
             except Exception as exc:
+                ticket.done()
                 gone = getattr(exc, "generation_gone", False)  # pinned (GCS): it changed
                 if gone or not (condition and http_status(exc) == 412):
                     raise
@@ -204,8 +204,14 @@ def fetch_range(
                 if if_match is not None:
                     if_match.etag = None
                 condition.clear()
-                data = get()
-        _answered(source, stats, len(data), began)
+                ticket = adapt.started(source.url, expected)
+                try:
+                    data = get()
+                finally:
+                    ticket.done()
+            else:
+                ticket.done()
+        _answered(source, stats, len(data), ticket)
         if len(data) == expected:
             return data
         if size is None and len(data) < expected:
@@ -243,9 +249,12 @@ def fetch_first(
     def call() -> tuple[bytes, dict[str, Any]]:
         with node_budget().slot():
             stats.add(requests=1)
-            began = time.perf_counter()
-            data, details = cat_first(end, on_details)
-        _answered(source, stats, len(data), began)
+            ticket = adapt.started(source.url, end)
+            try:
+                data, details = cat_first(end, on_details)
+            finally:
+                ticket.done()
+        _answered(source, stats, len(data), ticket)
         size = details.get("size")
         if size is None or len(data) in (min(end, int(size)), int(size)):
             return data, details

@@ -217,3 +217,90 @@ def test_the_reader_is_measured_without_its_waits(
     assert demand is not None
     expected = part / reader_delay_s
     assert 0.6 * expected < demand <= 1.05 * expected, (demand, expected)
+
+
+# ------------------------------------------------- connections that share one bottleneck
+def measure_crowded(url: str, latency_s: float, rate: float, crowd: float, parts: int = 5) -> None:
+    """:func:`measure`, with ``crowd`` large GETs of the host in flight during each part."""
+    for _ in range(parts):
+        adapt.record(url, FIRST, latency_s + FIRST / rate)
+        size = adapt.plan(url, PART, CONCURRENCY, FIRST).part_bytes
+        adapt.record(url, size, latency_s + size / rate, crowd)
+
+
+def test_a_connection_alone_much_faster_than_under_load_gets_large_parts() -> None:
+    # A store on the local network: 16 parts in flight share 200 MB/s, 12.5 MB/s each; the
+    # first shard's probe, alone, got all 200.
+    url = "s3://bucket/a.tar"
+    measure_crowded(url, 0.002, 12.5e6, crowd=16)
+    assert adapt.plan(url, PART, CONCURRENCY, FIRST) == adapt.PartPlan(FIRST, PART, CONCURRENCY)
+    adapt.record(url, PART, 0.002 + PART / 200e6, crowd=1.0)
+    plan = adapt.plan(url, PART, CONCURRENCY, FIRST)
+    assert plan.part_bytes == adapt.MAX_PART_BYTES
+    assert plan.in_flight == PART * CONCURRENCY // adapt.MAX_PART_BYTES
+
+
+def test_a_connection_capped_alone_as_under_load_keeps_small_parts() -> None:
+    # The cloud simulator: 25 MB/s per connection, however many are in flight.
+    url = "s3://bucket/a.tar"
+    measure_crowded(url, 0.030, 25e6, crowd=16)
+    adapt.record(url, PART, 0.030 + PART / 25e6, crowd=1.0)
+    assert adapt.plan(url, PART, CONCURRENCY, FIRST) == adapt.PartPlan(FIRST, PART, CONCURRENCY)
+
+
+def test_a_fast_part_among_others_in_flight_is_not_taken_for_one_alone() -> None:
+    url = "s3://bucket/a.tar"
+    measure_crowded(url, 0.002, 12.5e6, crowd=16, parts=30)
+    adapt.record(url, PART, 0.002 + PART / 200e6, crowd=adapt.ALONE + 0.5)
+    # One fast sample moves the average under load a little, not to 16 MiB parts.
+    assert adapt.plan(url, PART, CONCURRENCY, FIRST).part_bytes < adapt.MAX_PART_BYTES
+
+
+def test_tickets_measure_the_large_gets_in_flight_beside_each() -> None:
+    url = "s3://bucket/a.tar"
+    alone = adapt.started(url, PART)
+    time.sleep(0.02)
+    alone.done()
+    assert alone.crowd == pytest.approx(1.0, abs=0.05)
+    first = adapt.started(url, PART)
+    small = adapt.started(url, FIRST)  # a first part or a lookup: not counted
+    others = [adapt.started(url, PART) for _ in range(3)]
+    time.sleep(0.02)
+    for ticket in [*others, small]:
+        ticket.done()
+    time.sleep(0.02)
+    first.done()
+    assert first.crowd is not None
+    assert 2.0 < first.crowd < 3.0  # 4 for half its time, then 1
+    assert first.done() == first.seconds  # once: a second call changes nothing
+    again = adapt.started(url, PART)  # the count is back to none in flight
+    time.sleep(0.01)
+    again.done()
+    assert again.crowd == pytest.approx(1.0, abs=0.05)
+
+
+def test_one_probe_per_host_and_the_shards_that_waited_go_on_after_it() -> None:
+    url, other = "s3://bucket/a.tar", "s3://other/a.tar"
+    assert not adapt.wait_for_probe(url, lambda: None)  # no probe: go on
+    assert adapt.claim_probe(url)
+    assert not adapt.claim_probe("s3://bucket/b.tar")  # one per host and process
+    assert adapt.claim_probe(other)
+    resumed: list[str] = []
+    assert adapt.wait_for_probe("s3://bucket/c.tar", lambda: resumed.append("c"))
+    assert adapt.wait_for_probe("s3://bucket/d.tar", lambda: resumed.append("d"))
+    adapt.probe_done(url)
+    assert resumed == ["c", "d"]
+    assert not adapt.wait_for_probe(url, lambda: resumed.append("late"))
+    adapt.probe_done(url)  # again (a closed shard after its probe's callback): nothing
+    assert resumed == ["c", "d"]
+    adapt.probe_done(other)
+
+
+def test_a_probe_that_never_ends_holds_nobody_back_for_long(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    url = "s3://bucket/a.tar"
+    assert adapt.claim_probe(url)
+    monkeypatch.setattr(adapt, "_PROBE_WAIT_S", 0.0)
+    time.sleep(0.001)
+    assert not adapt.wait_for_probe(url, lambda: None)

@@ -65,6 +65,7 @@ __all__ = [
     "forget",
     "plan",
     "probe_done",
+    "probe_sent",
     "record",
     "record_reading",
     "started",
@@ -121,10 +122,12 @@ class _Link:
         "alone",
         "area",
         "demand",
+        "early",
         "latency_s",
         "lock",
         "probe",
         "probe_began",
+        "probe_out",
         "probed",
         "rate",
         "stamp",
@@ -142,7 +145,9 @@ class _Link:
         self.area = 0.0
         self.stamp = time.perf_counter()
         self.probe = _NOT_YET
+        self.early: tuple[int, float, float | None] | None = None
         self.probe_began = 0.0
+        self.probe_out = False  # the probe's part was sent
         self.probed = threading.Event()
         self.waiting: list[Callable[[], None]] = []
 
@@ -162,11 +167,20 @@ class _Link:
         with self.lock:
             if nbytes <= _SMALL:
                 self.latency_s = _average(self.latency_s, seconds)
-            elif nbytes >= _LARGE and self.latency_s is not None:
-                transfer = max(seconds - self.latency_s, seconds / 4)
-                self.rate = _average(self.rate, nbytes / transfer)
-                if crowd is not None and crowd <= ALONE:
-                    self.alone = _average(self.alone, nbytes / transfer)
+                if self.early is not None:  # a large GET back before any small one
+                    self._add_large(*self.early)
+                    self.early = None
+            elif nbytes >= _LARGE and self.latency_s is None:
+                self.early = (nbytes, seconds, crowd)  # measured once a first byte time is
+            elif nbytes >= _LARGE:
+                self._add_large(nbytes, seconds, crowd)
+
+    def _add_large(self, nbytes: int, seconds: float, crowd: float | None) -> None:
+        assert self.latency_s is not None
+        transfer = max(seconds - self.latency_s, seconds / 4)
+        self.rate = _average(self.rate, nbytes / transfer)
+        if crowd is not None and crowd <= ALONE:
+            self.alone = _average(self.alone, nbytes / transfer)
 
 
 # A host's probe: not sent yet, in flight, done.
@@ -242,27 +256,45 @@ def record(url: str, nbytes: int, seconds: float, crowd: float | None = None) ->
         _link(url).add(nbytes, seconds, crowd)
 
 
+def _probe_left(link: _Link) -> float:
+    """Seconds the host's probe may still hold its other GETs back (0: none does). One not
+    sent within :data:`PROBE_FIRST_BYTE_S` of its claim holds nothing (its shard's size came
+    late, or will not come)."""
+    if link.probe != _IN_FLIGHT:
+        return 0.0
+    bound = _PROBE_WAIT_S if link.probe_out else PROBE_FIRST_BYTE_S
+    return max(0.0, bound - (time.perf_counter() - link.probe_began))
+
+
 def wait_for_probe(url: str, then: Callable[[], None]) -> bool:
     """True if a shard of ``url``'s host is measuring a connection alone: ``then`` is called
     when it is done (start no GET of the host before). False: go on now."""
     link = _link(url)
     with link.lock:
-        if link.probe != _IN_FLIGHT or time.perf_counter() - link.probe_began > _PROBE_WAIT_S:
+        if _probe_left(link) <= 0:
             return False
-        link.waiting.append(then)
+        if then not in link.waiting:
+            link.waiting.append(then)
         return True
 
 
 def await_probe(url: str) -> bool:
-    """Wait until the probe of ``url``'s host is over (at most what is left of
-    :data:`_PROBE_WAIT_S`); False at once if none is in flight."""
+    """Wait until the probe of ``url``'s host is over or holds nothing back any more; False
+    at once if none does now."""
     link = _link(url)
     with link.lock:
-        left = _PROBE_WAIT_S - (time.perf_counter() - link.probe_began)
-        if link.probe != _IN_FLIGHT or left <= 0:
-            return False
+        left = _probe_left(link)
+    if left <= 0:
+        return False
     link.probed.wait(left)
     return True
+
+
+def probe_sent(url: str) -> None:
+    """The probe's part of ``url``'s host went out: the others wait for it to come back."""
+    link = _link(url)
+    with link.lock:
+        link.probe_out = True
 
 
 def probe_done(url: str) -> None:

@@ -45,7 +45,7 @@ def open_parts(
         return stream()
     source = object_at(url, options, stall_timeout_s=fetch.stall_timeout_s)
 
-    plan = plan_parts(url, fetch, shard=True)
+    plan = plan_parts(url, fetch)
     first: cf.Future[Any]
     details: cf.Future[dict[str, Any]]
     if hasattr(source, "cat_first"):
@@ -93,7 +93,7 @@ def open_parts(
         cancel=cancel,
         first_part=first,
         open_tail=stream,
-        plan=plan,
+        plan=_probing(url, fetch, plan),  # claimed once the requests are out
     )
 
 
@@ -162,19 +162,24 @@ def open_sized_parts(
         options=fetch,
         stats=stats,
         shard_index=shard_index,
-        plan=plan_parts(url, fetch, shard=quick),
+        plan=_probing(url, fetch, plan_parts(url, fetch)) if quick else plan_parts(url, fetch),
     )
     stream.start()
     return stream
 
 
-def plan_parts(url: str, fetch: FetchOptions, *, shard: bool = False) -> adapt.PartPlan:
+def plan_parts(url: str, fetch: FetchOptions) -> adapt.PartPlan:
     """The parts of the next shard of ``url``: as the settings fix them, or as the link and
-    its reader measured so far size them (adaptive settings). ``shard``: for a shard about
-    to be opened, which may be the one to measure a connection alone."""
+    its reader measured so far size them (adaptive settings)."""
     plan = adapt.fixed_plan(fetch.part_bytes, fetch.concurrency)
     if fetch.adaptive:
         plan = adapt.plan(url, fetch.part_bytes, fetch.concurrency, plan.first_bytes)
-        if shard and adapt.claim_probe(url):
-            plan = dataclasses.replace(plan, probe=True)
+    return plan
+
+
+def _probing(url: str, fetch: FetchOptions, plan: adapt.PartPlan) -> adapt.PartPlan:
+    """``plan``, for the shard that measures a connection alone if it is the host's first
+    in this process (adaptive settings only; see :mod:`cloudshards.source.adapt`)."""
+    if fetch.adaptive and adapt.claim_probe(url):
+        return dataclasses.replace(plan, probe=True)
     return plan

@@ -8,6 +8,7 @@ part handed on as soon as it is complete; the size lookup goes out together with
 from __future__ import annotations
 
 import concurrent.futures as cf
+import itertools
 import logging
 import threading
 import time
@@ -179,7 +180,8 @@ class PartStream(ClosingStream):
             if self._details.done():
                 self._end_probe()  # no size (streamed) or no object: nothing to measure
             return  # not known yet (the lookup's callback fills), or unknown (streamed)
-        if self._probing and time.perf_counter() - self._started > adapt.PROBE_FIRST_BYTE_S:
+        late = time.perf_counter() - self._started > adapt.PROBE_FIRST_BYTE_S
+        if self._probing and not self._probe_sent and late:
             self._end_probe()  # a store this far away: the probe would cost a part's time
         plan, probe = self._plan, None
         with self._lock:
@@ -195,11 +197,12 @@ class PartStream(ClosingStream):
                 end = min(self._next_start + plan.part_bytes, size)
                 future = self._submit(self._next_start, end)
                 if future is None:
-                    return
+                    break
                 if self._probing:
                     self._probe_sent, probe = True, future
+                    adapt.probe_sent(self.url)
         if probe is not None:  # outside the lock: a part done already calls back at once
-            probe.add_done_callback(self._probed)
+            probe.add_done_callback(self._end_probe)
         elif self._probing and not self._probe_sent:
             self._end_probe()  # a shard of one part, or closed: no probe
 
@@ -224,16 +227,13 @@ class PartStream(ClosingStream):
         self._window.append((future, start, end - start))
         return future
 
-    def _probed(self, _: object) -> None:
-        """The probe came back (or failed): this and every shard of the host go on."""
-        self._end_probe()
-        self._fill()
-
-    def _end_probe(self) -> None:
-        """This shard's probe is over (or will not be sent): every shard goes on."""
+    def _end_probe(self, returned: cf.Future[Any] | None = None) -> None:
+        """This shard's probe is over (its part ``returned``, or none sent): every shard goes on."""
         if self._probing:
             self._probing = False
             adapt.probe_done(self.url)
+        if returned is not None:
+            self._fill()
 
     def read(self, size: int = -1) -> bytes:
         """Return up to ``size`` bytes (a whole part when ``size`` is -1); ``b""`` at the end."""
@@ -275,21 +275,21 @@ class PartStream(ClosingStream):
 
     def _next_part(self) -> bytes | memoryview | None:
         """The next part in order (waiting for it), or None at the end of the object."""
-        with self._lock:
-            entry = self._window.popleft() if self._window else None
-        if entry is None:
-            total = self.size  # waits for the lookup
-            if total is None:
-                return self._start_tail()
-            self._fill()
-            with self._lock:
+        total: int | None = None
+        for attempt in itertools.count():
+            with self._lock:  # what is in flight and what is left, seen together
                 entry = self._window.popleft() if self._window else None
-            if entry is None and self._next_start < total and adapt.await_probe(self.url):
-                self._fill()  # held back by another shard's probe, over now
-                with self._lock:
-                    entry = self._window.popleft() if self._window else None
-            if entry is None:
-                return None
+                more = total is None or (self._next_start < total and not self.closed)
+            if entry is not None or not more:
+                break
+            if total is None and (total := self.size) is None:  # waits for the lookup
+                return self._start_tail()
+            # Parts held back by a probe: wait for it. Twice none: no GET could start.
+            if attempt and not adapt.await_probe(self.url) and attempt > 1:
+                raise ShardOpenError("no ranged GET could be started", url=self.url)
+            self._fill()
+        if entry is None:
+            return None
         future, start, requested = entry
         data = self._wait(future)
         if self._fell_back:
@@ -369,10 +369,10 @@ class PartStream(ClosingStream):
         return body[self.offset :]
 
     def _cancel(self) -> None:
-        with self._lock:
-            for future, _, _ in self._window:
-                future.cancel()
-            self._window.clear()
+        with self._lock:  # cancelled outside it: a cancelled part calls back at once
+            window, self._window = list(self._window), deque()
+        for future, _, _ in window:
+            future.cancel()
 
     def close(self) -> None:
         """Cancel the parts not yet started; parts in flight finish and are dropped."""

@@ -205,12 +205,9 @@ def fetch_range(
                     if_match.etag = None
                 condition.clear()
                 ticket = adapt.started(source.url, expected)
-                try:
-                    data = get()
-                finally:
-                    ticket.done()
-            else:
-                ticket.done()
+                data = get()
+            finally:
+                ticket.done()  # the current one, whatever ended it (done once)
         _answered(source, stats, len(data), ticket)
         if len(data) == expected:
             return data

@@ -301,6 +301,29 @@ def test_a_probe_that_never_ends_holds_nobody_back_for_long(
 ) -> None:
     url = "s3://bucket/a.tar"
     assert adapt.claim_probe(url)
+    adapt.probe_sent(url)
+    assert adapt.wait_for_probe(url, lambda: None)
     monkeypatch.setattr(adapt, "_PROBE_WAIT_S", 0.0)
     time.sleep(0.001)
     assert not adapt.wait_for_probe(url, lambda: None)
+    assert not adapt.await_probe(url)
+
+
+def test_a_probe_not_sent_soon_after_its_claim_holds_nobody_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Its shard's size came late (a store far away) or never: the others go on.
+    url = "s3://bucket/a.tar"
+    assert adapt.claim_probe(url)
+    assert adapt.wait_for_probe(url, lambda: None)
+    monkeypatch.setattr(adapt, "PROBE_FIRST_BYTE_S", 0.0)
+    time.sleep(0.001)
+    assert not adapt.wait_for_probe(url, lambda: None)
+    assert not adapt.await_probe(url)
+
+
+def test_a_probe_back_before_the_first_byte_time_is_known_still_counts() -> None:
+    url = "s3://bucket/a.tar"
+    adapt.record(url, PART, 0.002 + PART / 400e6, crowd=1.0)  # before any small GET
+    adapt.record(url, FIRST, 0.002 + FIRST / 400e6)
+    assert adapt.plan(url, PART, CONCURRENCY, FIRST).part_bytes == adapt.MAX_PART_BYTES

@@ -5,6 +5,7 @@ store answers fast."""
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import threading
 import time
 from collections.abc import Iterator
@@ -15,7 +16,7 @@ from test_prefetch import expected, spec, upload
 from test_prefetch import faultmem as faultmem  # the fixture
 
 import cloudshards as wds
-from cloudshards.source import adapt, parts
+from cloudshards.source import FetchOptions, IOStats, adapt, parts
 
 HOST = "faultmem://bucket/shard-000000.tar"
 #: Shards of ~3 MiB: the default adaptive parts (2 MiB) leave a part after the first.
@@ -33,13 +34,14 @@ def fresh_links() -> Iterator[None]:
 def probes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The shards whose probe part was sent and came back."""
     came_back: list[str] = []
-    probed = parts.PartStream._probed
+    end = parts.PartStream._end_probe
 
-    def spy(stream: parts.PartStream, future: object) -> None:
-        came_back.append(stream.url)
-        probed(stream, future)
+    def spy(stream: parts.PartStream, returned: Any = None) -> None:
+        if returned is not None:
+            came_back.append(stream.url)
+        end(stream, returned)
 
-    monkeypatch.setattr(parts.PartStream, "_probed", spy)
+    monkeypatch.setattr(parts.PartStream, "_end_probe", spy)
     return came_back
 
 
@@ -59,19 +61,25 @@ def test_the_probe_part_is_measured_alone(
     faultmem.delay_s = 0.01
     assert read(shards) == expected(shards)
     assert probes == [HOST]  # once per host and process
+    if adapt._link(HOST).alone is None:
+        for e in adapt._DBG[:8]:
+            print("DBG", e)
     assert adapt._link(HOST).alone is not None
 
 
 def test_no_probe_where_the_first_answer_is_slow(
-    make_shards: Any, faultmem: Any, probes: list[str]
+    make_shards: Any, faultmem: Any, probes: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # A store behind a cloud's latency: the first shard's size comes after 30 ms.
+    # A store behind a cloud's latency: each size comes after 30 ms.
     shards = upload(make_shards, SIZES, PAYLOAD)
-    faultmem.info_gate = threading.Event()
-    opened = threading.Timer(2 * adapt.PROBE_FIRST_BYTE_S, faultmem.info_gate.set)
-    opened.start()
+    info = faultmem.info
+
+    def slow_info(fs: Any, path: str, **kw: Any) -> dict[str, Any]:
+        time.sleep(2 * adapt.PROBE_FIRST_BYTE_S)
+        return info(fs, path, **kw)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(faultmem, "info", slow_info)
     assert read(shards) == expected(shards)
-    opened.join()
     assert probes == []
     assert not adapt.wait_for_probe(HOST, lambda: None)  # over: nobody waits
 
@@ -85,6 +93,7 @@ def test_readers_held_back_by_another_shards_probe_lose_nothing(
     monkeypatch.setattr(adapt, "_PROBE_WAIT_S", 0.5)
     shards = upload(make_shards, SIZES, PAYLOAD)
     assert adapt.claim_probe(HOST)
+    adapt.probe_sent(HOST)  # its part is out
     if ends == "done":
         timer = threading.Timer(0.2, adapt.probe_done, args=(HOST,))
         timer.start()
@@ -93,3 +102,76 @@ def test_readers_held_back_by_another_shards_probe_lose_nothing(
     assert time.perf_counter() - began >= 0.2  # it did wait
     if ends == "done":
         timer.join()
+
+
+# ------------------------------------------------ one stream, a store object in memory
+class _Object:
+    """A store object of ``size`` bytes in memory."""
+
+    def __init__(self, url: str, size: int) -> None:
+        self.url, self.size = url, size
+        self.data = bytes(i % 251 for i in range(size))
+
+    def info(self, timeout: float | None = None) -> dict[str, Any]:
+        return {"size": self.size}
+
+    def cat_range(self, start: int, end: int, timeout: float | None = None, **kw: Any) -> bytes:
+        return self.data[start:end]
+
+
+def _stream(obj: _Object, pool: cf.ThreadPoolExecutor, *, probe: bool) -> parts.PartStream:
+    first: cf.Future[bytes] = cf.Future()
+    first.set_result(obj.data[: 64 << 10])
+    plan = adapt.PartPlan(64 << 10, 1 << 20, 2, probe=probe)
+    return parts.PartStream(
+        obj,  # type: ignore[arg-type]  # what PartStream uses of a store object
+        {"size": obj.size},
+        executor=pool,
+        options=FetchOptions(),
+        stats=IOStats(),
+        plan=plan,
+        first_part=None if probe else first,
+    )
+
+
+def test_a_probe_ending_between_a_readers_two_looks_loses_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The reader's fill is held back; the other shard's probe comes back just before the
+    # reader asks whether to wait for it: it must look again, not end the shard there.
+    url = "fake://host/a.tar"
+    obj = _Object(url, 3 << 20)
+    waited = adapt.await_probe
+
+    def probe_back_now(at: str) -> bool:
+        adapt.probe_done(at)
+        return waited(at)
+
+    monkeypatch.setattr(adapt, "await_probe", probe_back_now)
+    assert adapt.claim_probe(url)
+    adapt.probe_sent(url)
+    with cf.ThreadPoolExecutor(4) as pool:
+        stream = _stream(obj, pool, probe=False)
+        stream.start()
+        got = bytearray()
+        while chunk := stream.read():
+            got += chunk
+        stream.close()
+    assert bytes(got) == obj.data
+
+
+def test_closing_a_stream_whose_probe_part_waits_in_the_pool_does_not_deadlock() -> None:
+    # Cancelling the pending probe part runs its callback at once, in the closing thread.
+    obj = _Object("fake://host/b.tar", 3 << 20)
+    with cf.ThreadPoolExecutor(1) as pool:
+        busy = threading.Event()
+        pool.submit(busy.wait, 10)  # the probe part stays queued behind this
+        assert adapt.claim_probe(obj.url)
+        stream = _stream(obj, pool, probe=True)
+        stream.start()  # sends the probe part
+        closing = threading.Thread(target=stream.close, daemon=True)
+        closing.start()
+        closing.join(5)
+        busy.set()
+        assert not closing.is_alive(), "close() deadlocked"
+    assert not adapt.wait_for_probe(obj.url, lambda: None)  # the probe is over

@@ -16,9 +16,10 @@ import select
 import subprocess
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 BUCKET = "bench"
 KEY = SECRET = "S3RVER"
@@ -134,38 +135,73 @@ class StoreCounter:
             return parse_log(f.read().decode("utf-8", "replace"))
 
 
-class Moto:
-    """``moto_server`` (the S3 server the tests use, pip-installable) under the driver's
-    interpreter, holding a copy of the benchmark's bucket. moto reads the whole object for
-    every GET, ranged ones included: a loader that reads a shard as many ranged GETs pays
-    for it here, as a user who compares loaders on moto would see."""
+_S = TypeVar("_S", bound="_LocalServer")
+
+
+class _LocalServer:
+    """A server process on a free port of 127.0.0.1, logging to a file."""
 
     def __init__(self, popen: subprocess.Popen[bytes], url: str) -> None:
         self.popen, self.url = popen, url
 
-    @classmethod
-    def start(cls, workdir: Path, timeout_s: float = 30.0) -> Moto:
+    @staticmethod
+    def free_port() -> int:
         import socket
-        import sys
 
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        argv = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
-        with (workdir / "moto.log").open("wb") as out:
+            return int(probe.getsockname()[1])
+
+    @classmethod
+    def launch(
+        cls: type[_S],
+        name: str,
+        argv: list[str],
+        port: int,
+        log: Path,
+        ready: Callable[[str], object],
+        poll_s: float,
+        timeout_s: float,
+    ) -> _S:
+        """Start ``argv`` (``name``) and wait until ``ready(url)`` raises no OSError."""
+        with log.open("wb") as out:
             popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
         server = cls(popen, f"http://127.0.0.1:{port}")
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
-                urllib.request.urlopen(server.url + "/moto-api/", timeout=5).close()
+                ready(server.url)
                 return server
             except OSError:
                 if popen.poll() is not None:
                     break
-                select.select([], [], [], 0.1)
+                select.select([], [], [], poll_s)
         server.stop()
-        raise RuntimeError(f"moto_server did not start: see {workdir / 'moto.log'}")
+        raise RuntimeError(f"{name} did not start: see {log}")
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            self.popen.wait(10)
+
+
+class Moto(_LocalServer):
+    """``moto_server`` (the S3 server the tests use, pip-installable) under the driver's
+    interpreter, holding a copy of the benchmark's bucket. moto reads the whole object for
+    every GET, ranged ones included: a loader that reads a shard as many ranged GETs pays
+    for it here, as a user who compares loaders on moto would see."""
+
+    @classmethod
+    def start(cls, workdir: Path, timeout_s: float = 30.0) -> Moto:
+        import sys
+
+        port = cls.free_port()
+        argv = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+
+        def ready(url: str) -> None:
+            urllib.request.urlopen(url + "/moto-api/", timeout=5).close()
+
+        return cls.launch("moto_server", argv, port, workdir / "moto.log", ready, 0.1, timeout_s)
 
     def mirror(self, source: str) -> None:
         """Copy every object of the benchmark's bucket from the S3 server at ``source``."""
@@ -187,11 +223,6 @@ class Moto:
                 body = src.get_object(Bucket=BUCKET, Key=item["Key"])["Body"].read()
                 dst.put_object(Bucket=BUCKET, Key=item["Key"], Body=body)
 
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.terminate()
-            self.popen.wait(10)
-
 
 # ------------------------------------------------------------------------------------- GCS
 GCS_PROJECT = "bench"
@@ -207,50 +238,26 @@ def gcs_env(endpoint: str) -> dict[str, str]:
     }
 
 
-class FakeGCS:
+class FakeGCS(_LocalServer):
     """fake-gcs-server (in-memory backend) on a free port, with the benchmark's bucket."""
-
-    def __init__(self, popen: subprocess.Popen[bytes], url: str) -> None:
-        self.popen, self.url = popen, url
 
     @classmethod
     def start(cls, binary: Path, workdir: Path, timeout_s: float = 30.0) -> FakeGCS:
-        import socket
-
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
+        port = cls.free_port()
         url = f"http://127.0.0.1:{port}"
         argv = [str(binary), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port)]
         argv += ["-backend", "memory", "-external-url", url, "-log-level", "warn"]
         # XML-API downloads (/bucket/object: obstore's reads) answer only on the public host:
         # this one, on any port (the simulator in front keeps the Host header).
         argv += ["-public-host", "127.0.0.1"]
-        with (workdir / "fake-gcs.log").open("wb") as out:
-            popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
-        server = cls(popen, url)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                gcs_request(
-                    url,
-                    "POST",
-                    f"/storage/v1/b?project={GCS_PROJECT}",
-                    json.dumps({"name": BUCKET}).encode(),
-                    "application/json",
-                )
-                return server
-            except OSError:
-                if popen.poll() is not None:
-                    break
-                select.select([], [], [], 0.05)
-        server.stop()
-        raise RuntimeError(f"fake-gcs-server did not start: see {workdir / 'fake-gcs.log'}")
 
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.terminate()
-            self.popen.wait(10)
+        def ready(url: str) -> None:  # the bucket made is the answer
+            body = json.dumps({"name": BUCKET}).encode()
+            path = f"/storage/v1/b?project={GCS_PROJECT}"
+            gcs_request(url, "POST", path, body, "application/json")
+
+        log = workdir / "fake-gcs.log"
+        return cls.launch("fake-gcs-server", argv, port, log, ready, 0.05, timeout_s)
 
 
 def gcs_request(endpoint: str, method: str, path: str, body: bytes, content_type: str) -> bytes:

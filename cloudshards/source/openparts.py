@@ -155,6 +155,7 @@ def open_sized_parts(
     remember = getattr(source, "remember", None)  # a transport that pins generations
     if remember is not None:
         remember(details)
+    plan = plan_parts(url, fetch)
     stream = PartStream(
         source,
         {**details, "size": size},
@@ -162,7 +163,7 @@ def open_sized_parts(
         options=fetch,
         stats=stats,
         shard_index=shard_index,
-        plan=_probing(url, fetch, plan_parts(url, fetch)) if quick else plan_parts(url, fetch),
+        plan=_probing(url, fetch, plan) if quick else plan,
     )
     stream.start()
     return stream

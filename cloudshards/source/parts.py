@@ -284,8 +284,8 @@ class PartStream(ClosingStream):
                 break
             if total is None and (total := self.size) is None:  # waits for the lookup
                 return self._start_tail()
-            # Parts held back by a probe: wait for it. Twice none: no GET could start.
-            if attempt and not adapt.await_probe(self.url) and attempt > 1:
+            held = attempt > 0 and adapt.await_probe(self.url)  # a probe holds parts back
+            if attempt > 1 and not held:  # twice none in flight, none held back
                 raise ShardOpenError("no ranged GET could be started", url=self.url)
             self._fill()
         if entry is None:

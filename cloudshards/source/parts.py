@@ -137,7 +137,7 @@ class PartStream(ClosingStream):
             finally:
                 self._stats.add(wait_s=time.perf_counter() - start)
             if not self._details.done():
-                raise self._stalled()
+                raise self._failed()
         return self._details.result()
 
     @property
@@ -286,7 +286,7 @@ class PartStream(ClosingStream):
                 return self._start_tail()
             held = attempt > 0 and adapt.await_probe(self.url)  # a probe holds parts back
             if attempt > 1 and not held:  # twice none in flight, none held back
-                raise ShardOpenError("no ranged GET could be started", url=self.url)
+                raise self._failed("no ranged GET could be started")
             self._fill()
         if entry is None:
             return None
@@ -325,9 +325,9 @@ class PartStream(ClosingStream):
         self.offset += len(data)
         return data
 
-    def _stalled(self) -> ShardOpenError:
+    def _failed(self, why: str | None = None) -> ShardOpenError:  # None: it stalled
         return ShardOpenError(
-            f"stalled: no bytes for {self._options.stall_timeout_s:.0f} s",
+            why or f"stalled: no bytes for {self._options.stall_timeout_s:.0f} s",
             url=self.url,
             shard_index=self.shard_index,
             offset=self.offset,
@@ -339,7 +339,7 @@ class PartStream(ClosingStream):
             data: bytes | memoryview = future.result(timeout=self._options.stall_timeout_s)
             return data
         except cf.TimeoutError:
-            raise self._stalled() from None
+            raise self._failed() from None
         except RangeIgnoredError as exc:
             return self._fall_back(exc.body)
         finally:

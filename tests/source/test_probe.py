@@ -16,6 +16,7 @@ from test_prefetch import expected, spec, upload
 from test_prefetch import faultmem as faultmem  # the fixture
 
 import cloudshards as wds
+from cloudshards.errors import ShardOpenError
 from cloudshards.source import FetchOptions, IOStats, adapt, parts
 
 HOST = "faultmem://bucket/shard-000000.tar"
@@ -175,3 +176,17 @@ def test_closing_a_stream_whose_probe_part_waits_in_the_pool_does_not_deadlock()
         busy.set()
         assert not closing.is_alive(), "close() deadlocked"
     assert not adapt.wait_for_probe(obj.url, lambda: None)  # the probe is over
+
+
+def test_a_stream_whose_parts_cannot_be_requested_fails_naming_the_shard() -> None:
+    # Its pool shut down under a reader that still reads: an error, never an early end.
+    obj = _Object("fake://host/c.tar", 3 << 20)
+    pool = cf.ThreadPoolExecutor(2)
+    stream = _stream(obj, pool, probe=False)  # the first part is in, the rest not asked yet
+    pool.shutdown()
+    assert len(stream.read()) == 64 << 10
+    with pytest.raises(ShardOpenError, match="no ranged GET could be started") as error:
+        stream.read()
+    assert obj.url in str(error.value)
+    assert "byte offset 65536" in str(error.value)
+    stream.close()

@@ -24,7 +24,8 @@ at once, less only gradually.
 Connections that share one bottleneck (a store on the local network, or on the same machine:
 one server process, one disk) look slow when many are in flight: each carries its share of
 the bottleneck, and parts sized from that share stay small, as many GETs as behind a slow
-link. So each host's first shard in a process sends one part alone (no other GET of that host
+link. So each host's first shard in a process (the first with a part of :data:`LARGE`
+bytes after its first) sends one part alone (no other GET of that host
 from the process in flight) and keeps the rate that part was carried at; the parts are sized
 from the faster of that rate and the rate measured under load. Behind a link that caps each
 connection (S3's ~100 MB/s, the cloud simulator's 25 MB/s) a connection alone is no faster
@@ -53,6 +54,7 @@ __all__ = [
     "ALONE",
     "FIRST_PART_BYTES",
     "HEADROOM",
+    "LARGE",
     "MAX_PART_BYTES",
     "PROBE_FIRST_BYTE_S",
     "TARGET_PART_S",
@@ -63,6 +65,7 @@ __all__ = [
     "connection_rate",
     "fixed_plan",
     "forget",
+    "host_key",
     "plan",
     "probe_done",
     "probe_sent",
@@ -82,7 +85,7 @@ _PART_STEP = 1 << 20
 #: Requests up to this size measure the time to first byte (their transfer is short).
 _SMALL = 256 << 10
 #: Requests from this size on measure a connection's throughput.
-_LARGE = 512 << 10
+LARGE = 512 << 10
 _WEIGHT = 0.3  # of a new measurement in the moving averages
 #: Bytes in flight per shard: this many times the reader's demand over one part's time.
 HEADROOM = 2.0
@@ -98,6 +101,9 @@ ALONE = 1.5
 PROBE_FIRST_BYTE_S = 0.015
 #: Other shards wait at most this long for a host's probe (then it no longer counts).
 _PROBE_WAIT_S = 5.0
+#: A shard too small to send a part of :data:`LARGE` bytes after its first hands the probe
+#: to the host's next shard, at most this many times (tiny shards have nothing to probe).
+_PROBE_SPARES = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +136,7 @@ class _Link:
         "probe_out",
         "probed",
         "rate",
+        "spares",
         "stamp",
         "waiting",
     )
@@ -149,6 +156,7 @@ class _Link:
         self.probe_began = 0.0
         self.probe_out = False  # the probe's part was sent
         self.probed = threading.Event()
+        self.spares = _PROBE_SPARES
         self.waiting: list[Callable[[], None]] = []
 
     def advance(self, now: float) -> None:
@@ -170,9 +178,9 @@ class _Link:
                 if self.early is not None:  # a large GET back before any small one
                     self._add_large(*self.early)
                     self.early = None
-            elif nbytes >= _LARGE and self.latency_s is None:
+            elif nbytes >= LARGE and self.latency_s is None:
                 self.early = (nbytes, seconds, crowd)  # measured once a first byte time is
-            elif nbytes >= _LARGE:
+            elif nbytes >= LARGE:
                 self._add_large(nbytes, seconds, crowd)
 
     def _add_large(self, nbytes: int, seconds: float, crowd: float | None) -> None:
@@ -197,7 +205,7 @@ class Ticket:
     def __init__(self, link: _Link, nbytes: int) -> None:
         self._link = link
         # Small GETs (first parts, lookups) take little of the link: not counted as crowding.
-        self._counted = nbytes >= _LARGE
+        self._counted = nbytes >= LARGE
         with link.lock:
             now = time.perf_counter()
             link.advance(now)
@@ -228,14 +236,15 @@ _links: PerProcess[dict[str, _Link]] = PerProcess(dict)
 _links_lock = threading.Lock()
 
 
-def _host(url: str) -> str:
+def host_key(url: str) -> str:
+    """``scheme://netloc`` of ``url``: what this process measures each host by."""
     parts = urlsplit(url)
     return f"{parts.scheme}://{parts.netloc}"
 
 
 def _link(url: str) -> _Link:
     links = _links.get()
-    host = _host(url)
+    host = host_key(url)
     link = links.get(host)
     if link is None:
         with _links_lock:
@@ -297,12 +306,14 @@ def probe_sent(url: str) -> None:
         link.probe_out = True
 
 
-def probe_done(url: str) -> None:
+def probe_done(url: str, *, spare: bool = False) -> None:
     """The probe of ``url``'s host is over (measured, failed or abandoned): the shards that
-    waited for it go on."""
+    waited for it go on. ``spare``: its shard was too small to send a part of :data:`LARGE`
+    bytes, so the host's next shard claims the probe instead (a few times at most)."""
     link = _link(url)
     with link.lock:
-        link.probe = _DONE
+        link.probe = _NOT_YET if spare and link.spares > 0 else _DONE
+        link.spares -= 1 if spare else 0
         link.probed.set()
         waiting, link.waiting = link.waiting, []
     for then in waiting:
@@ -371,4 +382,7 @@ def claim_probe(url: str) -> bool:
         if link.probe != _NOT_YET:
             return False
         link.probe, link.probe_began = _IN_FLIGHT, time.perf_counter()
+        link.probe_out = False
+        if link.probed.is_set():  # one spared before: its waiters were let go already
+            link.probed = threading.Event()
         return True

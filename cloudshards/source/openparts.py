@@ -14,7 +14,7 @@ from typing import Any
 
 from cloudshards.source import adapt
 from cloudshards.source.options import FetchOptions, OpenOptions
-from cloudshards.source.parts import _UNRANGED_HOSTS, PartStream, _host_key
+from cloudshards.source.parts import _UNRANGED_HOSTS, PartStream
 from cloudshards.source.resumable import ResumableStream, open_remote
 from cloudshards.source.retries import IOStats, RangeIgnoredError, retry
 from cloudshards.source.transport import fetch_first, fetch_range, object_at
@@ -41,7 +41,7 @@ def open_parts(
             url, options, fetch=fetch, stats=stats, shard_index=shard_index, start=start
         )
 
-    if _host_key(url) in _UNRANGED_HOSTS:
+    if adapt.host_key(url) in _UNRANGED_HOSTS:
         return stream()
     source = object_at(url, options, stall_timeout_s=fetch.stall_timeout_s)
 

@@ -15,7 +15,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import urlsplit
 
 from cloudshards import config
 from cloudshards.errors import ShardOpenError
@@ -40,11 +39,6 @@ logger = logging.getLogger("cloudshards.prefetch")
 
 #: Hosts seen answering ranged GETs with whole objects: streamed with one GET from then on.
 _UNRANGED_HOSTS: set[str] = set()
-
-
-def _host_key(url: str) -> str:
-    parts = urlsplit(url)
-    return f"{parts.scheme}://{parts.netloc}"
 
 
 class PartStream(ClosingStream):
@@ -180,9 +174,11 @@ class PartStream(ClosingStream):
             if self._details.done():
                 self._end_probe()  # no size (streamed) or no object: nothing to measure
             return  # not known yet (the lookup's callback fills), or unknown (streamed)
-        late = time.perf_counter() - self._started > adapt.PROBE_FIRST_BYTE_S
-        if self._probing and not self._probe_sent and late:
-            self._end_probe()  # a store this far away: the probe would cost a part's time
+        if self._probing and not self._probe_sent:
+            if time.perf_counter() - self._started > adapt.PROBE_FIRST_BYTE_S:
+                self._end_probe()  # a store this far away: the probe would cost a part's time
+            elif size - self._next_start < adapt.LARGE:
+                self._end_probe(spare=True)  # too small to measure: the next shard probes
         plan, probe = self._plan, None
         with self._lock:
             # The part being read counts against the parts in flight: memory stays within
@@ -227,11 +223,12 @@ class PartStream(ClosingStream):
         self._window.append((future, start, end - start))
         return future
 
-    def _end_probe(self, returned: cf.Future[Any] | None = None) -> None:
+    def _end_probe(self, returned: cf.Future[Any] | None = None, *, spare: bool = False) -> None:
         """This shard's probe is over (its part ``returned``, or none sent): every shard goes on."""
-        if self._probing:
-            self._probing = False
-            adapt.probe_done(self.url)
+        with self._lock:  # once: a spared probe may be another shard's already
+            probing, self._probing = self._probing, False
+        if probing:
+            adapt.probe_done(self.url, spare=spare)
         if returned is not None:
             self._fill()
 
@@ -348,7 +345,7 @@ class PartStream(ClosingStream):
     def _fall_back(self, body: bytes) -> bytes:
         # The server sent the whole object for a ranged GET: never splice parts from it.
         # Serve the rest of this shard from that body and stream later shards of this host.
-        host = _host_key(self.url)
+        host = adapt.host_key(self.url)
         if host not in _UNRANGED_HOSTS:
             _UNRANGED_HOSTS.add(host)
             logger.warning(

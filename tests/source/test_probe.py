@@ -37,10 +37,10 @@ def probes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     came_back: list[str] = []
     end = parts.PartStream._end_probe
 
-    def spy(stream: parts.PartStream, returned: Any = None) -> None:
+    def spy(stream: parts.PartStream, returned: Any = None, **kw: Any) -> None:
         if returned is not None:
             came_back.append(stream.url)
-        end(stream, returned)
+        end(stream, returned, **kw)
 
     monkeypatch.setattr(parts.PartStream, "_end_probe", spy)
     return came_back
@@ -62,10 +62,33 @@ def test_the_probe_part_is_measured_alone(
     faultmem.delay_s = 0.01
     assert read(shards) == expected(shards)
     assert probes == [HOST]  # once per host and process
-    if adapt._link(HOST).alone is None:
-        for e in adapt._DBG[:8]:
-            print("DBG", e)
     assert adapt._link(HOST).alone is not None
+
+
+def test_a_shard_too_small_to_probe_leaves_the_probe_to_the_next(
+    make_shards: Any, faultmem: Any, probes: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The first shard (~230 KB) has no part of 512 KiB after its first: a probe part there
+    # would measure nothing. A shard opened after it, of ~3 MiB, sends the probe instead
+    # (shard 1 or 2: shards 1 and 2 are opened while shard 0's size is on its way).
+    monkeypatch.setattr(adapt, "PROBE_FIRST_BYTE_S", 1.0)
+    shards = upload(make_shards, [10, *SIZES], PAYLOAD)
+    faultmem.delay_s = 0.01
+    assert read(shards) == expected(shards)
+    assert len(probes) == 1
+    assert probes[0] != HOST
+    assert adapt._link(HOST).alone is not None
+
+
+def test_tiny_shards_spare_the_probe_a_few_times_only() -> None:
+    url = "fake://host/tiny.tar"
+    for _ in range(adapt._PROBE_SPARES):
+        assert adapt.claim_probe(url)
+        adapt.probe_done(url, spare=True)
+    assert adapt.claim_probe(url)
+    adapt.probe_done(url, spare=True)
+    assert not adapt.claim_probe(url)  # no shard of the host is claimed any more
+    assert not adapt.wait_for_probe(url, lambda: None)  # and none holds the others back
 
 
 def test_no_probe_where_the_first_answer_is_slow(

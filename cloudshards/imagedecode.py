@@ -28,6 +28,7 @@ __all__ = [
     "decode_image",
     "imagehandler",
     "import_optional",
+    "open_image",
 ]
 
 logger = logging.getLogger(__name__)
@@ -89,6 +90,42 @@ def import_optional(name: str, what: str) -> ModuleType:
         raise ImportError(f"{what} needs the {name} package: {install}") from exc
 
 
+#: Pillow formats that run another program on the image's bytes: EPS is rendered by Ghostscript
+#: (``gs``), a PostScript interpreter with a history of ``-dSAFER`` escapes. A field is never
+#: opened as one of these unless unsafe decoders are allowed (:mod:`cloudshards.unsafe`).
+_RUNS_PROGRAMS = frozenset({"EPS"})
+#: How PostScript starts: text, or the binary DOS EPS header.
+_POSTSCRIPT_MAGIC = (b"%!PS", b"\xc5\xd0\xd3\xc6")
+
+
+def open_image(data: bytes) -> Any:
+    """``PIL.Image.open`` on in-memory bytes, limited to the formats that run no program
+    unless unsafe decoders are allowed: Pillow otherwise picks the format from the content,
+    so a ``.jpg`` field holding PostScript would run Ghostscript on it.
+
+    Raises:
+        DecodeError: The bytes are PostScript and unsafe decoders are not allowed.
+        PIL.UnidentifiedImageError: Another format Pillow cannot open.
+    """
+    import PIL.Image
+
+    from cloudshards.unsafe import opt_in_advice, unsafe_allowed  # unsafe imports this module
+
+    formats = None
+    if not unsafe_allowed():
+        PIL.Image.init()
+        formats = [name for name in PIL.Image.ID if name not in _RUNS_PROGRAMS]
+    try:
+        return PIL.Image.open(io.BytesIO(data), formats=formats)
+    except PIL.UnidentifiedImageError:
+        if formats is not None and data.lstrip()[:4] in _POSTSCRIPT_MAGIC:
+            raise DecodeError(
+                "the image is PostScript (EPS), which Pillow renders by running Ghostscript on "
+                f"its bytes: refused; {opt_in_advice()}"
+            ) from None
+        raise
+
+
 def decode_image(data: bytes, imagespec: str) -> Any:
     """Decode encoded image bytes the way webdataset's ``ImageHandler(imagespec)`` does.
 
@@ -119,7 +156,7 @@ def decode_image(data: bytes, imagespec: str) -> Any:
         "images are expected)"
     )
     try:
-        opened = PIL.Image.open(io.BytesIO(data))
+        opened = open_image(data)
         width, height = opened.size
         if limit is not None and width * height > limit:
             # Pillow only warns up to twice the limit, and decodes: a 21 KB PNG of 13,000^2

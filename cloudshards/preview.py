@@ -14,7 +14,12 @@ from typing import Any
 import numpy as np
 
 from cloudshards.decoders import UNSAFE
-from cloudshards.imagedecode import AUDIO_EXTENSIONS, IMAGE_EXTENSIONS, VIDEO_EXTENSIONS
+from cloudshards.imagedecode import (
+    AUDIO_EXTENSIONS,
+    IMAGE_EXTENSIONS,
+    VIDEO_EXTENSIONS,
+    open_image,
+)
 from cloudshards.inflate import decode_limit, gunzip
 
 __all__ = ["describe"]
@@ -92,7 +97,7 @@ def _image(data: bytes) -> str:
     import PIL.Image
 
     try:
-        with PIL.Image.open(io.BytesIO(data)) as image:  # reads the header only
+        with open_image(data) as image:  # reads the header only
             return f"{image.format} {image.width}x{image.height} {image.mode}"
     except PIL.UnidentifiedImageError:
         raise ValueError("not an image Pillow can read") from None

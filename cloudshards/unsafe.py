@@ -21,6 +21,7 @@ __all__ = [
     "allow_unsafe_decoders",
     "cbor_loads",
     "msgpack_loads",
+    "opt_in_advice",
     "torch_loads",
     "unpickle_loads",
     "unsafe_allowed",
@@ -48,6 +49,11 @@ def allow_unsafe_decoders(enable: bool = True) -> None:
     _enabled = enable
     if enable:
         logger.warning("unsafe decoders enabled: pickle and torch.load can run arbitrary code")
+
+
+def opt_in_advice() -> str:
+    """How to allow the decoders that can run code, for error messages."""
+    return _OPT_IN
 
 
 def unsafe_allowed() -> bool:

@@ -218,6 +218,41 @@ def test_pickle_is_refused_by_default() -> None:
         assert info.value.field == ext
 
 
+EPS = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\n%%EndComments\nshowpage\n"
+
+
+@pytest.fixture
+def fake_ghostscript(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Pillow's Ghostscript, replaced by a script that leaves a mark when it runs."""
+    from PIL import EpsImagePlugin
+
+    mark = tmp_path / "gs-ran"
+    gs = tmp_path / "gs"
+    gs.write_text(f"#!/bin/sh\ntouch {mark}\nexit 1\n")
+    gs.chmod(0o755)
+    monkeypatch.setattr(EpsImagePlugin, "gs_binary", str(gs))
+    return mark
+
+
+@pytest.mark.parametrize("field", ["jpg", "png", "eps"])
+def test_a_postscript_image_never_runs_ghostscript_by_default(
+    fake_ghostscript: Any, field: str
+) -> None:
+    # Pillow picks the format from the content: a .jpg field holding EPS would be rendered
+    # by running Ghostscript on the shard's PostScript.
+    with pytest.raises(DecodeError, match="Ghostscript") as info:
+        make_decoder("pil")(sample(**{field: EPS}))
+    assert "allow_unsafe_decoders()" in str(info.value)
+    assert not fake_ghostscript.exists()
+
+
+def test_a_postscript_image_goes_to_ghostscript_once_allowed(fake_ghostscript: Any) -> None:
+    allow_unsafe_decoders()
+    with pytest.raises(DecodeError):  # the fake Ghostscript fails
+        make_decoder("pil")(sample(jpg=EPS))
+    assert fake_ghostscript.exists()
+
+
 def test_pickle_after_allow_unsafe_decoders() -> None:
     allow_unsafe_decoders()
     assert Decoder([])(sample(pyd=pickle.dumps({"x": 1})))["pyd"] == {"x": 1}

@@ -25,6 +25,7 @@ from cloudshards.handlers import as_handler, reraise_exception
 from cloudshards.multishard import MultiShardSample
 from cloudshards.pipeline import DataPipeline, FluidInterface
 from cloudshards.process import SettledFork
+from cloudshards.redact import redact_url
 from cloudshards.shards import (
     ResampledShards,
     ShardList,
@@ -282,7 +283,8 @@ def _check_urls(urls: Any) -> None:
         )
     if isinstance(urls, str) and urls.endswith("/"):
         raise ConfigError(
-            f"{urls!r} looks like a directory; pass a glob such as {urls + '*.tar'!r} instead"
+            f"{redact_url(urls)!r} looks like a directory; pass a glob such as "
+            f"{redact_url(urls) + '*.tar'!r} instead"
         )
     if not isinstance(urls, (str, Iterable)):
         raise ConfigError(f"cannot handle urls of type {type(urls).__name__}")

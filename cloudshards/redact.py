@@ -41,6 +41,9 @@ _URL_IN_TEXT = re.compile(rf"(?<![\w+.\-'\"]){_SCHEME}[^\s\"<>]+")
 _USER_COLON = re.compile(r"[^/?#@:]*:")
 _HOST_PORT = re.compile(r"[^/?#@:]*:\d*(?:[/?#]|$)")
 _MASK = "<redacted>"
+# "user:secret@host" with no scheme before it: a backend that strips ``s3://`` logs the bucket
+# as "key:secret@bucket". Starts a word (not inside a URL's path or host:port).
+_BARE_USERINFO = re.compile(r"(?<![\w.+\-/:@%])[^\s/:@'\"<>]+:[^\s/@'\"<>]+@(?=\w)")
 
 # Header and field names whose values are secrets wherever they appear in free text: HTTP
 # headers in a backend's debug log (botocore prints the signed request, Authorization included;
@@ -148,6 +151,7 @@ def redact_text(text: str) -> str:
     """
     text = _QUOTED_URL_IN_TEXT.sub(lambda m: m.group(1) + redact_url(m.group(2)), text)
     text = _URL_IN_TEXT.sub(lambda m: redact_url(m.group(0)), text)
+    text = _BARE_USERINFO.sub(_MASK + "@", text)
     text = _QUOTED_SECRET.sub(
         lambda m: f"{m.group(1)}{m.group(2)}{m.group(3)}{_MASK}{m.group(3)}", text
     )

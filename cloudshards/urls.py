@@ -58,6 +58,22 @@ def protocol_of(url: str) -> str:
     return match.group(1).lower()
 
 
+#: Object stores whose URLs name a bucket, never credentials: ``s3://key:secret@bucket`` is
+#: refused instead of handed to a backend that would put the secret in its errors and logs.
+_BUCKET_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs"})
+
+
+def _refuse_userinfo(url: str) -> None:
+    """Raise a ConfigError for an ``s3://`` or ``gs://`` URL with ``user:secret@`` in it."""
+    if "@" in url and protocol_of(url) in _BUCKET_PROTOCOLS:
+        authority = url.split("://", 1)[1].split("/", 1)[0]
+        if "@" in authority:
+            raise ConfigError(
+                f"{redact_url(url)}: {protocol_of(url)}:// URLs name a bucket, not credentials "
+                "(user:secret@); give credentials in storage_options or the environment"
+            )
+
+
 def _substitute_env(url: str) -> str:
     # webdataset 1.0.2 semantics: ${name} is replaced by the environment variable WDS_name.
     def lookup(match: re.Match[str]) -> str:
@@ -142,6 +158,7 @@ def expand_urls(
     result: list[str] = []
     for spec in specs:
         spec = _substitute_env(spec)
+        _refuse_userinfo(spec)
         if not (glob and _has_glob(spec)):
             # Brace expansion only rearranges the spec's text: no glob in it, none in its URLs
             # (10^6 shards: no per-URL check).
@@ -291,6 +308,7 @@ def resolve(
             return chained  # type: ignore[no-any-return]
         except ImportError as exc:
             raise _missing_backend(protocol, exc) from exc
+    _refuse_userinfo(url)
     options = options_for(protocol, storage_options)
     fs = _filesystem(protocol, options)
     path = fs._strip_protocol(url)

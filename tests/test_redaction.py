@@ -548,3 +548,45 @@ def test_a_failing_pipe_command_shows_no_secret(caplog: pytest.LogCaptureFixture
     shown += str(pickle.loads(pickle.dumps(info.value)))
     assert "HF_TOKEN=<redacted> exit 7" in str(info.value)
     assert SECRET not in shown
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        # s3fs strips "s3://" and logs (or raises with) the bucket as the URL gave it.
+        "Get directory listing page for alice:hunter2@bkt/train",
+        "CALL: get_object - () - {'Bucket': 'alice:hunter2@bkt', 'Key': 'a.tar'}",
+        'Invalid bucket name "alice:hunter2@bkt": Bucket name must match the regex',
+    ],
+)
+def test_redact_text_masks_user_info_without_a_scheme(line: str) -> None:
+    assert SECRET not in redact_text(line)
+    assert "<redacted>@bkt" in redact_text(line)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "s3://alice:hunter2@bkt/train-{0..1}.tar",
+        "gs://hunter2@bkt/a.tar",
+        "s3a://a:hunter2@b/x.tar",
+    ],
+)
+def test_bucket_urls_with_credentials_are_refused_before_any_backend(url: str) -> None:
+    import cloudshards as wds
+    from cloudshards.urls import resolve
+
+    with pytest.raises(ConfigError, match="storage_options") as info:
+        next(iter(wds.WebDataset(url, shardshuffle=False)))
+    assert SECRET not in "".join(traceback.format_exception(info.value))
+    with pytest.raises(ConfigError, match="not credentials") as info:
+        resolve(url.replace("{0..1}", "0"))
+    assert SECRET not in str(info.value)
+
+
+def test_a_directory_url_is_refused_without_its_password() -> None:
+    import cloudshards as wds
+
+    with pytest.raises(ConfigError, match="looks like a directory") as info:
+        wds.WebDataset("https://alice:hunter2@host/train/")
+    assert SECRET not in str(info.value)

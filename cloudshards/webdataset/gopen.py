@@ -21,6 +21,7 @@ from cloudshards import config
 from cloudshards import source as _io
 from cloudshards.errors import ConfigError
 from cloudshards.process import in_dataloader_worker
+from cloudshards.redact import redact_url
 from cloudshards.source import OpenOptions, open_remote
 from cloudshards.webdataset._unsupported import unsupported_function
 
@@ -221,7 +222,7 @@ def gopen_file(url: str, mode: str = "rb", bufsize: int = 8192) -> Any:
 def gopen_pipe(url: str, mode: str = "rb", bufsize: int = 8192, **kw: Any) -> Pipe:
     """Run ``pipe:CMD`` in a shell (needs ``allow_pipe=True`` or ``CLOUDSHARDS_ALLOW_PIPE=1``)."""
     if not url.startswith("pipe:"):
-        raise ValueError(f"{url}: not a pipe: URL")
+        raise ValueError(f"{redact_url(url)}: not a pipe: URL")
     if mode[0] not in "rw":
         raise ValueError(f"{mode}: unknown mode")
     return Pipe(  # noqa: S604 - runs only after the pipe opt-in, checked in Pipe
@@ -263,7 +264,7 @@ gopen_ais = unsupported_function(
 
 def gopen_error(url: str, *args: Any, **kw: Any) -> Any:
     """Raise: no handler for this URL."""
-    raise ValueError(f"{url}: no gopen handler defined")
+    raise ValueError(f"{redact_url(url)}: no gopen handler defined")
 
 
 #: Scheme -> opener ``f(url, mode, bufsize, **kw)``. Add entries to handle more schemes;

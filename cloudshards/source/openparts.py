@@ -62,11 +62,6 @@ def open_parts(
         )
         both.add_done_callback(partial(_split_first, first, details, plan.first_bytes))
     else:
-
-        def lookup() -> dict[str, Any]:
-            stats.add(requests=1)
-            return source.info(timeout=fetch.stall_timeout_s)
-
         # The first part goes out with the size lookup: one round trip to first byte, and
         # the reader starts on it without waiting for the lookup.
         first = executor.submit(
@@ -79,6 +74,7 @@ def open_parts(
             stats=stats,
             cancel=cancel,
         )
+        lookup = partial(_lookup, source, fetch, stats)
         details = executor.submit(
             retry, lookup, url=url, offset=0, options=fetch, stats=stats, what="HEAD",
             cancel=cancel,
@@ -95,6 +91,12 @@ def open_parts(
         open_tail=stream,
         plan=_probing(url, fetch, plan),  # claimed once the requests are out
     )
+
+
+def _lookup(source: Any, fetch: FetchOptions, stats: IOStats) -> dict[str, Any]:
+    """The object's metadata (size, ETag): one request."""
+    stats.add(requests=1)
+    return source.info(timeout=fetch.stall_timeout_s)  # type: ignore[no-any-return]
 
 
 def _settle(future: cf.Future[Any], value: Any, error: BaseException | None) -> None:
@@ -147,7 +149,9 @@ def open_sized_parts(
     request first, whose size goes to ``check_size`` (which raises to refuse the object)."""
     source = object_at(url, options, stall_timeout_s=fetch.stall_timeout_s)
     began = time.perf_counter()
-    details = source.info(timeout=fetch.stall_timeout_s)
+    # Retried like every request, and its failure a redacted ShardOpenError naming the shard.
+    lookup = partial(_lookup, source, fetch, stats)
+    details = retry(lookup, url=url, offset=0, options=fetch, stats=stats, what="HEAD")
     # A store that answered this fast may be measured alone (see adapt's probe).
     quick = time.perf_counter() - began <= adapt.PROBE_FIRST_BYTE_S
     if details.get("size") is not None:

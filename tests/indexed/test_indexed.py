@@ -515,13 +515,17 @@ def test_stale_remote_shard_is_detected(
         ds[0]  # the download is refused before any byte is fetched
 
 
-def test_missing_shard(make_shards: Callable[..., Shards], requests: Requests) -> None:
+def test_missing_shard(
+    make_shards: Callable[..., Shards], requests: Requests, tmp_path: Path
+) -> None:
     shards = make_shards([2, 2])
     local = build_index(shards.spec())
     remote = build_index([count_url(p) for p in shards.paths])
     shards.paths[1].unlink()
-    for index in (local, remote):
-        with IndexedDataset(index) as ds:
+    # Through the node cache too: its download's size lookup failed with the backend's own
+    # FileNotFoundError (the raw URL as its text), which no handler took for a shard error.
+    for index, cache in ((local, None), (remote, None), (remote, tmp_path / "cache")):
+        with IndexedDataset(index, cache_dir=cache) as ds:
             assert ds[1]["__key__"] == shards.keys[1]
             with pytest.raises(ShardOpenError, match="not found") as info:
                 ds[2]

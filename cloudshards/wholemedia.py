@@ -201,10 +201,14 @@ def torch_audio(key: str, data: bytes) -> tuple[torch.Tensor, int] | None:
 def _read_pcm_wav(data: bytes) -> tuple[np.ndarray[Any, np.dtype[np.float32]], int]:
     with wave.open(io.BytesIO(data), "rb") as reader:
         channels, width = reader.getnchannels(), reader.getsampwidth()
-        count, limit = reader.getnframes(), inflate.decode_limit()
+        # A WAV written to a pipe declares 0xFFFFFFFF bytes of data (its size was unknown):
+        # count what the bytes hold, never more.
+        count = min(reader.getnframes(), len(data) // (channels * width))
+        limit = inflate.decode_limit()
         if count * channels * 4 > limit:
             raise inflate.too_big("the WAV's samples", count * channels * 4, limit)
         rate, raw = reader.getframerate(), reader.readframes(count)
+        raw = raw[: len(raw) // (channels * width) * (channels * width)]
     samples: np.ndarray[Any, Any]
     if width == 1:  # 8-bit WAV is unsigned, centred on 128
         samples = (np.frombuffer(raw, np.uint8).astype(np.float32) - 128) / 128

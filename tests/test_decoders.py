@@ -445,6 +445,19 @@ def test_torch_audio_reads_pcm_wav(width: int) -> None:
     assert torch_audio(".txt", b"") is None
 
 
+def test_torch_audio_reads_a_wav_written_to_a_pipe() -> None:
+    # A WAV streamed to a pipe (ffmpeg ... -f wav pipe:1) cannot know its size and declares
+    # 0xFFFFFFFF bytes in its RIFF and data chunks: its samples are the bytes that follow.
+    samples = np.arange(-600, 600, dtype=np.int64).reshape(600, 2)
+    data = bytearray(write_wav(samples, 2, 16000))
+    data[4:8] = b"\xff\xff\xff\xff"
+    at = data.index(b"data") + 4
+    data[at : at + 4] = b"\xff\xff\xff\xff"
+    waveform, rate = Decoder([torch_audio])(sample(wav=bytes(data)))["wav"]
+    assert rate == 16000
+    assert np.array_equal(waveform.numpy(), samples.T.astype(np.float32) / np.float32(1 << 15))
+
+
 def test_video_without_pyav_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "av", None)  # makes `import av` fail
     with pytest.raises(ImportError, match=r'pip install "cloudshards\[video\]"'):

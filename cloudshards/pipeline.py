@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from cloudshards import config
 from cloudshards.dist import check_ranks, effective_info
 from cloudshards.fluid import FluidInterface
+from cloudshards.length import Length
 from cloudshards.process import freeze_inherited_objects, in_dataloader_worker
 from cloudshards.seeding import default_seed, epoch_context
 from cloudshards.stages import base, elastic
@@ -335,13 +336,7 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
         else:
             self._resume = dict(state)
 
-    def __len__(self) -> int:
-        if self._length is None:
-            raise TypeError(
-                f"{type(self).__name__} has no length (it streams); use .with_length(n) if a "
-                "framework needs one"
-            )
-        return self._length
+    __len__ = Length()
 
     def stage(self, i: int) -> Any:
         """Return stage ``i``."""

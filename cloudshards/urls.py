@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -74,6 +75,37 @@ def _refuse_userinfo(url: str) -> None:
             )
 
 
+def secure() -> bool:
+    """webdataset's ``enforce_security`` (``WDS_SECURE=1``, or set on
+    ``cloudshards.webdataset.utils``): local files are not opened, URLs not rewritten."""
+    compat = sys.modules.get("cloudshards.webdataset.utils")
+    return bool(getattr(compat, "enforce_security", False)) or config.webdataset_var(
+        "WDS_SECURE", "0"
+    ) not in ("", "0")
+
+
+def rewrite_url(url: str) -> str:
+    """``url`` after webdataset's ``GOPEN_REWRITE`` rules (``pattern=replacement;...``, each
+    pattern a regular expression matched at the start, the first that matches applied), as
+    webdataset applies them to every shard it opens: a mirror for a bucket, say.
+
+    Raises:
+        ConfigError: Rules are set under :func:`secure`, as webdataset refuses them.
+    """
+    rules = config.webdataset_var("GOPEN_REWRITE")
+    if rules is None:
+        return url
+    if secure():
+        raise ConfigError("GOPEN_REWRITE is not applied under WDS_SECURE (enforce_security)")
+    for rule in rules.split(";"):
+        pattern, replacement = rule.split("=", 1)
+        rewritten = re.sub("^" + pattern, replacement, url)
+        if rewritten != url:
+            logger.debug("GOPEN_REWRITE: %s -> %s", redact_url(url), redact_url(rewritten))
+            return rewritten
+    return url
+
+
 def _substitute_env(url: str) -> str:
     # webdataset 1.0.2 semantics: ${name} is replaced by the environment variable WDS_name.
     def lookup(match: re.Match[str]) -> str:
@@ -111,6 +143,10 @@ def _glob(url: str, storage_options: Mapping[str, Any] | None) -> list[str]:
 def _list(url: str, storage_options: Mapping[str, Any] | None) -> list[str]:
     fs, path = resolve(url, storage_options)
     try:
+        if fs.isfile(path):
+            # A shard whose name holds [, ], * or ? (data[1].tar): webdataset opens it as
+            # named, and a glob would read data1.tar instead. One lookup per glob spec.
+            return [url]
         matches = sorted(fs.glob(path))
     except FileNotFoundError:
         matches = []

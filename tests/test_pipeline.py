@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import tarfile
+import warnings
 import weakref
 from collections import Counter
 from pathlib import Path
@@ -129,6 +130,27 @@ def test_epoch_and_length_change_the_pipeline_other_fluent_methods_copy(
     resampled = wds.WebDataset(shards.spec(), resampled=True, seed=1)
     resampled.with_epoch(7)
     assert len(keys_of(resampled)) == 7
+
+
+def test_hasattr_len_is_false_until_a_length_is_set_as_in_webdataset(make_shards: Any) -> None:
+    # LAVIS's runner: ``len(d) if hasattr(d, "__len__") else -1``; webdataset's pipelines get
+    # a __len__ only from with_length, so programs ask hasattr before calling len().
+    import webdataset
+
+    shards = make_shards([3])
+    for module in (webdataset, wds):
+        pipeline = module.DataPipeline(module.SimpleShardList(shards.spec()))
+        dataset = module.WebDataset(shards.spec(), shardshuffle=False)
+        loader = module.WebLoader(dataset, batch_size=None)
+        for streaming in (pipeline, dataset, loader):
+            assert not hasattr(streaming, "__len__"), (module.__name__, streaming)
+            with pytest.raises(TypeError):
+                len(streaming)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # webdataset warns that it sets __len__ only
+                streaming.with_length(3)
+            assert len(streaming) == 3
+            assert hasattr(streaming, "__len__")
 
 
 def test_resampled_with_epoch(make_shards: Any) -> None:

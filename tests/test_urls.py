@@ -72,6 +72,21 @@ def test_glob_on_local_and_memory_filesystems(tmp_path: Path) -> None:
         mem.rm("/globtest", recursive=True)
 
 
+def test_a_shard_named_like_a_glob_is_read_as_named(tmp_path: Path) -> None:
+    # webdataset opens "data[1].tar" as named; as a glob it would be data1.tar.
+    for name in ("data[1].tar", "data1.tar"):
+        (tmp_path / name).write_bytes(b"x")
+    assert expand_urls(f"{tmp_path}/data[1].tar") == [f"{tmp_path}/data[1].tar"]
+    assert expand_urls([f"{tmp_path}/data[1].tar"]) == [f"{tmp_path}/data[1].tar"]
+    assert expand_urls(f"{tmp_path}/data[0-9].tar") == [f"{tmp_path}/data1.tar"]  # no such file
+    mem = fsspec.filesystem("memory")
+    mem.pipe({"/globname/a[1].tar": b"1", "/globname/a1.tar": b"2"})
+    try:
+        assert expand_urls("memory://globname/a[1].tar") == ["memory://globname/a[1].tar"]
+    finally:
+        mem.rm("/globname", recursive=True)
+
+
 def test_glob_without_match_names_the_pattern(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"matched no shards"):
         expand_urls(f"{tmp_path}/nothing-*.tar")

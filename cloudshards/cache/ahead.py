@@ -10,6 +10,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from cloudshards.cache.files import open_file
 from cloudshards.cache.handoff import Handoff
 from cloudshards.cache.keys import entry_name, store_endpoint
 from cloudshards.cache.tee import TeeStream
@@ -18,8 +19,9 @@ from cloudshards.source import OpenOptions, StoreOpener, is_local
 
 if TYPE_CHECKING:
     from cloudshards.cache.shardcache import ShardCache
+    from cloudshards.cache.stats import CacheStats
 
-__all__ = ["download_ahead"]
+__all__ = ["download_ahead", "follow_own", "join_downloads", "run_in_background"]
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +83,27 @@ def download_ahead(
         cache._save_stats()
         stream.close()
         return None
+    return run_in_background(cache, name, stream, cancel=cancel, keep_bytes=keep_bytes)
 
+
+def run_in_background(
+    cache: ShardCache,
+    name: str,
+    stream: TeeStream,
+    *,
+    cancel: threading.Event | None,
+    keep_bytes: int,
+    own: bool = False,
+) -> threading.Thread:
+    """Read the download ``stream`` of entry ``name`` to its end in a background thread,
+    handing its blocks to this process's reader through ``cache.stats._ahead[name]``.
+
+    Also what a reader's own download runs as (:meth:`ShardCache.open_entry`), so that the
+    processes following it never wait on that reader's pace. Under DDP they would: a rank
+    reading the end of a shard whose start another rank downloads waits for bytes which that
+    rank's reader, held in a collective by the waiting rank, would not fetch (for 60 s, until
+    the follower read them from the store itself)."""
+    stats = cache.stats
     handoff = Handoff(keep_bytes)
 
     def cancelled() -> None:
@@ -95,13 +117,38 @@ def download_ahead(
 
     thread = threading.Thread(
         target=_download_in_background,
-        args=(stream, handoff, cancel, cancelled),
+        args=(stream, handoff, cancel, cancelled, own),
         name="cloudshards-cache-ahead",
         daemon=True,
     )
     stats._ahead[name] = handoff
     thread.start()
     return thread
+
+
+def follow_own(
+    cache: ShardCache, name: str, stream: TeeStream, cancel: threading.Event, keep_bytes: int
+) -> tuple[int, Handoff] | None:
+    """Run a reader's own download ``stream`` in the background (:func:`run_in_background`);
+    a descriptor of its partial file, opened first (a full disk may drop the file), and the
+    handoff of its blocks, for the reader to follow it. None: the reader reads ``stream``."""
+    try:
+        fd = open_file(stream.partial, os.O_RDONLY)
+    except OSError:
+        return None
+    thread = run_in_background(cache, name, stream, cancel=cancel, keep_bytes=keep_bytes, own=True)
+    cache.stats._downloads.append((thread, cancel))
+    return fd, cache.stats._ahead.pop(name)
+
+
+def join_downloads(stats: CacheStats, cancel: threading.Event, timeout: float) -> None:
+    """Wait for the background downloads of readers closed with ``cancel`` (set: they stop
+    at their next block), at most ``timeout`` seconds each."""
+    downloads = stats._downloads
+    for thread, event in list(downloads):
+        if event is cancel:
+            thread.join(timeout)
+    downloads[:] = [pair for pair in downloads if pair[0].is_alive()]
 
 
 #: The most one block of a download ahead holds: a whole part of the largest size (parts are
@@ -114,6 +161,7 @@ def _download_in_background(
     handoff: Handoff,
     cancel: threading.Event | None,
     on_cancelled: Callable[[], None],
+    own: bool = False,
 ) -> None:
     """Read ``tee`` to its end (it writes the entry and commits it), unless cancelled or it
     can no longer be cached (the consumer then streams the shard itself). Every block read
@@ -121,21 +169,38 @@ def _download_in_background(
 
     Cancelled, it stops at once and abandons the partial file (then ``on_cancelled``), however
     little is left: completing it, as closing a consumer's stream does, would go on fetching
-    after the iterator was closed, and race the prefetcher shutting its pool down."""
+    after the iterator was closed, and race the prefetcher shutting its pool down.
+
+    ``own``: the download of a reader that follows it now (see :meth:`ShardCache.open_entry`),
+    which gets the stream when the disk fills up, and the error when the download fails,
+    instead of fetching the shard again."""
+    handed = False
     try:
         while cancel is None or not cancel.is_set():
             block = tee.read_view(_BLOCK_BYTES)
             if not block:
                 break
             if tee.partial_dropped:
-                tee.handed_back = True  # the consumer streams it, and counts it
+                if own:  # the reader streams the rest (counted uncached when it closes it)
+                    handoff.hand_over(block, tee)
+                    handed = True
+                else:
+                    tee.handed_back = True  # the consumer streams it, and counts it
                 break
             handoff.publish(block)
     except Exception as exc:
         logger.debug("cache: download ahead of %s stopped: %s", redact_url(tee.url), exc)
+        if own:
+            handoff.fail(exc)
     finally:
         with contextlib.suppress(Exception):
-            if cancel is None or not cancel.is_set():
+            if handed:
+                pass  # the reader's to close
+            elif own or cancel is None or not cancel.is_set():
+                # A reader that stopped early: a small remainder is still fetched and the
+                # entry committed, a large one abandoned (see TeeStream.close), as when the
+                # reader read its download itself. The prefetcher joins this thread before
+                # it shuts the pool these reads use down.
                 tee.close()
             elif tee.cancel():
                 on_cancelled()

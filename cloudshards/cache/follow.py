@@ -91,14 +91,24 @@ class FollowStream(ClosingStream):
             if handoff is not None:
                 data = handoff.take(self.offset, size)
             if not data:
-                data = self._pread(size)
+                data = self._pread(self._readable(size))
             if data:
                 self.offset += len(data)
                 self.stats.bytes_disk += len(data)
                 return data
             _cachelock._checkpoint("follower_caught_up")
+            if handoff is not None and self.offset >= handoff.end:
+                if handoff.error is not None:  # this process's own download failed
+                    raise handoff.error
+                if handoff.stream is not None:  # ... or its disk filled up: the rest
+                    self._replacement, handoff.stream = handoff.stream, None
+                    self._release_handoff()
+                    return self._replacement.read(size)
             stalled = time.monotonic() - waited_since > self.STALL_S
-            if self._committed() or stalled or not is_locked(self.lock_path):
+            unlocked = not is_locked(self.lock_path)
+            if unlocked and handoff is not None and _more_from(handoff, self.offset):
+                unlocked = False  # this process's download: what it hands on comes next
+            if self._committed() or stalled or unlocked:
                 # Committed means no more writes, so one more read is authoritative: the
                 # bytes written between our last read and the commit are still to come.
                 # (The downloader renames before it unlocks, so a free lock is checked the
@@ -137,13 +147,26 @@ class FollowStream(ClosingStream):
                 time.sleep(delay)
             delay = min(delay * 2, self.POLL_MAX_S)
 
+    def _readable(self, size: int) -> int:
+        """``size``, or less: no further than this process's own download published while it
+        runs (a byte in the file it has not published may be followed by a full disk, and the
+        rest of the download handed over from there)."""
+        handoff = self._handoff
+        if handoff is None or handoff.finished:
+            return size
+        return max(0, min(size if size > 0 else 1 << 22, handoff.end - self.offset))
+
     def _pread(self, size: int) -> bytes:
+        if size == 0:
+            return b""
         return os.pread(self.fd, size if size > 0 else 1 << 22, self.offset)
 
     def _release_handoff(self) -> None:
         if self._handoff is not None:
-            self._handoff.clear()
-            self._handoff = None
+            handoff, self._handoff = self._handoff, None
+            handoff.clear()
+            if handoff.stream is not None:  # handed over, never reached: its to close
+                handoff.stream.close()
 
     def _committed(self) -> bool:
         try:
@@ -200,3 +223,14 @@ class FollowStream(ClosingStream):
             logger.debug("cache: closing the stream of %s: %s", redact_url(self.url), exc)
         finally:
             self._on_close()
+
+
+def _more_from(handoff: Handoff, offset: int) -> bool:
+    """Whether this process's download may still hand the reader at ``offset`` something:
+    bytes, its stream or its error (looked at once, after the reader's last look)."""
+    return (
+        not handoff.finished
+        or handoff.end > offset
+        or handoff.stream is not None
+        or handoff.error is not None
+    )

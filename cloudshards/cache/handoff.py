@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from typing import Any
 
 __all__ = ["Handoff"]
 
@@ -37,6 +38,20 @@ class Handoff:
         self._held = 0
         self._end = 0  # bytes published (all of them written to the partial file)
         self._finished = False
+        #: The download's own stream, the reader's from :attr:`end` on (see :meth:`hand_over`).
+        self.stream: Any = None
+        #: What ended the download, the reader's to raise at :attr:`end` (see :meth:`fail`).
+        self.error: BaseException | None = None
+
+    @property
+    def end(self) -> int:
+        """Bytes published so far."""
+        return self._end
+
+    @property
+    def finished(self) -> bool:
+        """No more blocks will come."""
+        return self._finished
 
     def publish(self, block: bytes | memoryview) -> None:
         """Record the next ``len(block)`` bytes of the download (already in the file)."""
@@ -45,6 +60,24 @@ class Handoff:
                 self._blocks.append((self._end, block))
                 self._held += len(block)
             self._end += len(block)
+            self._cond.notify_all()
+
+    def hand_over(self, block: bytes | memoryview, stream: Any) -> None:
+        """The partial file was given up (a full disk): ``block``, read but not written, is
+        held whatever its size, and ``stream`` (the rest of the download) is the reader's."""
+        with self._cond:
+            if block:
+                self._blocks.append((self._end, block))
+                self._held += len(block)
+                self._end += len(block)
+            self.stream = stream
+            self._cond.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        """The download failed with ``error``: the reader raises it once it has the bytes
+        published before (instead of fetching the shard again for the same failure)."""
+        with self._cond:
+            self.error = error
             self._cond.notify_all()
 
     def finish(self) -> None:

@@ -107,9 +107,13 @@ class ShardCache(CacheBudget):
         shard_index: int | None,
         wait_s: float,
         open_store: StoreOpener | None,
+        cancel: threading.Event | None = None,
+        keep_bytes: int = 0,
     ) -> ShardSource:
         """Open a remote shard through the cache (see :meth:`open`; this is what
-        :func:`~cloudshards.source.open_source` calls for a remote shard)."""
+        :func:`~cloudshards.source.open_source` calls for a remote shard). With ``cancel``
+        (set when the reader is closed), a download it claims runs as a download ahead does
+        (see :func:`cloudshards.cache.ahead.run_in_background`)."""
         try:
             self._ensure_ready()
         except OSError as exc:
@@ -138,22 +142,29 @@ class ShardCache(CacheBudget):
                     ) from exc
                 return self._stream_uncached(url, options, shard_index, open_store, exc)
             if lock is not None:
-                return self._download(
+                stream = self._download(
                     url, name, options, shard_index, lock, skip=0, open_store=open_store
                 )
-            try:
-                fd = open_file(self._path("data", name + ".partial"), os.O_RDONLY)
-            except FileNotFoundError:
-                # The downloader has the lock but has not created its file yet (first byte
-                # latency, retries, waiting for the budget lock), or just finished: look again.
-                if time.monotonic() > deadline:
-                    raise CacheError(
-                        f"another process holds the download of {redact_url(url)} but wrote "
-                        f"nothing for {wait_s:.0f} s"
-                    ) from None
-                time.sleep(delay)
-                delay = min(delay * 2, 0.05)
-                continue
+                own_download = None
+                if cancel is not None and isinstance(stream, TeeStream):
+                    own_download = ahead.follow_own(self, name, stream, cancel, keep_bytes)
+                if own_download is None:
+                    return stream
+                (fd, handoff), own = own_download, True  # followed like a download ahead
+            else:
+                try:
+                    fd = open_file(self._path("data", name + ".partial"), os.O_RDONLY)
+                except FileNotFoundError:
+                    # The downloader has the lock but has not created its file yet (first
+                    # byte latency, retries, the budget lock), or just finished: look again.
+                    if time.monotonic() > deadline:
+                        raise CacheError(
+                            f"another process holds the download of {redact_url(url)} but "
+                            f"wrote nothing for {wait_s:.0f} s"
+                        ) from None
+                    time.sleep(delay)
+                    delay = min(delay * 2, 0.05)
+                    continue
             if not own:
                 self.stats.waits += 1
             follow = FollowStream(
@@ -169,27 +180,14 @@ class ShardCache(CacheBudget):
             follow.table_path = self._table_path(name)
             return follow
 
-    def download_ahead(
-        self,
-        url: str,
-        options: OpenOptions,
-        *,
-        shard_index: int | None = None,
-        open_store: StoreOpener | None = None,
-        cancel: threading.Event | None = None,
-        keep_bytes: int = 0,
-    ) -> threading.Thread | None:
+    def join_downloads(self, cancel: threading.Event, timeout: float) -> None:
+        """Wait for the downloads :meth:`open_entry` ran for readers closed with ``cancel``."""
+        ahead.join_downloads(self.stats, cancel, timeout)
+
+    def download_ahead(self, url: str, options: OpenOptions, **kw: Any) -> threading.Thread | None:
         """Start downloading a shard that will be read soon, in a background thread (see
         :func:`cloudshards.cache.ahead.download_ahead`); None when nothing started."""
-        return ahead.download_ahead(
-            self,
-            url,
-            options,
-            shard_index=shard_index,
-            open_store=open_store,
-            cancel=cancel,
-            keep_bytes=keep_bytes,
-        )
+        return ahead.download_ahead(self, url, options, **kw)
 
     def _claim(self, name: str) -> DownloadLock | None:
         """Take the download lock of an entry that is not complete; None if it is complete

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import socket
+import threading
 from dataclasses import dataclass, field
 
 from cloudshards.cache.files import replace_with
@@ -50,6 +51,11 @@ class CacheStats:
     #: Downloads ahead start once this process has committed an entry, and never after the
     #: disk filled up: they must not cost a second download of what cannot be cached.
     _committed_one: bool = field(default=False, repr=False)
+    #: Downloads this process's readers claimed, run in background threads, each with the
+    #: event its reader sets when closed (see :meth:`ShardCache.open_entry`).
+    _downloads: list[tuple[threading.Thread, threading.Event]] = field(
+        default_factory=list, repr=False
+    )
     _disk_full: bool = field(default=False, repr=False)
 
     def as_dict(self) -> dict[str, int]:

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from functools import partial
 from typing import Protocol
 
+from cloudshards.errors import ConfigError
+from cloudshards.redact import redact_url
 from cloudshards.source.local import is_local
 from cloudshards.source.openparts import open_parts, open_sized_parts
 from cloudshards.source.options import FetchOptions, OpenOptions
@@ -21,6 +23,7 @@ from cloudshards.source.plain import open_shard
 from cloudshards.source.resumable import open_remote
 from cloudshards.source.retries import IOStats, process_stats
 from cloudshards.source.stream import EntrySource, ShardSource
+from cloudshards.urls import secure
 
 __all__ = ["EntrySource", "NodeCache", "ShardSource", "StoreOpener", "open_source"]
 
@@ -40,7 +43,11 @@ class NodeCache(Protocol):
         shard_index: int | None,
         wait_s: float,
         open_store: StoreOpener | None,
+        cancel: threading.Event | None = None,
+        keep_bytes: int = 0,
     ) -> ShardSource: ...
+
+    def join_downloads(self, cancel: threading.Event, timeout: float) -> None: ...
 
     def download_ahead(
         self,
@@ -91,6 +98,11 @@ def open_source(
     """
     options = options or OpenOptions()
     if is_local(url):
+        if secure():
+            raise ConfigError(
+                f"{redact_url(url)}: local files are not opened under WDS_SECURE "
+                "(webdataset's enforce_security)"
+            )
         return open_shard(url, options, shard_index=shard_index)
     fetch = fetch or FetchOptions.from_env()
     store = store_opener(
@@ -106,7 +118,14 @@ def open_source(
     )
     if cache is not None:
         return cache.open_entry(
-            url, options, shard_index=shard_index, wait_s=fetch.stall_timeout_s, open_store=store
+            url,
+            options,
+            shard_index=shard_index,
+            wait_s=fetch.stall_timeout_s,
+            open_store=store,
+            cancel=cancel,
+            # The reader takes the blocks it reaches from memory; at most a shard's window.
+            keep_bytes=fetch.concurrency * fetch.part_bytes,
         )
     return store()
 

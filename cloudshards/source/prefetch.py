@@ -22,6 +22,7 @@ from cloudshards.source.openparts import open_parts, plan_parts
 from cloudshards.source.options import FetchOptions, OpenOptions
 from cloudshards.source.parts import PartStream
 from cloudshards.source.retries import IOStats, process_stats
+from cloudshards.urls import rewrite_url
 
 __all__ = ["ShardPrefetcher", "current_thread_count"]
 
@@ -76,7 +77,7 @@ class ShardPrefetcher:
         try:
             while True:
                 while len(pending) <= depth.now():
-                    shard = next(self._shards, None)
+                    shard = _rewritten(next(self._shards, None))
                     if shard is None:
                         break
                     remote = not is_local(shard["url"])
@@ -112,7 +113,7 @@ class ShardPrefetcher:
                         opened = self._open_now(shard)
                     except Exception as exc:
                         opened = exc
-                yield shard, opened
+                yield _as_given(shard), opened
         finally:
             pool, self._pool = self._pool, None
             close_safely(lambda: self._close(first_bytes, pending, executor, pool, ahead))
@@ -128,6 +129,8 @@ class ShardPrefetcher:
         """Stop everything in flight and wait for the threads (see :func:`close_safely`)."""
         self._cancel.set()  # in-flight ranged GETs stop retrying
         first_bytes.set()
+        if self._cache is not None:  # its readers' own downloads end (see open_entry)
+            self._cache.join_downloads(self._cancel, self._fetch.stall_timeout_s)
         for _, future in pending:
             future.cancel()
             if future.done() and not future.cancelled() and future.exception() is None:
@@ -248,6 +251,27 @@ class ShardPrefetcher:
                 max_workers=fetch.concurrency + 1, thread_name_prefix="cloudshards"
             )
         return self._pool
+
+
+#: Where a shard opened under webdataset's ``GOPEN_REWRITE`` keeps the URL it was given.
+_GIVEN_URL = "_given_url"
+
+
+def _rewritten(shard: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``shard`` to open: its URL after ``GOPEN_REWRITE`` (:func:`~cloudshards.urls.rewrite_url`),
+    the URL it was given kept for its samples' ``__url__``, as webdataset keeps it."""
+    if shard is None:
+        return None
+    url = rewrite_url(shard["url"])
+    return shard if url == shard["url"] else {**shard, "url": url, _GIVEN_URL: shard["url"]}
+
+
+def _as_given(shard: dict[str, Any]) -> dict[str, Any]:
+    """``shard`` as it was given (see :func:`_rewritten`)."""
+    if _GIVEN_URL not in shard:
+        return shard
+    given = {key: value for key, value in shard.items() if key != _GIVEN_URL}
+    return {**given, "url": shard[_GIVEN_URL]}
 
 
 class _Depth:

@@ -23,6 +23,7 @@ from cloudshards.errors import ConfigError
 from cloudshards.process import in_dataloader_worker
 from cloudshards.redact import redact_url
 from cloudshards.source import OpenOptions, open_remote
+from cloudshards.urls import rewrite_url, secure
 from cloudshards.webdataset._unsupported import unsupported_function
 
 __all__ = [
@@ -303,19 +304,6 @@ def _registered_opener(scheme: str) -> Callable[..., Any] | None:
 _io.serve_user_openers(_registered_opener)
 
 
-def rewrite_url(url: str) -> str:
-    """Apply the first matching ``GOPEN_REWRITE`` rule (``prefix=replacement;...``)."""
-    rules = config.webdataset_var("GOPEN_REWRITE")
-    if rules is None:
-        return url
-    for rule in rules.split(";"):
-        prefix, replacement = rule.split("=", 1)
-        rewritten = re.sub("^" + prefix, replacement, url)
-        if rewritten != url:
-            return rewritten
-    return url
-
-
 def gopen(url: str, mode: str = "rb", bufsize: int = 8192, **kw: Any) -> Any:
     """Open ``url`` (``"rb"`` or ``"wb"``): ``-`` is stdin/stdout, local paths open directly,
     other schemes go to :data:`gopen_schemes`.
@@ -329,6 +317,8 @@ def gopen(url: str, mode: str = "rb", bufsize: int = 8192, **kw: Any) -> Any:
     url = rewrite_url(url)
     parsed = urlparse(url)
     if parsed.scheme in ("", "file"):
+        if secure():
+            raise ValueError("gopen: unsafe_gopen is False, cannot open local files")
         from urllib.request import url2pathname  # urllib.request is slow to import
 
         path = url if parsed.scheme == "" else url2pathname(parsed.path)

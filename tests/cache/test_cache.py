@@ -35,6 +35,7 @@ from torch.utils.data import DataLoader
 
 import cloudshards as wds
 from cloudshards.cache import ShardCache, cache_info, clear_cache, entry_name
+from cloudshards.cache.follow import FollowStream
 from cloudshards.cache.keys import store_endpoint as _endpoint
 from cloudshards.cache.lock import is_locked
 from cloudshards.cache.tee import TeeStream
@@ -973,6 +974,10 @@ def test_early_stop_abandons_a_large_remainder(
 ) -> None:
     monkeypatch.setattr(TeeStream, "DRAIN_MAX_BYTES", 8192)
     monkeypatch.setenv(fakes.CHUNK_ENV, "8192")
+    # A store slow enough that the reader stops before its download (at the store's speed,
+    # in the background) is complete: one part of 64 KiB at a time, each taking 0.1 s.
+    monkeypatch.setenv(fakes.OPEN_DELAY_ENV, "0.1")
+    monkeypatch.setenv("CLOUDSHARDS_CONCURRENCY", "1")
     monkeypatch.setenv("CLOUDSHARDS_PART_BYTES", "65536")
     shards = make_shards([30], payload_bytes=10_000)
     url = fakes.url_of(shards.paths[0])
@@ -986,6 +991,35 @@ def test_early_stop_abandons_a_large_remainder(
     assert store.count(shards.paths[0]) == 2
 
 
+@pytest.mark.timeout(60)
+def test_a_follower_never_waits_on_the_pace_of_the_reader_that_downloads(
+    make_shards: Any, store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # DDP in lockstep: rank A has read the start of a shard and waits in a collective for
+    # rank B, which reads the end of the same shard through the cache. A's download must go
+    # on without A's reader, or B waits for bytes nobody fetches (FollowStream.STALL_S, then
+    # a second download of the shard).
+    monkeypatch.setattr(FollowStream, "STALL_S", 20.0)
+    monkeypatch.setenv(fakes.CHUNK_ENV, "8192")
+    monkeypatch.setenv("CLOUDSHARDS_PART_BYTES", "65536")
+    shards = make_shards([30], payload_bytes=10_000)
+    url = fakes.url_of(shards.paths[0])
+    cache_dir = tmp_path / "cache"
+    ds = wds.WebDataset([url], shardshuffle=False, cache_dir=str(cache_dir), block_bytes=8192)
+    rank_a = iter(ds)
+    assert samples_of(itertools.islice(rank_a, 1)) == shards.samples[:1]  # then A waits
+    began = time.monotonic()
+    rank_b = ShardCache(cache_dir).open(url)  # follows A's download
+    try:
+        assert fakes.read_all(rank_b) == shards.paths[0].read_bytes()
+    finally:
+        rank_b.close()
+    assert time.monotonic() - began < FollowStream.STALL_S / 2
+    assert store.count(shards.paths[0]) == 1  # one download, A's
+    assert samples_of(rank_a) == shards.samples[1:]
+    assert data_files(cache_dir) == [entry_name(url)]
+
+
 def test_early_stop_counts_the_shard_as_uncached(
     make_shards: Any, store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -993,6 +1027,10 @@ def test_early_stop_counts_the_shard_as_uncached(
     stops."""
     monkeypatch.setattr(TeeStream, "DRAIN_MAX_BYTES", 8192)
     monkeypatch.setenv(fakes.CHUNK_ENV, "8192")
+    # A store slow enough that the reader stops before its download (at the store's speed,
+    # in the background) is complete: one part of 64 KiB at a time, each taking 0.1 s.
+    monkeypatch.setenv(fakes.OPEN_DELAY_ENV, "0.1")
+    monkeypatch.setenv("CLOUDSHARDS_CONCURRENCY", "1")
     monkeypatch.setenv("CLOUDSHARDS_PART_BYTES", "65536")
     shards = make_shards([30], payload_bytes=10_000)
     ds = wds.WebDataset(

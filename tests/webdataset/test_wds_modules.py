@@ -1269,6 +1269,48 @@ def test_gopen_reads_and_writes_local_files_like_webdataset(
             mod.gopen(str(tmp_path / "x"), "r")
 
 
+def test_gopen_rewrite_applies_to_every_shard_opened(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # GOPEN_REWRITE points a bucket at a mirror: webdataset applies it in gopen, so to every
+    # shard its pipelines open; the samples keep the URL they were given as __url__.
+    mirror = tmp_path / "mirror"
+    mirror.mkdir()
+    for shard in range(2):
+        with cloudshards.TarWriter(str(mirror / f"s-{shard}.tar")) as sink:
+            for i in range(3):
+                sink.write({"__key__": f"k{shard}{i}", "txt": "x"})
+    spec = "http://shards.invalid/data/s-{0..1}.tar"
+    monkeypatch.setenv("GOPEN_REWRITE", f"http://shards.invalid/data/={mirror}/")
+    keys = [f"k{shard}{i}" for shard in range(2) for i in range(3)]
+    for mod in (webdataset, cloudshards):
+        with oracle_quirks(files=mod is webdataset):
+            dataset = mod.WebDataset(spec, shardshuffle=False)
+            assert [(s["__key__"], s["__url__"]) for s in dataset] == [
+                (key, f"http://shards.invalid/data/s-{key[1]}.tar") for key in keys
+            ]
+            pipeline = mod.DataPipeline(mod.SimpleShardList(spec), mod.tarfile_to_samples())
+            assert [s["__key__"] for s in pipeline] == keys
+
+
+def test_wds_secure_refuses_local_files_and_rewrites(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "a.tar"
+    with cloudshards.TarWriter(str(path)) as sink:
+        sink.write({"__key__": "a", "txt": "x"})
+    monkeypatch.setattr(cs.utils, "enforce_security", True)
+    monkeypatch.setattr(webdataset.utils, "enforce_security", True)
+    with pytest.raises(ValueError, match="local files"):
+        list(cloudshards.WebDataset(str(path), shardshuffle=False))
+    for gopen in (THEIR_GOPEN.gopen, OUR_GOPEN.gopen):
+        with pytest.raises(ValueError, match="cannot open local files"):
+            gopen(str(path))
+    monkeypatch.setenv("GOPEN_REWRITE", "s3://x=/y")
+    with pytest.raises(ValueError, match="WDS_SECURE"):
+        list(cloudshards.WebDataset("s3://x/a.tar", shardshuffle=False))
+
+
 def test_gopen_uses_registered_scheme_handlers(monkeypatch: pytest.MonkeyPatch) -> None:
     def custom(url: str, mode: str = "rb", bufsize: int = 8192, **kw: Any) -> Any:
         return io.BytesIO(url.encode())

@@ -83,7 +83,7 @@ def download_ahead(
         cache._save_stats()
         stream.close()
         return None
-    return run_in_background(cache, name, stream, cancel=cancel, keep_bytes=keep_bytes)
+    return run_in_background(cache, name, stream, cancel=cancel, keep_bytes=keep_bytes)[0]
 
 
 def run_in_background(
@@ -94,9 +94,10 @@ def run_in_background(
     cancel: threading.Event | None,
     keep_bytes: int,
     own: bool = False,
-) -> threading.Thread:
+) -> tuple[threading.Thread, Handoff]:
     """Read the download ``stream`` of entry ``name`` to its end in a background thread,
-    handing its blocks to this process's reader through ``cache.stats._ahead[name]``.
+    handing its blocks to this process's reader: the handoff returned, also found in
+    ``cache.stats._ahead[name]`` by the reader of a download ahead (not ``own``).
 
     Also what a reader's own download runs as (:meth:`ShardCache.open_entry`), so that the
     processes following it never wait on that reader's pace. Under DDP they would: a rank
@@ -121,9 +122,10 @@ def run_in_background(
         name="cloudshards-cache-ahead",
         daemon=True,
     )
-    stats._ahead[name] = handoff
+    if not own:
+        stats._ahead[name] = handoff
     thread.start()
-    return thread
+    return thread, handoff
 
 
 def follow_own(
@@ -136,9 +138,13 @@ def follow_own(
         fd = open_file(stream.partial, os.O_RDONLY)
     except OSError:
         return None
-    thread = run_in_background(cache, name, stream, cancel=cancel, keep_bytes=keep_bytes, own=True)
-    cache.stats._downloads.append((thread, cancel))
-    return fd, cache.stats._ahead.pop(name)
+    thread, handoff = run_in_background(
+        cache, name, stream, cancel=cancel, keep_bytes=keep_bytes, own=True
+    )
+    downloads = cache.stats._downloads
+    downloads[:] = [pair for pair in downloads if pair[0].is_alive()]
+    downloads.append((thread, cancel))
+    return fd, handoff
 
 
 def join_downloads(stats: CacheStats, cancel: threading.Event, timeout: float) -> None:
@@ -150,6 +156,10 @@ def join_downloads(stats: CacheStats, cancel: threading.Event, timeout: float) -
             thread.join(timeout)
     downloads[:] = [pair for pair in downloads if pair[0].is_alive()]
 
+
+#: A reader's own download runs ahead of it by at most its handoff's ``keep_bytes`` while
+#: the reader reads, and to the end once it has read nothing for this long (see Handoff.pace).
+_IDLE_READER_S = 0.5
 
 #: The most one block of a download ahead holds: a whole part of the largest size (parts are
 #: handed on as they came, see PartStream.read_view).
@@ -174,16 +184,18 @@ def _download_in_background(
     ``own``: the download of a reader that follows it now (see :meth:`ShardCache.open_entry`),
     which gets the stream when the disk fills up, and the error when the download fails,
     instead of fetching the shard again."""
-    handed = False
+    handed = complete = False
     try:
-        while cancel is None or not cancel.is_set():
+        while (cancel is None or not cancel.is_set()) and not (own and handoff.released):
+            if own:
+                handoff.pace(_IDLE_READER_S)
             block = tee.read_view(_BLOCK_BYTES)
             if not block:
+                complete = True
                 break
             if tee.partial_dropped:
                 if own:  # the reader streams the rest (counted uncached when it closes it)
-                    handoff.hand_over(block, tee)
-                    handed = True
+                    handed = handoff.hand_over(block, tee)
                 else:
                     tee.handed_back = True  # the consumer streams it, and counts it
                 break
@@ -204,4 +216,4 @@ def _download_in_background(
                 tee.close()
             elif tee.cancel():
                 on_cancelled()
-        handoff.finish()
+        handoff.finish(complete=complete)

@@ -6,6 +6,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from typing import Any
 
 from cloudshards.cache import lock as _cachelock
 from cloudshards.cache.handoff import Handoff
@@ -95,16 +96,21 @@ class FollowStream(ClosingStream):
             if data:
                 self.offset += len(data)
                 self.stats.bytes_disk += len(data)
+                if handoff is not None:
+                    handoff.reader_at(self.offset)
                 return data
             _cachelock._checkpoint("follower_caught_up")
             if handoff is not None and self.offset >= handoff.end:
                 if handoff.error is not None:  # this process's own download failed
                     raise handoff.error
                 if handoff.stream is not None:  # ... or its disk filled up: the rest
-                    self._replacement, handoff.stream = handoff.stream, None
-                    self._release_handoff()
+                    self._replacement = self._release_handoff()
                     return self._replacement.read(size)
-            stalled = time.monotonic() - waited_since > self.STALL_S
+                if handoff.complete:  # ... or it published the whole object: the end
+                    return b""
+            # The process's own download has timeouts of its own: never a second download.
+            own = handoff is not None and not handoff.finished
+            stalled = not own and time.monotonic() - waited_since > self.STALL_S
             unlocked = not is_locked(self.lock_path)
             if unlocked and handoff is not None and _more_from(handoff, self.offset):
                 unlocked = False  # this process's download: what it hands on comes next
@@ -136,7 +142,9 @@ class FollowStream(ClosingStream):
                     logger.info(
                         "cache: download of %s was abandoned; taking over", redact_url(self.url)
                     )
-                self._release_handoff()
+                handed = self._release_handoff()
+                if handed is not None:  # cannot be: it is taken above; never left open
+                    handed.close()
                 os.close(self.fd)
                 self.fd = -1
                 self._replacement = self._take_over(self.offset)
@@ -161,12 +169,12 @@ class FollowStream(ClosingStream):
             return b""
         return os.pread(self.fd, size if size > 0 else 1 << 22, self.offset)
 
-    def _release_handoff(self) -> None:
-        if self._handoff is not None:
-            handoff, self._handoff = self._handoff, None
-            handoff.clear()
-            if handoff.stream is not None:  # handed over, never reached: its to close
-                handoff.stream.close()
+    def _release_handoff(self) -> Any:
+        """Let the download's handoff go; return the stream it handed over, if any."""
+        if self._handoff is None:
+            return None
+        handoff, self._handoff = self._handoff, None
+        return handoff.release()
 
     def _committed(self) -> bool:
         try:
@@ -209,7 +217,9 @@ class FollowStream(ClosingStream):
         if self.closed:
             return
         self.closed = True
-        self._release_handoff()
+        handed = self._release_handoff()  # a download of its own stops (see ahead)
+        if handed is not None:  # handed over, never reached: ours to close
+            self._replacement = self._replacement or handed
         if self.fd >= 0:
             fd, self.fd = self.fd, -1
             try:

@@ -129,15 +129,19 @@ class ShardPrefetcher:
         """Stop everything in flight and wait for the threads (see :func:`close_safely`)."""
         self._cancel.set()  # in-flight ranged GETs stop retrying
         first_bytes.set()
-        if self._cache is not None:  # its readers' own downloads end (see open_entry)
-            self._cache.join_downloads(self._cancel, self._fetch.stall_timeout_s)
         for _, future in pending:
             future.cancel()
-            if future.done() and not future.cancelled() and future.exception() is None:
-                stream = future.result()
-                if stream is not None:
-                    stream.close()
-        executor.shutdown(wait=True, cancel_futures=True)
+        # Its readers' own downloads end (see open_entry), before the pool their reads use
+        # shuts down; then those of shards whose opening was under way end too.
+        for _ in range(2):
+            for _, future in pending:
+                if future.done() and not future.cancelled() and future.exception() is None:
+                    stream = future.result()
+                    if stream is not None:
+                        stream.close()
+            if self._cache is not None:
+                self._cache.join_downloads(self._cancel, self._fetch.stall_timeout_s)
+            executor.shutdown(wait=True, cancel_futures=True)
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
         for thread in ahead:

@@ -8,7 +8,9 @@ every fetch from the "store" across processes.
 from __future__ import annotations
 
 import base64
+import concurrent.futures as cf
 import contextlib
+import errno
 import functools
 import hashlib
 import itertools
@@ -22,6 +24,7 @@ import resource
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Generator, Iterable, Iterator
@@ -40,7 +43,7 @@ from cloudshards.cache.keys import store_endpoint as _endpoint
 from cloudshards.cache.lock import is_locked
 from cloudshards.cache.tee import TeeStream
 from cloudshards.cli import main as cli_main
-from cloudshards.source import OpenOptions
+from cloudshards.source import FetchOptions, OpenOptions, open_source
 
 SampleList = list[tuple[str, dict[str, bytes]]]
 
@@ -1018,6 +1021,60 @@ def test_a_follower_never_waits_on_the_pace_of_the_reader_that_downloads(
     assert store.count(shards.paths[0]) == 1  # one download, A's
     assert samples_of(rank_a) == shards.samples[1:]
     assert data_files(cache_dir) == [entry_name(url)]
+
+
+def _own_download(cache: ShardCache, url: str, cancel: threading.Event, pool: Any) -> Any:
+    """``url`` opened as the pipeline opens it: a download of its own, in the background."""
+    fetch = FetchOptions(part_bytes=1 << 16, concurrency=2)
+    return open_source(url, OpenOptions(), fetch=fetch, cache=cache, executor=pool, cancel=cancel)
+
+
+def test_a_reader_closing_its_own_download_early_stops_it(
+    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A reader that closes its shard early (a handler skipping a bad shard, balancing's cut)
+    # while the iterator goes on: its download stops, as a stream it pulled would have.
+    monkeypatch.setattr(TeeStream, "DRAIN_MAX_BYTES", 1 << 16)
+    monkeypatch.setenv(fakes.OPEN_DELAY_ENV, "0.02")
+    path = tmp_path / "big.tar"
+    path.write_bytes(os.urandom(8 << 20))
+    cache, cancel = ShardCache(tmp_path / "cache"), threading.Event()
+    with cf.ThreadPoolExecutor(3) as pool:
+        stream = _own_download(cache, fakes.url_of(path), cancel, pool)
+        assert len(stream.read(1000)) == 1000
+        stream.close()
+        time.sleep(1.0)
+        fetched = cache.stats.bytes_network
+        time.sleep(0.5)
+        assert cache.stats.bytes_network == fetched < 1 << 20  # stopped, early
+        cancel.set()
+        cache.join_downloads(cancel, 30)
+    assert cache.stats.uncached == 1
+    assert data_files(tmp_path / "cache") == []
+
+
+def test_an_own_download_whose_commit_fails_is_not_fetched_again(
+    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "a.tar"
+    path.write_bytes(os.urandom(1 << 20))
+    cache, cancel = ShardCache(tmp_path / "cache"), threading.Event()
+
+    def no_room(*args: Any, **kwargs: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(cache, "_write_meta", no_room)
+    with cf.ThreadPoolExecutor(4) as pool:
+        stream = _own_download(cache, fakes.url_of(path), cancel, pool)
+        try:
+            assert fakes.read_all(stream) == path.read_bytes()
+        finally:
+            stream.close()
+        cancel.set()
+        cache.join_downloads(cancel, 30)
+    assert store.count(path) == 1
+    assert cache.stats.uncached == 1
+    assert cache.stats.misses == 0
 
 
 def test_early_stop_counts_the_shard_as_uncached(

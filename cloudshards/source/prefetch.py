@@ -139,8 +139,9 @@ class ShardPrefetcher:
                     stream = future.result()
                     if stream is not None:
                         stream.close()
-            if self._cache is not None:
-                self._cache.join_downloads(self._cancel, self._fetch.stall_timeout_s)
+            join = getattr(self._cache, "join_downloads", None)  # a cache of the user's may lack it
+            if join is not None:
+                join(self._cancel, self._fetch.stall_timeout_s)
             executor.shutdown(wait=True, cancel_futures=True)
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)

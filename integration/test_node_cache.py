@@ -657,15 +657,33 @@ PAUSE_AFTER = 10  # samples the doomed downloader reads before it stalls
 def start_stalled_downloader(
     readers: ReaderPool, url: str, cache_dir: Path, total_size: int
 ) -> Reader:
-    """A reader that downloads ``url`` through the cache and stalls mid-shard holding the lock."""
-    downloader = readers.start(
-        "downloader",
-        url,
-        cache_dir,
-        workers=0,
-        block_bytes=CRASH_BLOCK_BYTES,
-        pause_after=PAUSE_AFTER,
-    )
+    """A reader that downloads ``url`` through the cache and stalls mid-shard holding the lock.
+
+    Its download (in a background thread) keeps one 64 KiB part ahead of it while it reads,
+    and holds on while it pauses (``CLOUDSHARDS_CACHE_IDLE_MS``: by default it would finish
+    the shard 0.5 s into the pause)."""
+    slow = {
+        "CLOUDSHARDS_CACHE_IDLE_MS": "600000",
+        "CLOUDSHARDS_PART_BYTES": str(64 << 10),
+        "CLOUDSHARDS_CONCURRENCY": "1",
+    }
+    saved = {name: os.environ.get(name) for name in slow}
+    os.environ.update(slow)
+    try:
+        downloader = readers.start(
+            "downloader",
+            url,
+            cache_dir,
+            workers=0,
+            block_bytes=CRASH_BLOCK_BYTES,
+            pause_after=PAUSE_AFTER,
+        )
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     downloader.wait_for_file("paused")
     partials = [p for p in (cache_dir / "data").iterdir() if p.name.endswith(".partial")]
     assert len(partials) == 1, f"expected one download in flight: {partials}"

@@ -10,6 +10,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from cloudshards import config
 from cloudshards.cache.files import open_file
 from cloudshards.cache.handoff import Handoff
 from cloudshards.cache.keys import entry_name, store_endpoint
@@ -158,8 +159,9 @@ def join_downloads(stats: CacheStats, cancel: threading.Event, timeout: float) -
 
 
 #: A reader's own download runs ahead of it by at most its handoff's ``keep_bytes`` while
-#: the reader reads, and to the end once it has read nothing for this long (see Handoff.pace).
-_IDLE_READER_S = 0.5
+#: the reader reads, and to the end once it has read nothing for this long (see Handoff.pace);
+#: ``CLOUDSHARDS_CACHE_IDLE_MS`` sets it.
+_IDLE_READER_MS = 500
 
 #: The most one block of a download ahead holds: a whole part of the largest size (parts are
 #: handed on as they came, see PartStream.read_view).
@@ -185,10 +187,11 @@ def _download_in_background(
     which gets the stream when the disk fills up, and the error when the download fails,
     instead of fetching the shard again."""
     handed = complete = False
+    idle_s = config.env_int("CACHE_IDLE_MS", _IDLE_READER_MS) / 1000
     try:
         while (cancel is None or not cancel.is_set()) and not (own and handoff.released):
             if own:
-                handoff.pace(_IDLE_READER_S)
+                handoff.pace(idle_s)
             block = tee.read_view(_BLOCK_BYTES)
             if not block:
                 complete = True

@@ -79,6 +79,12 @@ class ShardError(CloudShardsError):
         self.reason = message
         super().__init__(self._format())
 
+    def name_member(self, member: str | None) -> None:
+        """Name the tar member involved, where none is named yet (in the message too)."""
+        if self.member is None and member is not None:
+            self.member = member
+            self.args = (self._format(), *self.args[1:])
+
     def _format(self) -> str:
         parts = [self.reason]
         where = []
@@ -127,6 +133,10 @@ def _rebuild_shard_error(
 
 class ShardOpenError(ShardError, OSError):
     """A shard could not be opened or read: missing object, bad credentials, network failure."""
+
+    #: The bytes of a failed ranged read that arrived before it failed, from its start: the
+    #: reader hands them on before it raises (the samples before a cut are not lost).
+    received: bytes = b""
 
 
 class ShardNotFoundError(ShardOpenError, FileNotFoundError):

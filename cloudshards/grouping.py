@@ -9,7 +9,7 @@ import logging
 import re
 from collections.abc import Callable, Iterable, Iterator
 
-from cloudshards.errors import ShardFormatError
+from cloudshards.errors import ShardFormatError, ShardOpenError
 from cloudshards.types import Member, NameFilter, Sample
 
 __all__ = [
@@ -118,8 +118,9 @@ def group_members(
 ) -> Iterator[Sample]:
     """Group consecutive members with the same key into samples.
 
-    When ``members`` fails with a :class:`ShardFormatError` (a damaged shard), the sample being
-    built is yielded first only if the error proves it complete: the error names the member
+    When ``members`` fails with a :class:`ShardFormatError` (a damaged shard) or a
+    :class:`ShardOpenError` (the store failed mid-shard), the sample being built is yielded
+    first only if the error proves it complete: the error names the member
     being read (``exc.member``, as :func:`cloudshards.tar.iter_members` does) and that member
     would have started another sample. Otherwise (the damaged member belongs to the sample, or
     the damage is in a header, so the next member is unknown) the sample may be partial and is
@@ -191,7 +192,7 @@ def group_members(
             if sample is not None:
                 yield sample
             return
-    except ShardFormatError as exc:
+    except (ShardFormatError, ShardOpenError) as exc:
         if sample is not None and _starts_another_sample(exc.member, key, name_filter):
             yield sample
         raise

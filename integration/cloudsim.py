@@ -73,6 +73,9 @@ class SimConfig:
     cut_every_n: int = 0  # every Nth forwarded GET: headers + cut_after_bytes, then disconnect
     cut_after_bytes: int = 0  # where cuts and stalls happen (at most Content-Length - 1)
     cut_all: bool = False  # cut every GET
+    # every GET whose answer carries this byte of the object is cut just before it (a byte the
+    # store never delivers, however often asked); -1 = off
+    cut_at_offset: int = -1
     cut_mode: str = "close"  # "close": FIN (client sees a short body); "reset": TCP RST
     stall_every_n: int = 0  # every Nth forwarded GET pauses stall_s at cut_after_bytes
     stall_s: float = 30.0
@@ -399,6 +402,9 @@ class CloudSim:
             fault_at = (
                 cfg.cut_after_bytes if length is None else min(cfg.cut_after_bytes, length - 1)
             )
+            pinned = _pinned_cut(cfg, request, upstream)
+            if pinned is not None:
+                cut, fault_at = True, pinned
             # A fault needs a body to break: only 200/206 answers with at least one byte.
             cut = cut and upstream.status in _CUTTABLE and fault_at >= 0
             stall = stall and upstream.status in _CUTTABLE and fault_at >= 0
@@ -474,6 +480,25 @@ class CloudSim:
         if sock is not None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         transport.abort()
+
+
+def _pinned_cut(
+    cfg: SimConfig, request: web.Request, upstream: aiohttp.ClientResponse
+) -> int | None:
+    """Where in this answer's body ``cut_at_offset`` falls (None: not in it, or off)."""
+    if cfg.cut_at_offset < 0 or request.method != "GET" or upstream.status not in _CUTTABLE:
+        return None
+    if cfg.match and re.search(cfg.match, request.raw_path) is None:
+        return None
+    first = 0  # a 200 carries the object from its first byte
+    if upstream.status == 206:
+        found = re.match(r"bytes (\d+)-", upstream.headers.get("Content-Range", ""))
+        if found is None:
+            return None
+        first = int(found.group(1))
+    length = upstream.content_length
+    inside = first <= cfg.cut_at_offset and (length is None or cfg.cut_at_offset < first + length)
+    return cfg.cut_at_offset - first if inside else None
 
 
 # ------------------------------------------------------------------------ subprocess mode

@@ -297,6 +297,28 @@ def test_cut_in_range_and_reset_mode(sim: CloudSim, blob_url: str) -> None:
     assert sim.stats().cuts == 2
 
 
+def test_cut_at_offset_never_delivers_that_byte(sim: CloudSim, blob_url: str) -> None:
+    """A byte of the object the store never sends: every answer that carries it is cut just
+    before it, whatever range was asked; answers that end before it are whole."""
+    sim.configure(cut_at_offset=300_000)
+    whole = fetch_one(through(sim, blob_url))
+    assert isinstance(whole.error, aiohttp.ClientPayloadError)
+    assert whole.body == BLOB[:300_000]
+    over = fetch_one(through(sim, blob_url), headers={"Range": "bytes=299990-400000"})
+    assert isinstance(over.error, aiohttp.ClientPayloadError)
+    assert over.body == BLOB[299_990:300_000]
+    at = fetch_one(through(sim, blob_url), headers={"Range": "bytes=300000-"})
+    assert isinstance(at.error, aiohttp.ClientPayloadError)
+    assert at.status == 206
+    assert at.body == b""
+    for range_ in ("bytes=0-299999", "bytes=300001-400000"):
+        answer = fetch_one(through(sim, blob_url), headers={"Range": range_})
+        assert answer.error is None
+        start, end = (int(x) for x in range_[6:].split("-"))
+        assert answer.body == BLOB[start : end + 1]
+    assert sim.stats().cuts == 3
+
+
 def test_stall_then_resume(sim: CloudSim, blob_url: str) -> None:
     sim.configure(stall_every_n=1, stall_s=0.3, cut_after_bytes=1000)
     answer = fetch_one(through(sim, blob_url))

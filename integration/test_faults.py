@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import tarfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -210,6 +211,56 @@ def test_a_whole_shard_stream_retries_its_first_request(
     assert sim.stats().failures >= len(remote.local.shards) // 2
     assert stats.retries == sim.stats().failures
     assert stats.failures == 0
+
+
+def sample_starts(path: Path) -> list[tuple[str, str, int]]:
+    """(key, member name, offset of its data) of each sample's first member in a tar."""
+    starts: list[tuple[str, str, int]] = []
+    with tarfile.open(path) as tar:
+        for member in tar.getmembers():
+            key = member.name.split(".", 1)[0]
+            if member.isfile() and (not starts or starts[-1][0] != key):
+                starts.append((key, member.name, member.offset_data))
+    return starts
+
+
+@pytest.mark.timeout(90)
+def test_a_byte_the_store_never_sends_loses_no_sample_before_it(
+    cloudsim: Factory, remote_dataset: RemoteDataset, no_threads_left: None
+) -> None:
+    """Every answer that carries one byte of a shard is cut just before it (a broken replica,
+    a bad sector), however often it is asked for: the bytes of the part before it are kept
+    from the cut answers, so every sample before that byte arrives, intact, and then an error
+    names the shard, the member being read and the byte."""
+    local = remote_dataset.local
+    shard = max(range(len(local.shards)), key=lambda i: len(local.shard_keys[i]))
+    starts = sample_starts(local.root / local.shards[shard])
+    # The second sample that starts after the first part: samples of the part it is in that
+    # lie before it are read only from bytes kept from a cut answer.
+    later = [start for start in starts if start[2] > PART]
+    assert len(later) >= 2, "the largest shard is too small for this test"
+    key, member, data_at = later[1]
+    cut = data_at + 100
+    sim, remote = through(cloudsim, remote_dataset, cut_at_offset=cut)
+    url = remote.url_for(local.shards[shard])
+    ds = dataset_for(remote, [url], part_bytes=PART, concurrency=2, prefetch=1, retries=2)
+    got: list[tuple[str, Sample]] = []
+    samples = iter(ds)
+    error = None
+    try:
+        for sample in samples:
+            got.extend(read_samples([sample]))
+    except ShardOpenError as exc:
+        error = exc
+    assert error is not None, "the shard was read whole past a byte the store never sent"
+    keys = local.shard_keys[shard]
+    want = keys[: keys.index(key)]
+    assert [k for k, _ in got] == want
+    assert got == [(k, {f: local.samples[k][f] for f in FIELDS}) for k in want]
+    assert (error.url, error.member, error.offset) == (url, member, cut)
+    assert f"member {member!r}" in str(error)
+    assert f"byte offset {cut}" in str(error)
+    assert sim.stats().cuts >= 3
 
 
 # ------------------------------------------------------------------------------ a dead store

@@ -24,16 +24,16 @@ at once, less only gradually.
 Connections that share one bottleneck (a store on the local network, or on the same machine:
 one server process, one disk) look slow when many are in flight: each carries its share of
 the bottleneck, and parts sized from that share stay small, as many GETs as behind a slow
-link. So each host's first shard in a process (the first with a part of :data:`LARGE`
-bytes after its first) sends one part alone (no other GET of that host
-from the process in flight) and keeps the rate that part was carried at; the parts are sized
-from the faster of that rate and the rate measured under load. Behind a link that caps each
-connection (S3's ~100 MB/s, the cloud simulator's 25 MB/s) a connection alone is no faster
-than under load and the plan is as before; against a shared bottleneck it is many times
-faster, and the parts grow to match: s3rver directly, moto, a MinIO nearby. The probe holds
-the host's other GETs back for one part's time, once per process and host, and only where the
-first shard's size came back within :data:`PROBE_FIRST_BYTE_S` (a store on the local
-network): behind a cloud's latency it would cost more than it could tell.
+link. So each host's first shard in a process (the first with a part of :data:`LARGE` bytes
+after its first) sends one part alone (no other GET of that host from the process in flight)
+and keeps the rate that part was carried at; the parts are sized from the faster of that rate
+and the rate measured under load. Behind a link that caps each connection (S3's ~100 MB/s,
+the cloud simulator's 25 MB/s) a connection alone is no faster than under load; against a
+shared bottleneck it is many times faster, and the parts grow to match: s3rver directly,
+moto, a MinIO nearby. The probe holds the host's other GETs back for one part's time, once
+per process and host, only where the first shard's size came back within
+:data:`PROBE_FIRST_BYTE_S` (a store nearby): behind a cloud's latency it costs more than it
+tells. Hosts that ignore Range are kept here too (:func:`mark_unranged`).
 
 A process-wide estimate is written by hand: no library sizes ranged reads from measurements
 (fsspec's and obstore's part sizes are fixed numbers).
@@ -41,6 +41,7 @@ A process-wide estimate is written by hand: no library sizes ranged reads from m
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -49,6 +50,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from cloudshards.process import PerProcess
+from cloudshards.redact import redact_url
 
 __all__ = [
     "ALONE",
@@ -58,6 +60,7 @@ __all__ = [
     "MAX_PART_BYTES",
     "PROBE_FIRST_BYTE_S",
     "TARGET_PART_S",
+    "UNRANGED_HOSTS",
     "PartPlan",
     "Ticket",
     "await_probe",
@@ -66,6 +69,7 @@ __all__ = [
     "fixed_plan",
     "forget",
     "host_key",
+    "mark_unranged",
     "plan",
     "probe_done",
     "probe_sent",
@@ -82,27 +86,22 @@ TARGET_PART_S = 0.08
 MAX_PART_BYTES = 16 << 20
 #: Planned part sizes are whole multiples of this (rounded down); never below ``part_bytes``.
 _PART_STEP = 1 << 20
-#: Requests up to this size measure the time to first byte (their transfer is short).
-_SMALL = 256 << 10
-#: Requests from this size on measure a connection's throughput.
-LARGE = 512 << 10
+_SMALL = 256 << 10  #: Requests up to this size measure the time to first byte.
+LARGE = 512 << 10  #: Requests from this size on measure a connection's throughput.
 _WEIGHT = 0.3  # of a new measurement in the moving averages
 #: Bytes in flight per shard: this many times the reader's demand over one part's time.
 HEADROOM = 2.0
 #: A shard read for less than this (or fewer bytes) says nothing about its reader's demand.
 _MIN_READ_S = 0.02
 _MIN_READ_BYTES = 1 << 20
-#: A GET with at most this many of its host's GETs in flight on average (itself included)
-#: measures what a connection alone carries.
+#: A GET with at most this many of its host's GETs in flight (itself too) measures one alone.
 ALONE = 1.5
 #: The probe is sent only where the shard's size came back this fast: it holds the host's
-#: other GETs back for one part's time, a few ms on a local network, more than a part's worth
-#: of a fast reader's time behind a cloud's 20-60 ms (whose connections are capped anyway).
+#: other GETs back for one part's time, a few ms nearby, too long behind a cloud's 20-60 ms.
 PROBE_FIRST_BYTE_S = 0.015
 #: Other shards wait at most this long for a host's probe (then it no longer counts).
 _PROBE_WAIT_S = 5.0
-#: A shard too small to send a part of :data:`LARGE` bytes after its first hands the probe
-#: to the host's next shard, at most this many times (tiny shards have nothing to probe).
+#: A shard with no part of :data:`LARGE` bytes hands the probe on at most this many times.
 _PROBE_SPARES = 4
 
 
@@ -240,6 +239,18 @@ def host_key(url: str) -> str:
     """``scheme://netloc`` of ``url``: what this process measures each host by."""
     parts = urlsplit(url)
     return f"{parts.scheme}://{parts.netloc}"
+
+
+UNRANGED_HOSTS: set[str] = set()  #: Hosts that answered a ranged GET with a whole object.
+
+
+def mark_unranged(url: str) -> None:
+    """``url``'s host ignores Range: its shards are streamed with one GET from now on."""
+    host = host_key(url)
+    if host not in UNRANGED_HOSTS:
+        UNRANGED_HOSTS.add(host)
+        msg = "%s ignores Range requests; streaming its shards with one GET each"
+        logging.getLogger("cloudshards.prefetch").warning(msg, redact_url(host))
 
 
 def _link(url: str) -> _Link:

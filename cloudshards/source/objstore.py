@@ -29,7 +29,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import re
 import threading
 from collections.abc import Callable, Mapping
 from typing import IO, Any, cast
@@ -39,7 +38,9 @@ from cloudshards import config
 from cloudshards.errors import ConfigError
 from cloudshards.process import PerProcess
 from cloudshards.source.gcsconfig import DEFAULT_BASE_URL, gcs_settings, xml_api_missing
+from cloudshards.source.objread import ObstoreReader, object_details, obstore_call, translate_error
 from cloudshards.source.options import OpenOptions
+from cloudshards.source.retries import PartialBodyError
 from cloudshards.source.s3config import Unsupported, s3_settings
 from cloudshards.source.stream import status_error
 from cloudshards.urls import options_for, protocol_of
@@ -50,10 +51,8 @@ logger = logging.getLogger("cloudshards.fetch")
 
 #: The fsspec backend each protocol obstore reads would otherwise go through.
 _BACKENDS = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs"}
-_STATUS = re.compile(r"status code: (\d{3})")
 #: obstore's refusal of a whole-object answer to a ranged GET (the store ignores Range).
 _NON_PARTIAL = "non-partial response"
-_CODE = re.compile(r"<Code>([A-Za-z0-9.]{1,64})</Code>")
 # The process that first used obstore; a forked child of it must not (see the module doc).
 _used_in_pid: int | None = None
 _used_lock = threading.Lock()
@@ -176,45 +175,6 @@ def _client_options(
     return client
 
 
-def _translate(exc: BaseException) -> BaseException:
-    """obstore's error as the builtin error cloudshards' retry and error mapping judge: not
-    found, access denied, another client error (with ``status``), or a transient failure."""
-    text = str(exc).split("\n\nDebug", 1)[0]
-    status_match = _STATUS.search(text)
-    status = int(status_match.group(1)) if status_match else None
-    code_match = _CODE.search(text)
-    code = code_match.group(1) if code_match else None
-    name = type(exc).__name__
-    summary = (f"{code} (HTTP {status})" if code else f"HTTP {status}") if status else text[:300]
-    if "TokenUnavailable: " in text:  # gcsconfig's: the token endpoint did not answer
-        return ConnectionError(f"no access token: {text.split('TokenUnavailable: ', 1)[1][:300]}")
-    if isinstance(exc, FileNotFoundError) or name == "NotFoundError" or status == 404:
-        return FileNotFoundError(summary)
-    if name in ("PermissionDeniedError", "UnauthenticatedError") or status in (401, 403):
-        return PermissionError(summary)
-    if status is not None and 400 <= status < 500 and status not in (408, 429):
-        return status_error(summary, status)
-    return ConnectionError(f"{name}: {text[:300]}")
-
-
-def _call(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    try:
-        return function(*args, **kwargs)
-    except Exception as exc:
-        raise _translate(exc) from None
-
-
-def _details(meta: Mapping[str, Any]) -> dict[str, Any]:
-    """obstore's object metadata under s3fs's ``info()`` names."""
-    return {
-        "size": meta.get("size"),
-        "ETag": meta.get("e_tag"),
-        "LastModified": meta.get("last_modified"),
-        "VersionId": meta.get("version"),
-        "type": "file",
-    }
-
-
 class ObstoreObject:
     """One store object read through obstore (see the module doc)."""
 
@@ -236,7 +196,7 @@ class ObstoreObject:
 
         del timeout  # the store's read timeout is the stall timeout
 
-        return _details(_call(obstore.head, self.store, self.key))
+        return object_details(obstore_call(obstore.head, self.store, self.key))
 
     def cat_range(
         self, start: int, end: int, timeout: float | None = None, if_match: str | None = None
@@ -253,19 +213,42 @@ class ObstoreObject:
 
         try:
             if if_match is None and self._version is None:
-                data = _call(obstore.get_range, self.store, self.key, start=start, end=end)
+                data = obstore_call(obstore.get_range, self.store, self.key, start=start, end=end)
                 return memoryview(data)
             # Pinned to the first answer's generation (GCS), else conditional on its ETag.
             options: dict[str, Any] = {"range": (start, end)}
             if self._version is None:
                 options["if_match"] = if_match
-            return memoryview(_call(self._get(options).bytes))
+            return memoryview(obstore_call(self._get(options).bytes))
         except ConnectionError as exc:
             if _NON_PARTIAL not in str(exc):
                 raise
         # The store answered with the whole object (it ignores Range), which obstore refuses:
         # ask for it whole; its length tells the caller (RangeIgnoredError, then streaming).
         return memoryview(self.cat())
+
+    def cat_range_salvage(
+        self, start: int, end: int, timeout: float | None = None, if_match: str | None = None
+    ) -> bytes:
+        """:meth:`cat_range`, streamed: an answer cut mid-body raises
+        :class:`~cloudshards.source.retries.PartialBodyError` with the bytes that arrived."""
+        del timeout  # the store's read timeout is the stall timeout
+        options: dict[str, Any] = {"range": (start, end)}
+        if if_match is not None and self._version is None:
+            options["if_match"] = if_match
+        try:
+            result = self._get(options)
+        except ConnectionError as exc:
+            if _NON_PARTIAL not in str(exc):
+                raise
+            return self.cat()  # the store ignores Range: see cat_range_view
+        received = bytearray()
+        try:
+            for chunk in result.stream(min_chunk_size=1):  # each as it arrives: none lost
+                received += chunk
+        except Exception as exc:
+            raise PartialBodyError(bytes(received), translate_error(exc)) from None
+        return bytes(received)
 
     def remember(self, details: Mapping[str, Any]) -> None:
         """Pin the reads that follow to the generation ``details`` describe (GCS), unless
@@ -281,10 +264,10 @@ class ObstoreObject:
 
         version = self._version
         if version is None:
-            return _call(obstore.get, self.store, self.key, options=options)
+            return obstore_call(obstore.get, self.store, self.key, options=options)
         pinned = {**(options or {}), "version": version}
         try:
-            return _call(obstore.get, self.store, self.key, options=pinned)
+            return obstore_call(obstore.get, self.store, self.key, options=pinned)
         except FileNotFoundError:
             error = status_error(f"generation {version} is gone (HTTP 412)", 412)
             error.generation_gone = True  # type: ignore[attr-defined]
@@ -312,88 +295,15 @@ class ObstoreObject:
                 raise
             on_details(details)
             return b"", details
-        details = _details(result.meta)
+        details = object_details(result.meta)
         self.remember(details)
         on_details(details)
-        return bytes(_call(result.bytes)), details
+        return bytes(obstore_call(result.bytes)), details
 
     def cat(self) -> bytes:
         """The whole object in one GET (of the pinned generation, if any)."""
-        return bytes(_call(self._get().bytes))
+        return bytes(obstore_call(self._get().bytes))
 
     def open(self, block_bytes: int) -> IO[bytes]:
         """One streaming GET, started on the first read (a seek before it moves the start)."""
         return cast("IO[bytes]", ObstoreReader(self, block_bytes))
-
-
-class ObstoreReader:
-    """A file-like streaming GET of an :class:`ObstoreObject` (``read``, ``seek`` before the
-    first read, ``size`` and ``details`` from the response)."""
-
-    def __init__(self, source: ObstoreObject, block_bytes: int) -> None:
-        self._source = source
-        self._block_bytes = block_bytes
-        self._position = 0
-        self._chunks: Any = None
-        self._buffer = memoryview(b"")
-        self._details: dict[str, Any] | None = None
-        self.closed = False
-
-    def _start(self) -> None:
-        import obstore
-
-        options = {"range": {"offset": self._position}} if self._position else None
-        result = _call(obstore.get, self._source.store, self._source.key, options=options)
-        self._details = _details(result.meta)
-        self._chunks = iter(result.stream(min_chunk_size=self._block_bytes))
-
-    @property
-    def details(self) -> dict[str, Any]:
-        if self._details is None:
-            self._start()
-        assert self._details is not None
-        return self._details
-
-    @property
-    def size(self) -> int | None:
-        size = self.details.get("size")
-        return None if size is None else int(size)
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        if self._chunks is not None or whence != 0:
-            raise OSError("an obstore stream seeks only before its first read")
-        self._position = offset
-        return offset
-
-    def read(self, size: int = -1) -> bytes:
-        if self._chunks is None:
-            self._start()
-        if size is None or size < 0:
-            pieces = [bytes(self._buffer)]
-            self._buffer = memoryview(b"")
-            while chunk := self._next_chunk():
-                pieces.append(bytes(chunk))
-            data = b"".join(pieces)
-        else:
-            if not self._buffer:
-                chunk = self._next_chunk()
-                if chunk is None:
-                    return b""
-                self._buffer = memoryview(chunk)
-            data = bytes(self._buffer[:size])
-            self._buffer = self._buffer[size:]
-        self._position += len(data)
-        return data
-
-    def _next_chunk(self) -> Any:
-        try:
-            return next(self._chunks)
-        except StopIteration:
-            return None
-        except Exception as exc:
-            raise _translate(exc) from None
-
-    def close(self) -> None:
-        self.closed = True
-        self._chunks = None
-        self._buffer = memoryview(b"")

@@ -37,8 +37,7 @@ _CANCEL_CHECK_S = 0.1
 logger = logging.getLogger("cloudshards.prefetch")
 
 
-#: Hosts seen answering ranged GETs with whole objects: streamed with one GET from then on.
-_UNRANGED_HOSTS: set[str] = set()
+_UNRANGED_HOSTS = adapt.UNRANGED_HOSTS
 
 
 class PartStream(ClosingStream):
@@ -105,6 +104,7 @@ class PartStream(ClosingStream):
         self._part: bytes | memoryview = b""
         self._position = 0
         self._tail: ShardSource | None = None
+        self._failure: ShardOpenError | None = None  # raised once the bytes before it are read
         self.offset = 0
         self.closed = False
         self._fell_back = False
@@ -189,7 +189,9 @@ class PartStream(ClosingStream):
                 most = 0 if self._probe_sent else len(self._window) + held + 1
             elif adapt.wait_for_probe(self.url, self._fill):
                 most = 0  # another shard's probe (a reader with nothing to read waits for it)
-            while not self.closed and len(self._window) + held < most and self._next_start < size:
+            while self._failure is None and not self.closed and self._next_start < size:
+                if len(self._window) + held >= most:
+                    break
                 end = min(self._next_start + plan.part_bytes, size)
                 future = self._submit(self._next_start, end)
                 if future is None:
@@ -241,6 +243,8 @@ class PartStream(ClosingStream):
         read-only memoryview, not copied into ``bytes``, where the transport fills its own
         buffers (obstore). For readers that slice what they need (the tar reader)."""
         if self._position >= len(self._current):
+            if self._failure is not None:
+                raise self._failure
             self._current = memoryview(b"")  # release the finished part before refilling
             self._part = b""
             began = time.perf_counter()
@@ -289,7 +293,7 @@ class PartStream(ClosingStream):
             return None
         future, start, requested = entry
         data = self._wait(future)
-        if self._fell_back:
+        if self._fell_back or self._failure is not None:
             return data
         expected = requested
         if len(data) < requested:
@@ -339,19 +343,19 @@ class PartStream(ClosingStream):
             raise self._failed() from None
         except RangeIgnoredError as exc:
             return self._fall_back(exc.body)
+        except ShardOpenError as error:
+            if not error.received:
+                raise
+            self._failure = error  # after some of the part: hand that on, then the error
+            self._cancel()
+            return error.received
         finally:
             self._stats.add(wait_s=time.perf_counter() - start)
 
     def _fall_back(self, body: bytes) -> bytes:
         # The server sent the whole object for a ranged GET: never splice parts from it.
         # Serve the rest of this shard from that body and stream later shards of this host.
-        host = adapt.host_key(self.url)
-        if host not in _UNRANGED_HOSTS:
-            _UNRANGED_HOSTS.add(host)
-            logger.warning(
-                "%s ignores Range requests; streaming its shards with one GET each",
-                redact_url(host),
-            )
+        adapt.mark_unranged(self.url)
         size = self.size
         if size is not None and len(body) != size:
             raise ShardOpenError(
@@ -385,13 +389,9 @@ class PartStream(ClosingStream):
             if self._read_began is not None:
                 busy = self._read_last - self._read_began - self._read_waited
                 adapt.record_reading(self.url, self.offset, busy)
-            record: dict[str, Any] = dict(self._stats.as_dict())
+            record: dict[str, Any] = {**self._stats.as_dict(), "url": redact_url(self.url)}
             del record["shards"]
-            record.update(
-                url=redact_url(self.url),
-                size=self._known_size(),
-                delivered=self.offset,
-                seconds=time.perf_counter() - self._started,
-            )
+            seconds = time.perf_counter() - self._started
+            record.update(size=self._known_size(), delivered=self.offset, seconds=seconds)
             self._process_stats.per_shard.append(record)
             logger.debug("shard done: %s", record)

@@ -14,6 +14,7 @@ from typing import IO, Any
 import fsspec.asyn
 
 from cloudshards.redact import raise_redacted
+from cloudshards.source.retries import PartialBodyError
 from cloudshards.source.stream import map_backend_error
 from cloudshards.urls import protocol_of, resolve
 
@@ -64,6 +65,23 @@ class FsspecObject:
             data = fs.cat_file(self.path, start=start, end=end, **extra)
         return data
 
+    def cat_range_salvage(
+        self, start: int, end: int, timeout: float | None = None, if_match: str | None = None
+    ) -> bytes:
+        """:meth:`cat_range`; over HTTP streamed, so that an answer cut mid-body raises
+        :class:`~cloudshards.source.retries.PartialBodyError` with the bytes that arrived
+        (s3fs and gcsfs hand on whole answers only: there, as :meth:`cat_range`)."""
+        fs = self.fs
+        if not (self.conditional and hasattr(fs, "encode_url") and getattr(fs, "loop", None)):
+            return self.cat_range(start, end, timeout, if_match)
+        headers = {"Range": f"bytes={start}-{end - 1}"}
+        if if_match:
+            headers["If-Match"] = if_match
+        data: bytes = fsspec.asyn.sync(
+            fs.loop, _http_salvage, fs, self.path, headers, timeout=timeout
+        )
+        return data
+
     def cat(self) -> bytes:
         """The whole (small) object in one request."""
         data: bytes = self.fs.cat_file(self.path)
@@ -77,6 +95,25 @@ class FsspecObject:
         return self.fs.open(  # type: ignore[no-any-return]
             self.path, "rb", block_size=block_bytes, cache_type="none"
         )
+
+
+async def _http_salvage(fs: Any, url: str, headers: dict[str, str]) -> bytes:
+    # fsspec's HTTPFileSystem._cat_file, reading the body in chunks: fsspec has no ranged
+    # read that keeps what arrived before a cut.
+    kw = fs.kwargs.copy()
+    headers = {**kw.pop("headers", {}), **headers}
+    session = await fs.set_session()
+    async with session.get(fs.encode_url(url), headers=headers, **kw) as response:
+        fs._raise_not_found_for_status(response, url)
+        received = bytearray()
+        try:
+            async for chunk in response.content.iter_chunked(1 << 20):
+                received += chunk
+        except Exception as exc:
+            if response.status != 206:  # part of a whole object (Range ignored): not ours
+                raise
+            raise PartialBodyError(bytes(received), exc) from None
+    return bytes(received)
 
 
 def fsspec_object(url: str, storage_options: Mapping[str, Any] | None) -> FsspecObject:

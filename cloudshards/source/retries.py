@@ -24,6 +24,7 @@ from cloudshards.source.stream import hidden_failure, http_status, map_backend_e
 
 __all__ = [
     "IOStats",
+    "PartialBodyError",
     "RangeIgnoredError",
     "is_retryable",
     "is_throttled",
@@ -97,6 +98,16 @@ class RangeIgnoredError(CloudShardsError):
         self.body = body
 
 
+class PartialBodyError(CloudShardsError):
+    """An answer cut mid-body (a transient failure, ``cause``) after ``received`` bytes of
+    the range had arrived: the retry asks for the rest only, and the bytes are not lost."""
+
+    def __init__(self, received: bytes, cause: BaseException) -> None:
+        super().__init__(f"cut after {len(received)} bytes: {type(cause).__name__}")
+        self.received = received
+        self.cause = cause
+
+
 _NOT_RETRYABLE = (FileNotFoundError, IsADirectoryError, PermissionError, ConfigError)
 _AUTH_OR_CLIENT = (
     "AccessDenied",
@@ -158,7 +169,7 @@ def retry(
     call: Callable[[], T],
     *,
     url: str,
-    offset: int,
+    offset: int | Callable[[], int],
     options: FetchOptions,
     stats: IOStats | None = None,
     what: str = "GET",
@@ -167,6 +178,8 @@ def retry(
     """Run ``call``; retry transient failures with exponential backoff and full jitter.
 
     A set ``cancel`` event (the reader was closed) stops further attempts at once.
+    ``offset`` (or what it returns, for a call that resumes where the last one was cut) is
+    the offset that logs and errors name.
 
     Raises:
         ShardOpenError: After the last attempt (naming the URL and offset), or at once for a
@@ -179,16 +192,17 @@ def retry(
         except RangeIgnoredError:
             raise
         except Exception as exc:
+            at = offset() if callable(offset) else offset
             cancelled = cancel is not None and cancel.is_set()
             if cancelled or not is_retryable(exc) or attempt >= options.retries:
                 if stats is not None:
                     stats.add(failures=1)
-                error = map_backend_error(exc, url, action=f"{what} failed", offset=offset)
+                error = map_backend_error(exc, url, action=f"{what} failed", offset=at)
                 if attempt and isinstance(error, ShardOpenError):
                     error = ShardOpenError(
                         f"{error.reason} (gave up after {attempt + 1} attempts)",
                         url=url,
-                        offset=offset,
+                        offset=at,
                     )
                 raise_redacted(error, exc)
             delay = _jitter.uniform(0, min(options.max_backoff_s, options.backoff_s * 2**attempt))
@@ -205,7 +219,7 @@ def retry(
                 options.retries,
                 what,
                 redact_url(url),
-                offset,
+                at,
                 delay,
                 type(exc).__name__,
                 redact_text(str(exc))[:200],

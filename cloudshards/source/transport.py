@@ -14,13 +14,14 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import IO, Any, Protocol
 
+from cloudshards.errors import ShardOpenError
 from cloudshards.redact import raise_redacted, redact_url
 from cloudshards.source import adapt
 from cloudshards.source.budget import node_budget
 from cloudshards.source.objstore import store_object
 from cloudshards.source.options import FetchOptions, OpenOptions
 from cloudshards.source.remote import fsspec_object, object_etag
-from cloudshards.source.retries import IOStats, RangeIgnoredError, retry
+from cloudshards.source.retries import IOStats, PartialBodyError, RangeIgnoredError, retry
 from cloudshards.source.stream import http_status, map_backend_error
 
 __all__ = [
@@ -141,6 +142,35 @@ def _unchanged(source: StoreObject, etag: str | None) -> bool:
         return False
 
 
+def _conditioned(
+    get: Callable[[], bytes | memoryview],
+    source: StoreObject,
+    condition: dict[str, str],
+    if_match: IfMatch | None,
+    etag: str | None,
+) -> bytes | memoryview:
+    """``get()``, once more without ``condition`` when the store refuses the ETag it still
+    reports (a proxy or CDN that rewrites ETags): the object has not changed, and the shard's
+    later parts go unconditioned too."""
+    try:
+        return get()
+    except Exception as exc:
+        gone = getattr(exc, "generation_gone", False)  # pinned (GCS): it changed
+        if gone or not (condition and http_status(exc) == 412):
+            raise
+        if not _unchanged(source, etag):
+            raise  # a 412 for an object whose ETag is no longer the first part's
+    logger.info(
+        "%s refuses If-Match with the ETag it reports; reading it without (a change while it "
+        "is read is then not detected)",
+        redact_url(source.url),
+    )
+    if if_match is not None:
+        if_match.etag = None
+    condition.clear()
+    return get()
+
+
 def fetch_range(
     source: StoreObject,
     start: int,
@@ -169,57 +199,59 @@ def fetch_range(
         RangeIgnoredError: The server sent the whole object instead of the range.
         ShardOpenError: The range could not be fetched (after retries), or came back short.
     """
-    expected = end - start
-
     fetch = getattr(source, "cat_range_view", None) if view else None
+    salvage = getattr(source, "cat_range_salvage", None)
     etag = if_match.etag if if_match is not None else None
     condition = {"if_match": etag} if etag and getattr(source, "conditional", False) else {}
+    # Bytes of the range kept from answers cut mid-body: a retry asks for the rest only.
+    kept: list[bytes] = []
+    at = start
+    attempts = 0
 
     def get() -> bytes | memoryview:
+        if attempts > 1 and salvage is not None:
+            # A retry: read streamed, keeping what arrives before a cut (the first attempt
+            # takes the faster whole-answer read, without that copy).
+            return salvage(at, end, options.stall_timeout_s, **condition)  # type: ignore[no-any-return]
         if fetch is not None:
-            return fetch(start, end, **condition)  # type: ignore[no-any-return]
-        return source.cat_range(start, end, timeout=options.stall_timeout_s, **condition)
+            return fetch(at, end, **condition)  # type: ignore[no-any-return]
+        return source.cat_range(at, end, timeout=options.stall_timeout_s, **condition)
 
     def call() -> bytes | memoryview:
+        nonlocal at, attempts
+        attempts += 1
+        expected = end - at
         with node_budget().slot():  # one of the node's requests in flight
             stats.add(requests=1)
             ticket = adapt.started(source.url, expected)
             data: bytes | memoryview
             try:
-                data = get()
-            except Exception as exc:
-                ticket.done()
-                gone = getattr(exc, "generation_gone", False)  # pinned (GCS): it changed
-                if gone or not (condition and http_status(exc) == 412):
-                    raise
-                if not _unchanged(source, etag):
-                    raise  # a 412 for an object whose ETag is no longer the first part's
-                # The store refuses the ETag it still reports: a proxy or CDN that rewrites
-                # ETags. The object has not changed; the shard's parts go unconditioned.
-                logger.info(
-                    "%s refuses If-Match with the ETag it reports; reading it without (a "
-                    "change while it is read is then not detected)",
-                    redact_url(source.url),
-                )
-                if if_match is not None:
-                    if_match.etag = None
-                condition.clear()
-                ticket = adapt.started(source.url, expected)
-                data = get()
+                data = _conditioned(get, source, condition, if_match, etag)
+            except PartialBodyError as cut:
+                stats.add(bytes=len(cut.received))
+                kept.append(cut.received)
+                at += len(cut.received)
+                raise cut.cause from None
             finally:
-                ticket.done()  # the current one, whatever ended it (done once)
+                ticket.done()
         _answered(source, stats, len(data), ticket)
-        if len(data) == expected:
-            return data
-        if size is None and len(data) < expected:
-            return data  # the object ends inside the range; the caller checks its size
+        if len(data) == expected or (size is None and len(data) < expected):
+            # All of it, or the object ends inside the range (the caller checks its size).
+            return b"".join((*kept, data)) if kept else data
         if (size is None and len(data) > expected) or (len(data) == size and size > expected):
             raise RangeIgnoredError(bytes(data))
         # A short or long body that is not the whole object: a cut connection or a broken
         # server. Never hand it on; retrying asks again for exactly this range.
         raise ConnectionError(f"ranged GET returned {len(data)} bytes, expected {expected}")
 
-    return retry(call, url=source.url, offset=start, options=options, stats=stats, cancel=cancel)
+    try:
+        return retry(
+            call, url=source.url, offset=lambda: at, options=options, stats=stats, cancel=cancel
+        )
+    except ShardOpenError as error:
+        if kept:  # what arrived before the range failed, for the reader to use up first
+            error.received = b"".join(kept)
+        raise
 
 
 def fetch_first(

@@ -10,7 +10,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from cloudshards.errors import ShardFormatError
+from cloudshards.errors import ShardFormatError, ShardOpenError
 from cloudshards.redact import redact_url
 from cloudshards.tar.decompress import MAGIC_BYTES, DecompressReader, compression_of
 from cloudshards.tar.headers import BLOCK, ZERO_BLOCK
@@ -39,8 +39,8 @@ class BlockReader:
     """
 
     __slots__ = (
-        "_stream_read", "base", "block_bytes", "buf", "compressed", "pos", "read", "seekable",
-        "spare", "spare_pos", "url",
+        "_stream_read", "base", "block_bytes", "buf", "compressed", "failure", "pos", "read",
+        "seekable", "spare", "spare_pos", "url",
     )  # fmt: skip
 
     def __init__(self, stream: Any, url: str | None, block_bytes: int) -> None:
@@ -69,7 +69,27 @@ class BlockReader:
             self.buf = b""
         # The stream to seek on, when seeking can replace reading (never when decompressing).
         self.seekable = stream if self.compressed is None and _seekable(stream) else None
-        self._stream_read = self.read
+        #: The store's failure that ended the stream (see :meth:`_guarded`), raised in place of
+        #: the error the tar reader finds where the stream stopped.
+        self.failure: ShardOpenError | None = None
+        self._stream_read = self.read = self._guarded(self.read)
+
+    def _guarded(self, read: Callable[[int], bytes]) -> Callable[[int], bytes]:
+        """``read``, a failure of the store ending the stream as EOF would: the tar reader
+        then finds where the stream stopped as for a truncated one (inside which member, and
+        so whether the sample before it is complete: everything before the failure is handed
+        on), and :meth:`error` raises the store's failure, naming that member."""
+
+        def guarded(size: int) -> bytes:
+            if self.failure is not None:
+                return b""
+            try:
+                return read(size)
+            except ShardOpenError as exc:
+                self.failure = exc
+                return b""
+
+        return guarded
 
     def error(
         self, message: str, offset: int, member: str | None = None, entry: str | None = None
@@ -79,7 +99,14 @@ class BlockReader:
         ``member`` names a regular file (by its name in the archive); anything else involved,
         such as an extended header or an entry that is not a file, is described by ``entry``
         in the message only.
+
+        Raises:
+            ShardOpenError: The store failed where the stream stopped: the real cause, raised
+                instead (naming ``member``).
         """
+        if self.failure is not None:
+            self.failure.name_member(member)
+            raise self.failure
         if entry is not None:
             message = f"{message} (in {entry})"
         return ShardFormatError(message, url=self.url, offset=offset, member=member)
@@ -347,6 +374,8 @@ class BlockReader:
         if ext_offset >= 0:
             raise self.error("corrupt tar: extended header not followed by a member", ext_offset)
         self.fill(BLOCK)
+        if self.failure is not None:
+            raise self.failure  # one zero block, then the store failed: not a proper end
         second = bytes(self.buf[self.pos : self.pos + BLOCK])
         if second.count(0) != len(second):
             raise self.error("corrupt tar: a zero block followed by more data", offset)

@@ -23,7 +23,7 @@ import pytest
 
 import cloudshards as wds
 from cloudshards.cache.membertable import MemberTable
-from cloudshards.errors import ShardFormatError
+from cloudshards.errors import ShardFormatError, ShardOpenError
 from cloudshards.grouping import group_members
 from cloudshards.indexed import IndexedDataset, build_index
 from cloudshards.tar import iter_members
@@ -516,6 +516,40 @@ def test_truncated_gzip_shard_keeps_every_complete_sample(fmt: int, tmp_path: Pa
         )
         if got != want:
             failures.append((cut, [k for k, _ in got], [k for k, _ in want]))
+    assert not failures
+
+
+class FailingSource:
+    """A shard's bytes up to ``cut`` (in reads of at most 700 bytes), then the store's
+    failure (a connection cut for good)."""
+
+    def __init__(self, data: bytes, cut: int) -> None:
+        self._data, self._cut, self._pos = data, cut, 0
+
+    def read(self, size: int = -1) -> bytes:
+        if self._pos >= self._cut:
+            raise ShardOpenError("GET failed: connection cut", url=URL, offset=self._cut)
+        end = min(self._cut, self._pos + (700 if size < 0 else min(size, 700)))
+        data, self._pos = self._data[self._pos : end], end
+        return data
+
+
+def test_a_store_failing_mid_shard_keeps_every_complete_sample() -> None:
+    # A read that fails (the store gave up) is not a truncation, but the rule is the same: the
+    # sample being built is handed on when the error names a member of another sample.
+    data, layout, end = build_shard(tarfile.USTAR_FORMAT)
+    failures = []
+    for cut in (cut for cut in interesting_cuts(layout, end) if cut < end):
+        got: list[str] = []
+        member: str | None = "(no error)"
+        try:
+            members = iter_members(FailingSource(data, cut), url=URL)
+            got.extend(sample["__key__"] for sample in group_members(members, url=URL))
+        except ShardOpenError as exc:
+            member = exc.member
+        inside = [name for name, _, at, size in layout if at <= cut < at + size + (-size % 512)]
+        if got != expected_keys(layout, end, cut) or member != next(iter(inside), None):
+            failures.append((cut, got, member))
     assert not failures
 
 

@@ -41,6 +41,7 @@ from cloudshards.source import (
     open_remote,
     parts,
 )
+from cloudshards.source.adapt import FIRST_PART_BYTES
 
 if TYPE_CHECKING:
     from conftest import LocalDataset, RemoteDataset
@@ -225,21 +226,30 @@ def sample_starts(path: Path) -> list[tuple[str, str, int]]:
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("where", ["first part", "later part"])
 def test_a_byte_the_store_never_sends_loses_no_sample_before_it(
-    cloudsim: Factory, remote_dataset: RemoteDataset, no_threads_left: None
+    cloudsim: Factory, remote_dataset: RemoteDataset, where: str, no_threads_left: None
 ) -> None:
     """Every answer that carries one byte of a shard is cut just before it (a broken replica,
     a bad sector), however often it is asked for: the bytes of the part before it are kept
     from the cut answers, so every sample before that byte arrives, intact, and then an error
-    names the shard, the member being read and the byte."""
+    names the shard, the member being read and the byte. In the first part (a small shard is
+    read with that one GET, which also brings its size) as in a later one."""
     local = remote_dataset.local
-    shard = max(range(len(local.shards)), key=lambda i: len(local.shard_keys[i]))
-    starts = sample_starts(local.root / local.shards[shard])
-    # The second sample that starts after the first part: samples of the part it is in that
-    # lie before it are read only from bytes kept from a cut answer.
-    later = [start for start in starts if start[2] > PART]
-    assert len(later) >= 2, "the largest shard is too small for this test"
-    key, member, data_at = later[1]
+    sizes = [len(keys) for keys in local.shard_keys]
+    if where == "first part":  # the last sample that starts in the smallest shard's first part
+        shard = sizes.index(min(sizes))
+        starts = sample_starts(local.root / local.shards[shard])
+        key, member, data_at = [start for start in starts if start[2] < FIRST_PART_BYTES][-1]
+        assert key != local.shard_keys[shard][0], "no sample before the cut"
+    else:
+        # The second sample that starts after the first part of the largest shard: samples of
+        # the part it is in that lie before it are read only from bytes kept from a cut answer.
+        shard = sizes.index(max(sizes))
+        starts = sample_starts(local.root / local.shards[shard])
+        later = [start for start in starts if start[2] > PART]
+        assert len(later) >= 2, "the largest shard is too small for this test"
+        key, member, data_at = later[1]
     cut = data_at + 100
     sim, remote = through(cloudsim, remote_dataset, cut_at_offset=cut)
     url = remote.url_for(local.shards[shard])

@@ -142,6 +142,32 @@ def _unchanged(source: StoreObject, etag: str | None) -> bool:
         return False
 
 
+class _Kept:
+    """The bytes of one range kept from answers cut mid-body, and where the next attempt
+    starts: a retry asks for the rest only, and a range that fails for good hands them on."""
+
+    __slots__ = ("at", "pieces")
+
+    def __init__(self, start: int) -> None:
+        self.at = start
+        self.pieces: list[bytes] = []
+
+    def keep(self, cut: PartialBodyError, stats: IOStats) -> BaseException:
+        """Keep what ``cut`` received; return its cause, for the retry to judge."""
+        stats.add(bytes=len(cut.received))
+        self.pieces.append(cut.received)
+        self.at += len(cut.received)
+        return cut.cause
+
+    def joined(self, data: bytes | memoryview) -> bytes | memoryview:
+        return b"".join((*self.pieces, data)) if self.pieces else data
+
+    def hand_on(self, error: ShardOpenError) -> None:
+        """Give the failed range's error the bytes before the failure (read before it)."""
+        if self.pieces:
+            error.received = b"".join(self.pieces)
+
+
 def _conditioned(
     get: Callable[[], bytes | memoryview],
     source: StoreObject,
@@ -203,24 +229,22 @@ def fetch_range(
     salvage = getattr(source, "cat_range_salvage", None)
     etag = if_match.etag if if_match is not None else None
     condition = {"if_match": etag} if etag and getattr(source, "conditional", False) else {}
-    # Bytes of the range kept from answers cut mid-body: a retry asks for the rest only.
-    kept: list[bytes] = []
-    at = start
+    kept = _Kept(start)
     attempts = 0
 
     def get() -> bytes | memoryview:
         if attempts > 1 and salvage is not None:
             # A retry: read streamed, keeping what arrives before a cut (the first attempt
             # takes the faster whole-answer read, without that copy).
-            return salvage(at, end, options.stall_timeout_s, **condition)  # type: ignore[no-any-return]
+            return salvage(kept.at, end, options.stall_timeout_s, **condition)  # type: ignore[no-any-return]
         if fetch is not None:
-            return fetch(at, end, **condition)  # type: ignore[no-any-return]
-        return source.cat_range(at, end, timeout=options.stall_timeout_s, **condition)
+            return fetch(kept.at, end, **condition)  # type: ignore[no-any-return]
+        return source.cat_range(kept.at, end, timeout=options.stall_timeout_s, **condition)
 
     def call() -> bytes | memoryview:
-        nonlocal at, attempts
+        nonlocal attempts
         attempts += 1
-        expected = end - at
+        expected = end - kept.at
         with node_budget().slot():  # one of the node's requests in flight
             stats.add(requests=1)
             ticket = adapt.started(source.url, expected)
@@ -228,16 +252,13 @@ def fetch_range(
             try:
                 data = _conditioned(get, source, condition, if_match, etag)
             except PartialBodyError as cut:
-                stats.add(bytes=len(cut.received))
-                kept.append(cut.received)
-                at += len(cut.received)
-                raise cut.cause from None
+                raise kept.keep(cut, stats) from None
             finally:
                 ticket.done()
         _answered(source, stats, len(data), ticket)
         if len(data) == expected or (size is None and len(data) < expected):
             # All of it, or the object ends inside the range (the caller checks its size).
-            return b"".join((*kept, data)) if kept else data
+            return kept.joined(data)
         if (size is None and len(data) > expected) or (len(data) == size and size > expected):
             raise RangeIgnoredError(bytes(data))
         # A short or long body that is not the whole object: a cut connection or a broken
@@ -246,11 +267,11 @@ def fetch_range(
 
     try:
         return retry(
-            call, url=source.url, offset=lambda: at, options=options, stats=stats, cancel=cancel
-        )
+            call, url=source.url, offset=lambda: kept.at, options=options, stats=stats,
+            cancel=cancel,
+        )  # fmt: skip
     except ShardOpenError as error:
-        if kept:  # what arrived before the range failed, for the reader to use up first
-            error.received = b"".join(kept)
+        kept.hand_on(error)
         raise
 
 
@@ -274,23 +295,57 @@ def fetch_first(
         ShardOpenError: The object is missing, or the GET failed after retries.
     """
     cat_first = getattr(source, "cat_first")  # noqa: B009 - a member of some transports only
+    salvage = getattr(source, "cat_range_salvage", None)
+    seen: list[dict[str, Any]] = []  # the metadata of the first answer that brought it
+    kept = _Kept(0)
+
+    def noted(details: dict[str, Any]) -> None:
+        if not seen:
+            seen.append(details)
+        on_details(details)
+
+    def get() -> tuple[bytes | memoryview, dict[str, Any], int | None]:
+        size = seen[0].get("size") if seen else None
+        if size is None or salvage is None:
+            return (*cat_first(end, noted), None)
+        # A retry once the size is known: streamed, keeping what arrives before a cut (only
+        # while the object's strong ETag is the first answer's; GCS pins its generation).
+        etag = object_etag(seen[0])
+        strong = {"if_match": etag} if isinstance(etag, str) and etag[:2] != "W/" else {}
+        stop = min(end, int(size))
+        return salvage(kept.at, stop, options.stall_timeout_s, **strong), seen[0], stop
 
     def call() -> tuple[bytes, dict[str, Any]]:
         with node_budget().slot():
             stats.add(requests=1)
-            ticket = adapt.started(source.url, end)
+            ticket = adapt.started(source.url, end - kept.at)
             try:
-                data, details = cat_first(end, on_details)
+                data, details, stop = get()
+            except PartialBodyError as cut:
+                raise kept.keep(cut, stats) from None
             finally:
                 ticket.done()
         _answered(source, stats, len(data), ticket)
         size = details.get("size")
-        if size is None or len(data) in (min(end, int(size)), int(size)):
-            return data, details
+        if stop is not None:
+            expected = stop - kept.at  # the rest of a range whose start was kept
+        elif size is None or len(data) == int(size):
+            return bytes(data), details  # unknown size, or the whole object (Range ignored)
+        else:
+            expected = min(end, int(size))
+        if len(data) == expected:
+            return bytes(kept.joined(data)), details
         # A cut connection or a broken server: never hand it on; ask again.
-        raise ConnectionError(f"ranged GET returned {len(data)} bytes, expected {min(end, size)}")
+        raise ConnectionError(f"ranged GET returned {len(data)} bytes, expected {expected}")
 
-    return retry(call, url=source.url, offset=0, options=options, stats=stats, cancel=cancel)
+    try:
+        return retry(
+            call, url=source.url, offset=lambda: kept.at, options=options, stats=stats,
+            cancel=cancel,
+        )  # fmt: skip
+    except ShardOpenError as error:
+        kept.hand_on(error)
+        raise
 
 
 def read_range(

@@ -1,0 +1,97 @@
+"""A ranged GET cut mid-body keeps what arrived: the retry asks for the rest only, a range
+that fails for good hands its received bytes on with the error, and nothing is spliced from
+an answer that is not the range asked for. (End to end, through real servers and a proxy
+that cuts: ``integration/test_faults.py``.)"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import pytest
+
+from cloudshards.errors import ShardOpenError
+from cloudshards.source import FetchOptions, IOStats
+from cloudshards.source.retries import PartialBodyError, RangeIgnoredError
+from cloudshards.source.transport import fetch_range
+
+DATA = bytes(range(256)) * 1024  # 256 KiB, every byte telling where it is
+FAST = FetchOptions(retries=5, backoff_s=0.001, max_backoff_s=0.001)
+
+
+class CuttingSource:
+    """A store object whose every answer is cut after ``cut_after`` bytes (a link that drops
+    long transfers), or at object byte ``never`` (a byte it never sends). A whole-answer read
+    loses what arrived; a streamed one (``cat_range_salvage``) raises it with the cut."""
+
+    url = "mem://bucket/shard.tar"
+
+    def __init__(
+        self, cut_after: int | None = None, never: int | None = None, whole: bool = False
+    ) -> None:
+        self.cut_after, self.never, self.whole = cut_after, never, whole
+        self.asked: list[tuple[str, int, int]] = []
+
+    def _end(self, start: int, end: int) -> int:
+        stop = end if self.cut_after is None else min(end, start + self.cut_after)
+        return stop if self.never is None or not start <= self.never < stop else self.never
+
+    def cat_range(self, start: int, end: int, timeout: float | None = None) -> bytes:
+        self.asked.append(("whole", start, end))
+        if self._end(start, end) < end:
+            raise ConnectionError("connection cut")
+        return DATA[start:end]
+
+    def cat_range_salvage(
+        self, start: int, end: int, timeout: float | None = None, **kw: Any
+    ) -> bytes:
+        self.asked.append(("streamed", start, end))
+        if self.whole and start > 0:
+            return DATA  # a server that ignores Range on this try
+        stop = self._end(start, end)
+        if stop < end:
+            raise PartialBodyError(DATA[start:stop], ConnectionError("connection cut"))
+        return DATA[start:end]
+
+    def info(self, timeout: float | None = None) -> dict[str, int]:
+        return {"size": len(DATA)}
+
+    def cat(self) -> bytes:
+        return DATA
+
+    def open(self, block_bytes: int) -> io.BytesIO:
+        return io.BytesIO(DATA)
+
+
+def test_a_retry_asks_only_for_what_did_not_arrive() -> None:
+    source = CuttingSource(cut_after=40_000)
+    stats = IOStats()
+    got = fetch_range(source, 10_000, 110_000, size=len(DATA), options=FAST, stats=stats)
+    assert bytes(got) == DATA[10_000:110_000]
+    # The first try reads the whole answer (the fast path) and loses it; then streamed tries,
+    # each starting where the last one was cut.
+    assert source.asked == [
+        ("whole", 10_000, 110_000),
+        ("streamed", 10_000, 110_000),
+        ("streamed", 50_000, 110_000),
+        ("streamed", 90_000, 110_000),
+    ]
+    assert stats.retries == 3
+    assert stats.bytes == 100_000
+
+
+def test_a_range_failing_for_good_hands_on_what_arrived() -> None:
+    source = CuttingSource(never=70_000)
+    options = FetchOptions(retries=2, backoff_s=0.001, max_backoff_s=0.001)
+    with pytest.raises(ShardOpenError) as info:
+        fetch_range(source, 10_000, 110_000, size=len(DATA), options=options, stats=IOStats())
+    assert info.value.received == DATA[10_000:70_000]
+    assert info.value.offset == 70_000  # the byte the store never sent, not the range's start
+    assert "gave up after 3 attempts" in str(info.value)
+
+
+def test_an_answer_that_is_not_the_rest_is_never_spliced() -> None:
+    source = CuttingSource(cut_after=40_000, whole=True)
+    with pytest.raises(RangeIgnoredError) as info:
+        fetch_range(source, 10_000, 110_000, size=len(DATA), options=FAST, stats=IOStats())
+    assert info.value.body == DATA  # the whole object, for the caller to stream from

@@ -109,7 +109,7 @@ class ShardError(CloudShardsError):
                 self.shard_index,
                 self.offset,
                 self.member,
-                self.__dict__,
+                {k: v for k, v in self.__dict__.items() if k != "received"},  # a part's bytes
             ),
         )
 

@@ -40,7 +40,7 @@ from cloudshards.process import PerProcess
 from cloudshards.source.gcsconfig import DEFAULT_BASE_URL, gcs_settings, xml_api_missing
 from cloudshards.source.objread import ObstoreReader, object_details, obstore_call, translate_error
 from cloudshards.source.options import OpenOptions
-from cloudshards.source.retries import PartialBodyError
+from cloudshards.source.retries import PartialBodyError, RangeIgnoredError
 from cloudshards.source.s3config import Unsupported, s3_settings
 from cloudshards.source.stream import status_error
 from cloudshards.urls import options_for, protocol_of
@@ -231,7 +231,11 @@ class ObstoreObject:
         self, start: int, end: int, timeout: float | None = None, if_match: str | None = None
     ) -> bytes:
         """:meth:`cat_range`, streamed: an answer cut mid-body raises
-        :class:`~cloudshards.source.retries.PartialBodyError` with the bytes that arrived."""
+        :class:`~cloudshards.source.retries.PartialBodyError` with the bytes that arrived.
+
+        Raises:
+            RangeIgnoredError: The store answered with the whole object.
+        """
         del timeout  # the store's read timeout is the stall timeout
         options: dict[str, Any] = {"range": (start, end)}
         if if_match is not None and self._version is None:
@@ -241,13 +245,17 @@ class ObstoreObject:
         except ConnectionError as exc:
             if _NON_PARTIAL not in str(exc):
                 raise
-            return self.cat()  # the store ignores Range: see cat_range_view
+            raise RangeIgnoredError(self.cat()) from None  # never joined onto kept bytes
         received = bytearray()
         try:
             for chunk in result.stream(min_chunk_size=1):  # each as it arrives: none lost
                 received += chunk
         except Exception as exc:
-            raise PartialBodyError(bytes(received), translate_error(exc)) from None
+            # A pinned generation (GCS) names the object as surely as a strong ETag.
+            etag = result.meta.get("e_tag")
+            if self._version and not (etag and etag[:2] != "W/"):
+                etag = f'"{self._version}"'  # the pinned generation
+            raise PartialBodyError(bytes(received), translate_error(exc), etag) from None
         return bytes(received)
 
     def remember(self, details: Mapping[str, Any]) -> None:

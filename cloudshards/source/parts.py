@@ -348,7 +348,8 @@ class PartStream(ClosingStream):
                 raise
             self._failure = error  # after some of the part: hand that on, then the error
             self._cancel()
-            return error.received
+            data, error.received = error.received, b""  # the error does not keep them
+            return data
         finally:
             self._stats.add(wait_s=time.perf_counter() - start)
 

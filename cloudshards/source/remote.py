@@ -14,7 +14,7 @@ from typing import IO, Any
 import fsspec.asyn
 
 from cloudshards.redact import raise_redacted
-from cloudshards.source.retries import PartialBodyError
+from cloudshards.source.retries import PartialBodyError, RangeIgnoredError
 from cloudshards.source.stream import map_backend_error
 from cloudshards.urls import protocol_of, resolve
 
@@ -70,7 +70,11 @@ class FsspecObject:
     ) -> bytes:
         """:meth:`cat_range`; over HTTP streamed, so that an answer cut mid-body raises
         :class:`~cloudshards.source.retries.PartialBodyError` with the bytes that arrived
-        (s3fs and gcsfs hand on whole answers only: there, as :meth:`cat_range`)."""
+        (s3fs and gcsfs hand on whole answers only: there, as :meth:`cat_range`).
+
+        Raises:
+            RangeIgnoredError: Over HTTP, the server answered with the whole object.
+        """
         fs = self.fs
         if not (self.conditional and hasattr(fs, "encode_url") and getattr(fs, "loop", None)):
             return self.cat_range(start, end, timeout, if_match)
@@ -105,14 +109,17 @@ async def _http_salvage(fs: Any, url: str, headers: dict[str, str]) -> bytes:
     session = await fs.set_session()
     async with session.get(fs.encode_url(url), headers=headers, **kw) as response:
         fs._raise_not_found_for_status(response, url)
+        if response.status != 206:  # the whole object (Range ignored): never joined onto kept
+            raise RangeIgnoredError(await response.read())
+        start = headers["Range"][len("bytes=") :].split("-", 1)[0]
+        if not response.headers.get("Content-Range", "").startswith(f"bytes {start}-"):
+            raise ConnectionError(f"a 206 answer for {headers['Range']} from another byte")
         received = bytearray()
         try:
             async for chunk in response.content.iter_chunked(1 << 20):
                 received += chunk
         except Exception as exc:
-            if response.status != 206:  # part of a whole object (Range ignored): not ours
-                raise
-            raise PartialBodyError(bytes(received), exc) from None
+            raise PartialBodyError(bytes(received), exc, response.headers.get("ETag")) from None
     return bytes(received)
 
 

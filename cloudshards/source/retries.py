@@ -100,12 +100,14 @@ class RangeIgnoredError(CloudShardsError):
 
 class PartialBodyError(CloudShardsError):
     """An answer cut mid-body (a transient failure, ``cause``) after ``received`` bytes of
-    the range had arrived: the retry asks for the rest only, and the bytes are not lost."""
+    the range had arrived, from the object whose ETag the answer gave (``etag``): the retry
+    asks for the rest only, of that object, and the bytes are not lost."""
 
-    def __init__(self, received: bytes, cause: BaseException) -> None:
+    def __init__(self, received: bytes, cause: BaseException, etag: str | None) -> None:
         super().__init__(f"cut after {len(received)} bytes: {type(cause).__name__}")
         self.received = received
         self.cause = cause
+        self.etag = etag
 
 
 _NOT_RETRYABLE = (FileNotFoundError, IsADirectoryError, PermissionError, ConfigError)

@@ -18,10 +18,11 @@ from cloudshards.errors import ShardOpenError
 from cloudshards.redact import raise_redacted, redact_url
 from cloudshards.source import adapt
 from cloudshards.source.budget import node_budget
+from cloudshards.source.kept import KeptRange
 from cloudshards.source.objstore import store_object
 from cloudshards.source.options import FetchOptions, OpenOptions
 from cloudshards.source.remote import fsspec_object, object_etag
-from cloudshards.source.retries import IOStats, PartialBodyError, RangeIgnoredError, retry
+from cloudshards.source.retries import IOStats, RangeIgnoredError, retry
 from cloudshards.source.stream import http_status, map_backend_error
 
 __all__ = [
@@ -142,32 +143,6 @@ def _unchanged(source: StoreObject, etag: str | None) -> bool:
         return False
 
 
-class _Kept:
-    """The bytes of one range kept from answers cut mid-body, and where the next attempt
-    starts: a retry asks for the rest only, and a range that fails for good hands them on."""
-
-    __slots__ = ("at", "pieces")
-
-    def __init__(self, start: int) -> None:
-        self.at = start
-        self.pieces: list[bytes] = []
-
-    def keep(self, cut: PartialBodyError, stats: IOStats) -> BaseException:
-        """Keep what ``cut`` received; return its cause, for the retry to judge."""
-        stats.add(bytes=len(cut.received))
-        self.pieces.append(cut.received)
-        self.at += len(cut.received)
-        return cut.cause
-
-    def joined(self, data: bytes | memoryview) -> bytes | memoryview:
-        return b"".join((*self.pieces, data)) if self.pieces else data
-
-    def hand_on(self, error: ShardOpenError) -> None:
-        """Give the failed range's error the bytes before the failure (read before it)."""
-        if self.pieces:
-            error.received = b"".join(self.pieces)
-
-
 def _conditioned(
     get: Callable[[], bytes | memoryview],
     source: StoreObject,
@@ -226,36 +201,31 @@ def fetch_range(
         ShardOpenError: The range could not be fetched (after retries), or came back short.
     """
     fetch = getattr(source, "cat_range_view", None) if view else None
-    salvage = getattr(source, "cat_range_salvage", None)
     etag = if_match.etag if if_match is not None else None
     condition = {"if_match": etag} if etag and getattr(source, "conditional", False) else {}
-    kept = _Kept(start)
+    kept = KeptRange(source, start, end, stats)
     attempts = 0
 
     def get() -> bytes | memoryview:
-        if attempts > 1 and salvage is not None:
-            # A retry: read streamed, keeping what arrives before a cut (the first attempt
-            # takes the faster whole-answer read, without that copy).
-            return salvage(kept.at, end, options.stall_timeout_s, **condition)  # type: ignore[no-any-return]
+        if attempts > 1 and kept.salvage is not None:
+            return kept.fetch(condition, options.stall_timeout_s)  # a retry: see .kept
         if fetch is not None:
-            return fetch(kept.at, end, **condition)  # type: ignore[no-any-return]
-        return source.cat_range(kept.at, end, timeout=options.stall_timeout_s, **condition)
+            return fetch(start, end, **condition)  # type: ignore[no-any-return]
+        return source.cat_range(start, end, timeout=options.stall_timeout_s, **condition)
 
     def call() -> bytes | memoryview:
         nonlocal attempts
         attempts += 1
-        expected = end - kept.at
         with node_budget().slot():  # one of the node's requests in flight
             stats.add(requests=1)
-            ticket = adapt.started(source.url, expected)
+            ticket = adapt.started(source.url, end - kept.at)
             data: bytes | memoryview
             try:
                 data = _conditioned(get, source, condition, if_match, etag)
-            except PartialBodyError as cut:
-                raise kept.keep(cut, stats) from None
             finally:
                 ticket.done()
         _answered(source, stats, len(data), ticket)
+        expected = end - kept.at  # what this answer should carry (after what was kept)
         if len(data) == expected or (size is None and len(data) < expected):
             # All of it, or the object ends inside the range (the caller checks its size).
             return kept.joined(data)
@@ -295,44 +265,39 @@ def fetch_first(
         ShardOpenError: The object is missing, or the GET failed after retries.
     """
     cat_first = getattr(source, "cat_first")  # noqa: B009 - a member of some transports only
-    salvage = getattr(source, "cat_range_salvage", None)
     seen: list[dict[str, Any]] = []  # the metadata of the first answer that brought it
-    kept = _Kept(0)
+    kept = KeptRange(source, 0, end, stats)
 
     def noted(details: dict[str, Any]) -> None:
         if not seen:
             seen.append(details)
+            if details.get("size") is not None:
+                kept.end = min(end, int(details["size"]))
+                kept.hold_to(object_etag(details))  # retries: the rest of this object only
         on_details(details)
 
-    def get() -> tuple[bytes | memoryview, dict[str, Any], int | None]:
-        size = seen[0].get("size") if seen else None
-        if size is None or salvage is None:
-            return (*cat_first(end, noted), None)
-        # A retry once the size is known: streamed, keeping what arrives before a cut (only
-        # while the object's strong ETag is the first answer's; GCS pins its generation).
-        etag = object_etag(seen[0])
-        strong = {"if_match": etag} if isinstance(etag, str) and etag[:2] != "W/" else {}
-        stop = min(end, int(size))
-        return salvage(kept.at, stop, options.stall_timeout_s, **strong), seen[0], stop
+    def get() -> tuple[bytes | memoryview, dict[str, Any]]:
+        if not seen or seen[0].get("size") is None or kept.salvage is None:
+            return cat_first(end, noted)  # type: ignore[no-any-return]
+        # A retry once the size is known: see .kept (GCS pins its generation).
+        try:
+            return kept.fetch({}, options.stall_timeout_s), seen[0]
+        except RangeIgnoredError as whole:
+            return whole.body, seen[0]  # the whole object: the caller streams from it
 
     def call() -> tuple[bytes, dict[str, Any]]:
         with node_budget().slot():
             stats.add(requests=1)
             ticket = adapt.started(source.url, end - kept.at)
             try:
-                data, details, stop = get()
-            except PartialBodyError as cut:
-                raise kept.keep(cut, stats) from None
+                data, details = get()
             finally:
                 ticket.done()
         _answered(source, stats, len(data), ticket)
         size = details.get("size")
-        if stop is not None:
-            expected = stop - kept.at  # the rest of a range whose start was kept
-        elif size is None or len(data) == int(size):
+        if size is None or len(data) == int(size):
             return bytes(data), details  # unknown size, or the whole object (Range ignored)
-        else:
-            expected = min(end, int(size))
+        expected = kept.end - kept.at  # the range's end is min(end, size) once size is known
         if len(data) == expected:
             return bytes(kept.joined(data)), details
         # A cut connection or a broken server: never hand it on; ask again.

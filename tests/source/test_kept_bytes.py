@@ -6,6 +6,7 @@ that cuts: ``integration/test_faults.py``.)"""
 from __future__ import annotations
 
 import io
+import pickle
 from typing import Any
 
 import pytest
@@ -13,6 +14,7 @@ import pytest
 from cloudshards.errors import ShardOpenError
 from cloudshards.source import FetchOptions, IOStats
 from cloudshards.source.retries import PartialBodyError, RangeIgnoredError
+from cloudshards.source.stream import status_error
 from cloudshards.source.transport import fetch_range
 
 DATA = bytes(range(256)) * 1024  # 256 KiB, every byte telling where it is
@@ -27,10 +29,15 @@ class CuttingSource:
     url = "mem://bucket/shard.tar"
 
     def __init__(
-        self, cut_after: int | None = None, never: int | None = None, whole: bool = False
+        self,
+        cut_after: int | None = None,
+        never: int | None = None,
+        whole: bool = False,
+        etag: str | None = '"v1"',
     ) -> None:
-        self.cut_after, self.never, self.whole = cut_after, never, whole
+        self.cut_after, self.never, self.whole, self.etag = cut_after, never, whole, etag
         self.asked: list[tuple[str, int, int]] = []
+        self.conditions: list[str | None] = []
 
     def _end(self, start: int, end: int) -> int:
         stop = end if self.cut_after is None else min(end, start + self.cut_after)
@@ -46,11 +53,12 @@ class CuttingSource:
         self, start: int, end: int, timeout: float | None = None, **kw: Any
     ) -> bytes:
         self.asked.append(("streamed", start, end))
+        self.conditions.append(kw.get("if_match"))
         if self.whole and start > 0:
-            return DATA  # a server that ignores Range on this try
+            raise RangeIgnoredError(DATA)  # a server that ignores Range on this try
         stop = self._end(start, end)
         if stop < end:
-            raise PartialBodyError(DATA[start:stop], ConnectionError("connection cut"))
+            raise PartialBodyError(DATA[start:stop], ConnectionError("cut"), self.etag)
         return DATA[start:end]
 
     def info(self, timeout: float | None = None) -> dict[str, int]:
@@ -78,6 +86,51 @@ def test_a_retry_asks_only_for_what_did_not_arrive() -> None:
     ]
     assert stats.retries == 3
     assert stats.bytes == 100_000
+    # After the first piece, only the rest of the object that piece came from.
+    assert source.conditions == [None, '"v1"', '"v1"']
+
+
+@pytest.mark.parametrize("etag", [None, 'W/"v1"'])
+def test_without_a_strong_etag_nothing_is_kept(etag: str | None) -> None:
+    # Nothing would tell another version's rest from this one's: every try reads it all.
+    source = CuttingSource(cut_after=40_000, etag=etag)
+    options = FetchOptions(retries=2, backoff_s=0.001, max_backoff_s=0.001)
+    with pytest.raises(ShardOpenError) as info:
+        fetch_range(source, 10_000, 110_000, size=len(DATA), options=options, stats=IOStats())
+    assert info.value.received == b""
+    assert [start for _, start, _ in source.asked] == [10_000, 10_000, 10_000]
+
+
+class ChangingSource(CuttingSource):
+    """The object is replaced after the first streamed answer was cut: the kept bytes' ETag
+    is refused from then on; whole reads work again after the first."""
+
+    def cat_range(self, start: int, end: int, timeout: float | None = None) -> bytes:
+        if any(kind == "whole" for kind, _, _ in self.asked):
+            self.asked.append(("whole", start, end))
+            return DATA[start:end]
+        return super().cat_range(start, end, timeout)
+
+    def cat_range_salvage(
+        self, start: int, end: int, timeout: float | None = None, **kw: Any
+    ) -> bytes:
+        if kw.get("if_match") == '"v1"':
+            self.asked.append(("refused", start, end))
+            raise status_error("HTTP 412 Precondition Failed", 412)
+        return super().cat_range_salvage(start, end, timeout, **kw)
+
+
+def test_a_refused_etag_starts_the_range_over() -> None:
+    source = ChangingSource(cut_after=40_000)
+    got = fetch_range(source, 10_000, 110_000, size=len(DATA), options=FAST, stats=IOStats())
+    assert bytes(got) == DATA[10_000:110_000]
+    # Read whole again from its start: no piece of the replaced object in it.
+    assert source.asked == [
+        ("whole", 10_000, 110_000),
+        ("streamed", 10_000, 110_000),
+        ("refused", 50_000, 110_000),
+        ("whole", 10_000, 110_000),
+    ]
 
 
 def test_a_range_failing_for_good_hands_on_what_arrived() -> None:
@@ -88,6 +141,8 @@ def test_a_range_failing_for_good_hands_on_what_arrived() -> None:
     assert info.value.received == DATA[10_000:70_000]
     assert info.value.offset == 70_000  # the byte the store never sent, not the range's start
     assert "gave up after 3 attempts" in str(info.value)
+    # The bytes travel to the reader, not with the error through a DataLoader's pipe.
+    assert pickle.loads(pickle.dumps(info.value)).received == b""
 
 
 def test_an_answer_that_is_not_the_rest_is_never_spliced() -> None:
@@ -95,3 +150,22 @@ def test_an_answer_that_is_not_the_rest_is_never_spliced() -> None:
     with pytest.raises(RangeIgnoredError) as info:
         fetch_range(source, 10_000, 110_000, size=len(DATA), options=FAST, stats=IOStats())
     assert info.value.body == DATA  # the whole object, for the caller to stream from
+
+
+class BreakingAtTheEnd(CuttingSource):
+    """Every streamed answer breaks off after its last byte has arrived."""
+
+    def cat_range_salvage(
+        self, start: int, end: int, timeout: float | None = None, **kw: Any
+    ) -> bytes:
+        self.asked.append(("streamed", start, end))
+        raise PartialBodyError(DATA[start:end], ConnectionError("reset at the end"), '"v1"')
+
+
+def test_an_answer_breaking_off_after_its_last_byte_is_complete() -> None:
+    # On the last try allowed, too.
+    source = BreakingAtTheEnd(cut_after=0)
+    options = FetchOptions(retries=1, backoff_s=0.001, max_backoff_s=0.001)
+    got = fetch_range(source, 0, 50_000, size=len(DATA), options=options, stats=IOStats())
+    assert bytes(got) == DATA[:50_000]
+    assert source.asked == [("whole", 0, 50_000), ("streamed", 0, 50_000)]

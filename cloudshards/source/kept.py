@@ -1,0 +1,107 @@
+"""The bytes of one ranged GET kept from answers cut mid-body, for :mod:`.transport`.
+
+A part's first try reads its answer whole (the fast path: obstore's buffer handed on without a
+copy); its retries read streamed, through the transport's ``cat_range_salvage``, so that an
+answer cut mid-body keeps what arrived and the next try asks for the rest only. When the range
+fails for good, the bytes before the failure go to the reader with the error (nothing before
+a failure is lost).
+
+Bytes are joined only when they are sure to be one object's: every piece comes from a ranged
+answer (206) that starts where the last one stopped, and every try after the first piece asks
+for the object whose strong ETag that piece's answer named (``If-Match``; GCS pins the
+generation instead). An answer without a strong ETag keeps nothing, and a store that refuses
+the ETag (the object changed, or a proxy rewrites ETags) makes the range start over, read
+whole as before.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cloudshards.errors import ShardOpenError
+from cloudshards.source.retries import IOStats, PartialBodyError
+from cloudshards.source.stream import http_status
+
+__all__ = ["KeptRange"]
+
+
+class KeptRange:
+    """Bytes ``[start, end)`` of one object, as far as they arrived, and where the next try
+    starts (``at``).
+
+    Attributes:
+        at: The first byte not yet kept.
+        salvage: The transport's streamed ranged read, None where it has none (s3fs, gcsfs)
+            or once the range started over.
+    """
+
+    __slots__ = ("_etag", "_pieces", "_stats", "at", "end", "salvage", "start")
+
+    def __init__(self, source: Any, start: int, end: int, stats: IOStats) -> None:
+        self.salvage = getattr(source, "cat_range_salvage", None)
+        self.start = self.at = start
+        self.end = end
+        self._stats = stats
+        self._pieces: list[bytes] = []
+        self._etag: str | None = None
+
+    def hold_to(self, etag: Any) -> None:
+        """Ask for the object with this ETag only (the object the caller already read from),
+        when it is a strong one."""
+        if _strong(etag):
+            self._etag = etag
+
+    def fetch(self, condition: dict[str, str], timeout: float) -> bytes:
+        """One streamed try for the rest (``b""`` once all of it has arrived), under the
+        caller's ``condition`` (``if_match``) or the kept bytes' ETag.
+
+        Raises:
+            ConnectionError: The answer was cut (what arrived is kept), or the store refused
+                the kept bytes' ETag (the range starts over).
+            RangeIgnoredError: The store answered with the whole object.
+        """
+        assert self.salvage is not None
+        if self.at >= self.end:
+            return b""
+        ours = not condition.get("if_match") and self._etag is not None
+        asked = {"if_match": self._etag} if ours else condition
+        try:
+            data: bytes = self.salvage(self.at, self.end, timeout, **asked)
+            return data
+        except PartialBodyError as cut:
+            self._keep(cut)
+            if self.at >= self.end:
+                return b""  # all of it arrived before the answer broke off
+            raise cut.cause from None
+        except Exception as exc:
+            if http_status(exc) != 412 or not (ours or self._pieces):
+                raise  # the caller's own condition, before anything was kept: theirs to judge
+            self._start_over()
+            raise ConnectionError(
+                "the store refused the ETag of the bytes read so far; reading the range again"
+            ) from exc
+
+    def _keep(self, cut: PartialBodyError) -> None:
+        self._stats.add(bytes=len(cut.received))
+        if not _strong(cut.etag) or (self._etag is not None and cut.etag != self._etag):
+            return  # nothing names the object these bytes are of: keep none of them
+        self._etag = cut.etag
+        self._pieces.append(cut.received)
+        self.at += len(cut.received)
+
+    def _start_over(self) -> None:
+        self._pieces.clear()
+        self.at, self._etag, self.salvage = self.start, None, None
+
+    def joined(self, data: bytes | memoryview) -> bytes | memoryview:
+        """The kept bytes, then ``data`` (the rest, from ``at``)."""
+        return b"".join((*self._pieces, data)) if self._pieces else data
+
+    def hand_on(self, error: ShardOpenError) -> None:
+        """Give the failed range's error the bytes before the failure (read before it)."""
+        if self._pieces:
+            error.received = b"".join(self._pieces)
+
+
+def _strong(etag: Any) -> bool:
+    return isinstance(etag, str) and bool(etag) and not etag.startswith("W/")

@@ -330,12 +330,15 @@ def test_a_key_obstore_cannot_name_is_read_through_s3fs(
 
 @pytest.mark.parametrize("remote", ["s3", "gcs", "http"])
 def test_an_object_replaced_while_it_is_read_is_never_stitched(
-    request: pytest.FixtureRequest, tmp_path: Path, remote: str
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, remote: str
 ) -> None:
     """Each part after the first is asked for only while the object's ETag is the first
     part's (If-Match; on GCS its generation): when the object is replaced mid-read, the read
     fails and names the change, instead of handing on members made of both versions; the
     cache keeps nothing."""
+    # The reader pauses while the new version is uploaded: a cache download would run ahead
+    # to the end after 0.5 s of that (a slow upload on a loaded machine), before the change.
+    monkeypatch.setenv("CLOUDSHARDS_CACHE_IDLE_MS", "600000")
     dataset: RemoteDataset = request.getfixturevalue(f"{remote}_dataset")
     old, new = tmp_path / "old.tar", tmp_path / "new.tar"
     _changing_tar(old, 1)

@@ -7,11 +7,12 @@ fails for good, the bytes before the failure go to the reader with the error (no
 a failure is lost).
 
 Bytes are joined only when they are sure to be one object's: every piece comes from a ranged
-answer (206) that starts where the last one stopped, and every try after the first piece asks
-for the object whose strong ETag that piece's answer named (``If-Match``; GCS pins the
-generation instead). An answer without a strong ETag keeps nothing, and a store that refuses
-the ETag (the object changed, or a proxy rewrites ETags) makes the range start over, read
-whole as before.
+answer (206) that starts where the last one stopped, and every answer after the first piece
+must name the object that piece's answer named (its strong ETag, or on GCS the pinned
+generation), checked on the answer's headers before its body is read: a store that ignores
+``If-Match`` cannot slip another version in. An answer without a strong ETag keeps nothing,
+and an answer naming another object (the object changed, replicas with other ETags, a proxy
+that rewrites ETags) makes the range start over, read whole as before, in the same try.
 """
 
 from __future__ import annotations
@@ -46,27 +47,27 @@ class KeptRange:
         self._etag: str | None = None
 
     def hold_to(self, etag: Any) -> None:
-        """Ask for the object with this ETag only (the object the caller already read from),
-        when it is a strong one."""
+        """Take answers of the object with this ETag only (the object the caller already
+        read from), when it is a strong one."""
         if _strong(etag):
             self._etag = etag
 
-    def fetch(self, condition: dict[str, str], timeout: float) -> bytes:
+    def fetch(self, condition: dict[str, str], timeout: float) -> bytes | None:
         """One streamed try for the rest (``b""`` once all of it has arrived), under the
-        caller's ``condition`` (``if_match``) or the kept bytes' ETag.
+        caller's ``condition`` (``if_match``); None when the range starts over (an answer
+        named another object): the caller then reads it whole.
 
         Raises:
-            ConnectionError: The answer was cut (what arrived is kept), or the store refused
-                the kept bytes' ETag (the range starts over).
+            ConnectionError: The answer was cut (what arrived is kept).
             RangeIgnoredError: The store answered with the whole object.
         """
         assert self.salvage is not None
         if self.at >= self.end:
             return b""
-        ours = not condition.get("if_match") and self._etag is not None
-        asked = {"if_match": self._etag} if ours else condition
         try:
-            data: bytes = self.salvage(self.at, self.end, timeout, **asked)
+            data: bytes = self.salvage(
+                self.at, self.end, timeout, expect_etag=self._etag, **condition
+            )
             return data
         except PartialBodyError as cut:
             self._keep(cut)
@@ -74,15 +75,15 @@ class KeptRange:
                 return b""  # all of it arrived before the answer broke off
             raise cut.cause from None
         except Exception as exc:
-            if http_status(exc) != 412 or not (ours or self._pieces):
+            if http_status(exc) != 412 or (self._etag is None and not self._pieces):
                 raise  # the caller's own condition, before anything was kept: theirs to judge
             self._start_over()
-            raise ConnectionError(
-                "the store refused the ETag of the bytes read so far; reading the range again"
-            ) from exc
+            return None
 
     def _keep(self, cut: PartialBodyError) -> None:
         self._stats.add(bytes=len(cut.received))
+        if cut.size is not None:
+            self.end = min(self.end, cut.size)  # a range past the object's end
         if not _strong(cut.etag) or (self._etag is not None and cut.etag != self._etag):
             return  # nothing names the object these bytes are of: keep none of them
         self._etag = cut.etag

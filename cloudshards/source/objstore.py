@@ -228,10 +228,17 @@ class ObstoreObject:
         return memoryview(self.cat())
 
     def cat_range_salvage(
-        self, start: int, end: int, timeout: float | None = None, if_match: str | None = None
+        self,
+        start: int,
+        end: int,
+        timeout: float | None = None,
+        if_match: str | None = None,
+        expect_etag: str | None = None,
     ) -> bytes:
         """:meth:`cat_range`, streamed: an answer cut mid-body raises
         :class:`~cloudshards.source.retries.PartialBodyError` with the bytes that arrived.
+        With ``expect_etag``, an answer naming another object (its ETag, or the pinned
+        generation on GCS) is refused before its body is read, as a 412.
 
         Raises:
             RangeIgnoredError: The store answered with the whole object.
@@ -246,16 +253,18 @@ class ObstoreObject:
             if _NON_PARTIAL not in str(exc):
                 raise
             raise RangeIgnoredError(self.cat()) from None  # never joined onto kept bytes
+        etag = result.meta.get("e_tag")
+        if self._version and not (etag and etag[:2] != "W/"):
+            etag = f'"{self._version}"'  # a pinned generation names the object as surely
+        if expect_etag is not None and etag != expect_etag:  # a store ignoring If-Match
+            raise status_error(f"another object answered ({etag}, not {expect_etag})", 412)
         received = bytearray()
         try:
             for chunk in result.stream(min_chunk_size=1):  # each as it arrives: none lost
                 received += chunk
         except Exception as exc:
-            # A pinned generation (GCS) names the object as surely as a strong ETag.
-            etag = result.meta.get("e_tag")
-            if self._version and not (etag and etag[:2] != "W/"):
-                etag = f'"{self._version}"'  # the pinned generation
-            raise PartialBodyError(bytes(received), translate_error(exc), etag) from None
+            size = result.meta.get("size")
+            raise PartialBodyError(bytes(received), translate_error(exc), etag, size) from None
         return bytes(received)
 
     def remember(self, details: Mapping[str, Any]) -> None:

@@ -15,7 +15,7 @@ import fsspec.asyn
 
 from cloudshards.redact import raise_redacted
 from cloudshards.source.retries import PartialBodyError, RangeIgnoredError
-from cloudshards.source.stream import map_backend_error
+from cloudshards.source.stream import map_backend_error, status_error
 from cloudshards.urls import protocol_of, resolve
 
 __all__ = ["FsspecObject", "fsspec_object", "object_etag", "open_output", "open_write"]
@@ -66,11 +66,17 @@ class FsspecObject:
         return data
 
     def cat_range_salvage(
-        self, start: int, end: int, timeout: float | None = None, if_match: str | None = None
+        self,
+        start: int,
+        end: int,
+        timeout: float | None = None,
+        if_match: str | None = None,
+        expect_etag: str | None = None,
     ) -> bytes:
         """:meth:`cat_range`; over HTTP streamed, so that an answer cut mid-body raises
         :class:`~cloudshards.source.retries.PartialBodyError` with the bytes that arrived
-        (s3fs and gcsfs hand on whole answers only: there, as :meth:`cat_range`).
+        (s3fs and gcsfs hand on whole answers only: there, as :meth:`cat_range`). With
+        ``expect_etag``, an answer with another ETag is refused before its body, as a 412.
 
         Raises:
             RangeIgnoredError: Over HTTP, the server answered with the whole object.
@@ -82,7 +88,7 @@ class FsspecObject:
         if if_match:
             headers["If-Match"] = if_match
         data: bytes = fsspec.asyn.sync(
-            fs.loop, _http_salvage, fs, self.path, headers, timeout=timeout
+            fs.loop, _http_salvage, fs, self.path, headers, expect_etag, timeout=timeout
         )
         return data
 
@@ -101,7 +107,9 @@ class FsspecObject:
         )
 
 
-async def _http_salvage(fs: Any, url: str, headers: dict[str, str]) -> bytes:
+async def _http_salvage(
+    fs: Any, url: str, headers: dict[str, str], expect_etag: str | None
+) -> bytes:
     # fsspec's HTTPFileSystem._cat_file, reading the body in chunks: fsspec has no ranged
     # read that keeps what arrived before a cut.
     kw = fs.kwargs.copy()
@@ -112,14 +120,20 @@ async def _http_salvage(fs: Any, url: str, headers: dict[str, str]) -> bytes:
         if response.status != 206:  # the whole object (Range ignored): never joined onto kept
             raise RangeIgnoredError(await response.read())
         start = headers["Range"][len("bytes=") :].split("-", 1)[0]
-        if not response.headers.get("Content-Range", "").startswith(f"bytes {start}-"):
+        where = response.headers.get("Content-Range", "")
+        if not where.startswith(f"bytes {start}-"):
             raise ConnectionError(f"a 206 answer for {headers['Range']} from another byte")
+        etag = response.headers.get("ETag")
+        if expect_etag is not None and etag != expect_etag:  # a server ignoring If-Match
+            raise status_error(f"another object answered ({etag}, not {expect_etag})", 412)
+        total = where.rsplit("/", 1)[-1]
         received = bytearray()
         try:
             async for chunk in response.content.iter_chunked(1 << 20):
                 received += chunk
         except Exception as exc:
-            raise PartialBodyError(bytes(received), exc, response.headers.get("ETag")) from None
+            size = int(total) if total.isdigit() else None
+            raise PartialBodyError(bytes(received), exc, etag, size) from None
     return bytes(received)
 
 

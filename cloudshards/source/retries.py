@@ -100,14 +100,18 @@ class RangeIgnoredError(CloudShardsError):
 
 class PartialBodyError(CloudShardsError):
     """An answer cut mid-body (a transient failure, ``cause``) after ``received`` bytes of
-    the range had arrived, from the object whose ETag the answer gave (``etag``): the retry
-    asks for the rest only, of that object, and the bytes are not lost."""
+    the range had arrived, from the object whose ETag the answer gave (``etag``) and of the
+    size it gave (``size``, None if it did not): the retry asks for the rest only, of that
+    object, and the bytes are not lost."""
 
-    def __init__(self, received: bytes, cause: BaseException, etag: str | None) -> None:
+    def __init__(
+        self, received: bytes, cause: BaseException, etag: str | None, size: int | None
+    ) -> None:
         super().__init__(f"cut after {len(received)} bytes: {type(cause).__name__}")
         self.received = received
         self.cause = cause
         self.etag = etag
+        self.size = size
 
 
 _NOT_RETRYABLE = (FileNotFoundError, IsADirectoryError, PermissionError, ConfigError)

@@ -208,7 +208,9 @@ def fetch_range(
 
     def get() -> bytes | memoryview:
         if attempts > 1 and kept.salvage is not None:
-            return kept.fetch(condition, options.stall_timeout_s)  # a retry: see .kept
+            rest = kept.fetch(condition, options.stall_timeout_s)  # a retry: see .kept
+            if rest is not None:
+                return rest
         if fetch is not None:
             return fetch(start, end, **condition)  # type: ignore[no-any-return]
         return source.cat_range(start, end, timeout=options.stall_timeout_s, **condition)
@@ -281,9 +283,10 @@ def fetch_first(
             return cat_first(end, noted)  # type: ignore[no-any-return]
         # A retry once the size is known: see .kept (GCS pins its generation).
         try:
-            return kept.fetch({}, options.stall_timeout_s), seen[0]
+            rest = kept.fetch({}, options.stall_timeout_s)
         except RangeIgnoredError as whole:
             return whole.body, seen[0]  # the whole object: the caller streams from it
+        return (rest, seen[0]) if rest is not None else cat_first(end, noted)
 
     def call() -> tuple[bytes, dict[str, Any]]:
         with node_budget().slot():

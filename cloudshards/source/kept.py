@@ -17,13 +17,29 @@ that rewrites ETags) makes the range start over, read whole as before, in the sa
 
 from __future__ import annotations
 
-from typing import Any
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from cloudshards.errors import ShardOpenError
-from cloudshards.source.retries import IOStats, PartialBodyError
-from cloudshards.source.stream import http_status
+from cloudshards.source.options import FetchOptions
+from cloudshards.source.retries import IOStats, PartialBodyError, retry
+from cloudshards.source.stream import http_status, status_error
 
-__all__ = ["KeptRange"]
+__all__ = ["KeptRange", "refuse_another_object"]
+
+T = TypeVar("T")
+
+
+def refuse_another_object(etag: str | None, expect_etag: str | None) -> None:
+    """Refuse, as a 412, an answer (its headers) naming another object than ``expect_etag``:
+    what a transport's streamed read checks for :meth:`KeptRange.fetch`, before any body.
+
+    Raises:
+        OSError: ``etag`` is not ``expect_etag`` (HTTP status 412).
+    """
+    if expect_etag is not None and etag != expect_etag:  # a store ignoring If-Match, too
+        raise status_error(f"another object answered ({etag}, not {expect_etag})", 412)
 
 
 class KeptRange:
@@ -36,9 +52,10 @@ class KeptRange:
             or once the range started over.
     """
 
-    __slots__ = ("_etag", "_pieces", "_stats", "at", "end", "salvage", "start")
+    __slots__ = ("_etag", "_pieces", "_stats", "at", "end", "salvage", "start", "url")
 
     def __init__(self, source: Any, start: int, end: int, stats: IOStats) -> None:
+        self.url: str = source.url
         self.salvage = getattr(source, "cat_range_salvage", None)
         self.start = self.at = start
         self.end = end
@@ -98,10 +115,21 @@ class KeptRange:
         """The kept bytes, then ``data`` (the rest, from ``at``)."""
         return b"".join((*self._pieces, data)) if self._pieces else data
 
-    def hand_on(self, error: ShardOpenError) -> None:
-        """Give the failed range's error the bytes before the failure (read before it)."""
-        if self._pieces:
-            error.received = b"".join(self._pieces)
+    def retried(
+        self, call: Callable[[], T], options: FetchOptions, cancel: threading.Event | None
+    ) -> T:
+        """``call`` (one try at the range) under :func:`retry`, which names the byte the
+        range failed at; when it fails for good, its error carries the bytes before that
+        byte, for the reader to read before it raises."""
+        try:
+            return retry(
+                call, url=self.url, offset=lambda: self.at, options=options, stats=self._stats,
+                cancel=cancel,
+            )  # fmt: skip
+        except ShardOpenError as error:
+            if self._pieces:
+                error.received = b"".join(self._pieces)
+            raise
 
 
 def _strong(etag: Any) -> bool:

@@ -38,6 +38,7 @@ from cloudshards import config
 from cloudshards.errors import ConfigError
 from cloudshards.process import PerProcess
 from cloudshards.source.gcsconfig import DEFAULT_BASE_URL, gcs_settings, xml_api_missing
+from cloudshards.source.kept import refuse_another_object
 from cloudshards.source.objread import ObstoreReader, object_details, obstore_call, translate_error
 from cloudshards.source.options import OpenOptions
 from cloudshards.source.retries import PartialBodyError, RangeIgnoredError
@@ -256,8 +257,7 @@ class ObstoreObject:
         etag = result.meta.get("e_tag")
         if self._version and not (etag and etag[:2] != "W/"):
             etag = f'"{self._version}"'  # a pinned generation names the object as surely
-        if expect_etag is not None and etag != expect_etag:  # a store ignoring If-Match
-            raise status_error(f"another object answered ({etag}, not {expect_etag})", 412)
+        refuse_another_object(etag, expect_etag)
         received = bytearray()
         try:
             for chunk in result.stream(min_chunk_size=1):  # each as it arrives: none lost

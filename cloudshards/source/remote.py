@@ -14,8 +14,9 @@ from typing import IO, Any
 import fsspec.asyn
 
 from cloudshards.redact import raise_redacted
+from cloudshards.source.kept import refuse_another_object
 from cloudshards.source.retries import PartialBodyError, RangeIgnoredError
-from cloudshards.source.stream import map_backend_error, status_error
+from cloudshards.source.stream import map_backend_error
 from cloudshards.urls import protocol_of, resolve
 
 __all__ = ["FsspecObject", "fsspec_object", "object_etag", "open_output", "open_write"]
@@ -124,8 +125,7 @@ async def _http_salvage(
         if not where.startswith(f"bytes {start}-"):
             raise ConnectionError(f"a 206 answer for {headers['Range']} from another byte")
         etag = response.headers.get("ETag")
-        if expect_etag is not None and etag != expect_etag:  # a server ignoring If-Match
-            raise status_error(f"another object answered ({etag}, not {expect_etag})", 412)
+        refuse_another_object(etag, expect_etag)
         total = where.rsplit("/", 1)[-1]
         received = bytearray()
         try:

@@ -14,7 +14,6 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import IO, Any, Protocol
 
-from cloudshards.errors import ShardOpenError
 from cloudshards.redact import raise_redacted, redact_url
 from cloudshards.source import adapt
 from cloudshards.source.budget import node_budget
@@ -22,7 +21,7 @@ from cloudshards.source.kept import KeptRange
 from cloudshards.source.objstore import store_object
 from cloudshards.source.options import FetchOptions, OpenOptions
 from cloudshards.source.remote import fsspec_object, object_etag
-from cloudshards.source.retries import IOStats, RangeIgnoredError, retry
+from cloudshards.source.retries import IOStats, RangeIgnoredError
 from cloudshards.source.stream import http_status, map_backend_error
 
 __all__ = [
@@ -237,14 +236,7 @@ def fetch_range(
         # server. Never hand it on; retrying asks again for exactly this range.
         raise ConnectionError(f"ranged GET returned {len(data)} bytes, expected {expected}")
 
-    try:
-        return retry(
-            call, url=source.url, offset=lambda: kept.at, options=options, stats=stats,
-            cancel=cancel,
-        )  # fmt: skip
-    except ShardOpenError as error:
-        kept.hand_on(error)
-        raise
+    return kept.retried(call, options, cancel)
 
 
 def fetch_first(
@@ -306,14 +298,7 @@ def fetch_first(
         # A cut connection or a broken server: never hand it on; ask again.
         raise ConnectionError(f"ranged GET returned {len(data)} bytes, expected {expected}")
 
-    try:
-        return retry(
-            call, url=source.url, offset=lambda: kept.at, options=options, stats=stats,
-            cancel=cancel,
-        )  # fmt: skip
-    except ShardOpenError as error:
-        kept.hand_on(error)
-        raise
+    return kept.retried(call, options, cancel)
 
 
 def read_range(

@@ -115,6 +115,17 @@ class PartialBodyError(CloudShardsError):
 
 
 _NOT_RETRYABLE = (FileNotFoundError, IsADirectoryError, PermissionError, ConfigError)
+# A bug (ours, a backend's or a user's hook), not the store: asking again only repeats it, and
+# six tries logged as "transient" hide it behind minutes of backoff.
+# (Not AttributeError: aiohttp has raised it for a connection closed under a read.)
+_PROGRAMMING_ERRORS = (
+    TypeError,
+    NameError,
+    ImportError,
+    NotImplementedError,
+    AssertionError,
+    RecursionError,
+)
 _AUTH_OR_CLIENT = (
     "AccessDenied",
     "InvalidAccessKeyId",
@@ -147,7 +158,7 @@ def is_retryable(exc: BaseException) -> bool:
         if exc.original_type is None:
             return False
         kind = exc.original_type
-    if issubclass(kind, (*_NOT_RETRYABLE, RangeIgnoredError)):
+    if issubclass(kind, (*_NOT_RETRYABLE, *_PROGRAMMING_ERRORS, RangeIgnoredError)):
         return False
     status = http_status(exc)
     if isinstance(status, int) and 400 <= status < 500 and status not in (408, 429):

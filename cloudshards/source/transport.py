@@ -223,6 +223,9 @@ def fetch_range(
             data: bytes | memoryview
             try:
                 data = _conditioned(get, source, condition, if_match, etag)
+            except RangeIgnoredError as whole:  # a streamed retry's whole-object answer
+                stats.add(bytes=len(whole.body))
+                raise
             finally:
                 ticket.done()
         _answered(source, stats, len(data), ticket)

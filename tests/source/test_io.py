@@ -257,3 +257,27 @@ def test_s3_token_errors_as_s3fs_raises_them_fail_at_once(message: str) -> None:
     exc = OSError(errno.EINVAL, message)
     assert not is_retryable(exc)
     assert "access denied" in str(map_backend_error(exc, "s3://b/k.tar"))
+
+
+@pytest.mark.parametrize("bug", [TypeError("unsupported operand"), AssertionError("x")])
+def test_a_bug_is_raised_at_once_not_retried_as_transient(
+    bug: Exception, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A TypeError from a backend or a hook is not the store's: retrying it six times, logged
+    as transient and backed off, only delays the traceback the user needs."""
+    from cloudshards.source import FetchOptions
+    from cloudshards.source.retries import IOStats, retry
+
+    calls: list[int] = []
+
+    def call() -> bytes:
+        calls.append(1)
+        raise bug
+
+    stats = IOStats()
+    with pytest.raises(ShardOpenError, match=type(bug).__name__) as raised:
+        retry(call, url="s3://b/k.tar", offset=0, options=FetchOptions(retries=5), stats=stats)
+    assert calls == [1]
+    assert raised.value.__cause__ is not None
+    assert (stats.retries, stats.failures) == (0, 1)
+    assert "retry" not in caplog.text

@@ -147,9 +147,11 @@ def test_a_range_failing_for_good_hands_on_what_arrived() -> None:
 
 def test_an_answer_that_is_not_the_rest_is_never_spliced() -> None:
     source = CuttingSource(cut_after=40_000, whole=True)
+    stats = IOStats()
     with pytest.raises(RangeIgnoredError) as info:
-        fetch_range(source, 10_000, 110_000, size=len(DATA), options=FAST, stats=IOStats())
+        fetch_range(source, 10_000, 110_000, size=len(DATA), options=FAST, stats=stats)
     assert info.value.body == DATA  # the whole object, for the caller to stream from
+    assert stats.bytes == len(DATA)  # received, though never joined: counted
 
 
 class BreakingAtTheEnd(CuttingSource):

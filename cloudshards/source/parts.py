@@ -23,7 +23,7 @@ from cloudshards.source import adapt
 from cloudshards.source.adapt import FIRST_PART_BYTES
 from cloudshards.source.options import FetchOptions
 from cloudshards.source.remote import object_etag
-from cloudshards.source.retries import IOStats, RangeIgnoredError
+from cloudshards.source.retries import IOStats, LinkedEvent, RangeIgnoredError
 from cloudshards.source.stream import ShardSource
 from cloudshards.source.transport import IfMatch, StoreObject, fetch_range
 from cloudshards.types import ClosingStream
@@ -88,7 +88,7 @@ class PartStream(ClosingStream):
         self._stats = IOStats(parent=stats)
         self._process_stats = stats
         self._started = time.perf_counter()
-        self._cancel_event = cancel
+        self._cancel_event = LinkedEvent(cancel)  # set when this shard's reading is over
         # The window is filled by the reader and by the lookup's completion callback.
         self._lock = threading.Lock()
         # (future, start, requested length) of the ranged GETs in flight, in order.
@@ -344,10 +344,10 @@ class PartStream(ClosingStream):
         except RangeIgnoredError as exc:
             return self._fall_back(exc.body)
         except ShardOpenError as error:
+            self._cancel()  # the parts after it retry no more
             if not error.received:
                 raise
             self._failure = error  # after some of the part: hand that on, then the error
-            self._cancel()
             data, error.received = error.received, b""  # the error does not keep them
             return data
         finally:
@@ -371,6 +371,7 @@ class PartStream(ClosingStream):
         return body[self.offset :]
 
     def _cancel(self) -> None:
+        self._cancel_event.set()  # parts in flight stop retrying
         with self._lock:  # cancelled outside it: a cancelled part calls back at once
             window, self._window = list(self._window), deque()
         for future, _, _ in window:

@@ -24,6 +24,7 @@ from cloudshards.source.stream import hidden_failure, http_status, map_backend_e
 
 __all__ = [
     "IOStats",
+    "LinkedEvent",
     "PartialBodyError",
     "RangeIgnoredError",
     "is_retryable",
@@ -180,6 +181,30 @@ def is_throttled(exc: BaseException) -> bool:
         return True
     text = f"{type(exc).__name__} {exc}"
     return any(marker in text for marker in _THROTTLED) or " 503" in text or " 429" in text
+
+
+class LinkedEvent(threading.Event):
+    """An event of its own (one shard's reading is over: it failed, fell back or closed) that
+    also counts as set once ``parent`` (the reader's) is: a retry waiting on it stops for
+    either, so the parts of a shard given up on stop retrying with it."""
+
+    def __init__(self, parent: threading.Event | None) -> None:
+        super().__init__()
+        self._parent = parent
+
+    def is_set(self) -> bool:
+        return super().is_set() or (self._parent is not None and self._parent.is_set())
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if self._parent is None:
+            return super().wait(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.is_set():  # the parent's setting is seen within a slice
+            left = 0.1 if deadline is None else min(0.1, deadline - time.monotonic())
+            if left <= 0:
+                return False
+            super().wait(left)
+        return True
 
 
 def retry(

@@ -82,7 +82,8 @@ class WebDataset(DataPipeline, FluidInterface):
         part_bytes: Size of each ranged GET for remote shards (default 2 MiB).
         concurrency: Ranged GETs in flight per shard (default 16).
         retries: Retries of a failed request, with exponential backoff (default 5).
-        stall_timeout_s: A read with no progress for this long is an error (default 120).
+        stall_timeout_s: A request's try with no progress for this long is abandoned and
+            retried like a cut one, keeping what arrived (default 120).
         balance: Equal epochs across ranks, so DDP never hangs on uneven shards: ``"drop"``
             gives every rank and worker exactly ``T // C`` samples of the ``T`` in the epoch
             (``C`` = ranks x workers; the ``T % C`` left over are skipped, a different few

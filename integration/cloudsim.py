@@ -76,6 +76,7 @@ class SimConfig:
     # every GET whose answer carries this byte of the object is cut just before it (a byte the
     # store never delivers, however often asked); -1 = off
     cut_at_offset: int = -1
+    stall_at_offset: bool = False  # with cut_at_offset: pause stall_s before it, then go on
     cut_mode: str = "close"  # "close": FIN (client sees a short body); "reset": TCP RST
     stall_every_n: int = 0  # every Nth forwarded GET pauses stall_s at cut_after_bytes
     stall_s: float = 30.0
@@ -404,7 +405,8 @@ class CloudSim:
             )
             pinned = _pinned_cut(cfg, request, upstream)
             if pinned is not None:
-                cut, fault_at = True, pinned
+                fault_at = pinned
+                stall, cut = (True, False) if cfg.stall_at_offset else (stall, True)
             # A fault needs a body to break: only 200/206 answers with at least one byte.
             cut = cut and upstream.status in _CUTTABLE and fault_at >= 0
             stall = stall and upstream.status in _CUTTABLE and fault_at >= 0

@@ -319,6 +319,24 @@ def test_cut_at_offset_never_delivers_that_byte(sim: CloudSim, blob_url: str) ->
     assert sim.stats().cuts == 3
 
 
+def test_stall_at_offset_pauses_before_that_byte(sim: CloudSim, blob_url: str) -> None:
+    """With stall_at_offset, every answer carrying that byte pauses just before it, then
+    goes on; answers that end before it are not held."""
+    sim.configure(cut_at_offset=300_000, stall_at_offset=True, stall_s=0.3)
+    held = fetch_one(through(sim, blob_url), headers={"Range": "bytes=299990-400000"})
+    assert held.error is None
+    assert held.body == BLOB[299_990:400_001]
+    assert held.elapsed_s >= 0.3 * EARLY
+    stalled = fetch_one(through(sim, blob_url), read_timeout_s=0.1)
+    assert isinstance(stalled.error, asyncio.TimeoutError)
+    assert stalled.body == BLOB[:300_000]
+    before = fetch_one(through(sim, blob_url), headers={"Range": "bytes=0-299999"})
+    assert before.error is None
+    assert before.body == BLOB[:300_000]
+    stats = sim.stats()
+    assert (stats.stalls, stats.cuts) == (2, 0)
+
+
 def test_stall_then_resume(sim: CloudSim, blob_url: str) -> None:
     sim.configure(stall_every_n=1, stall_s=0.3, cut_after_bytes=1000)
     answer = fetch_one(through(sim, blob_url))

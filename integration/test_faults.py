@@ -226,15 +226,16 @@ def sample_starts(path: Path) -> list[tuple[str, str, int]]:
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("fault", ["cut", "stall"])
 @pytest.mark.parametrize("where", ["first part", "later part"])
 def test_a_byte_the_store_never_sends_loses_no_sample_before_it(
-    cloudsim: Factory, remote_dataset: RemoteDataset, where: str, no_threads_left: None
+    cloudsim: Factory, remote_dataset: RemoteDataset, where: str, fault: str, no_threads_left: None
 ) -> None:
-    """Every answer that carries one byte of a shard is cut just before it (a broken replica,
-    a bad sector), however often it is asked for: the bytes of the part before it are kept
-    from the cut answers, so every sample before that byte arrives, intact, and then an error
-    names the shard, the member being read and the byte. In the first part (a small shard is
-    read with that one GET, which also brings its size) as in a later one."""
+    """Every answer that carries one byte of a shard is cut (or stalls) just before it (a
+    broken replica, a bad sector), however often it is asked for: the bytes of the part before
+    it are kept from the cut answers, so every sample before that byte arrives, intact, and
+    then an error names the shard, the member being read and the byte. In the first part (a
+    small shard is read with that one GET, which also brings its size) as in a later one."""
     local = remote_dataset.local
     sizes = [len(keys) for keys in local.shard_keys]
     if where == "first part":  # the last sample that starts in the smallest shard's first part
@@ -251,9 +252,12 @@ def test_a_byte_the_store_never_sends_loses_no_sample_before_it(
         assert len(later) >= 2, "the largest shard is too small for this test"
         key, member, data_at = later[1]
     cut = data_at + 100
-    sim, remote = through(cloudsim, remote_dataset, cut_at_offset=cut)
+    stall = {"stall_at_offset": True, "stall_s": 20.0} if fault == "stall" else {}
+    sim, remote = through(cloudsim, remote_dataset, cut_at_offset=cut, **stall)
     url = remote.url_for(local.shards[shard])
-    ds = dataset_for(remote, [url], part_bytes=PART, concurrency=2, prefetch=1, retries=2)
+    ds = dataset_for(
+        remote, [url], part_bytes=PART, concurrency=2, prefetch=1, retries=2, stall_timeout_s=2
+    )
     got: list[tuple[str, Sample]] = []
     samples = iter(ds)
     error = None
@@ -270,7 +274,8 @@ def test_a_byte_the_store_never_sends_loses_no_sample_before_it(
     assert (error.url, error.member, error.offset) == (url, member, cut)
     assert f"member {member!r}" in str(error)
     assert f"byte offset {cut}" in str(error)
-    assert sim.stats().cuts >= 3
+    faults = sim.stats()
+    assert (faults.stalls if fault == "stall" else faults.cuts) >= 3
 
 
 # ------------------------------------------------------------------------------ a dead store
@@ -338,26 +343,54 @@ def test_all_connections_cut_skip_handler_ends_quietly(
 # ------------------------------------------------------------------------------ stalls
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("cached", [False, True], ids=["no cache", "cache_dir"])
+def test_a_stalled_get_is_retried_and_loses_nothing(
+    cloudsim: Factory,
+    remote_dataset: RemoteDataset,
+    cached: bool,
+    tmp_path: Path,
+    no_threads_left: None,
+) -> None:
+    """Every 3rd GET stops sending after CUT_AT bytes for longer than stall_timeout_s (a stuck
+    connection, as S3 has now and then): that try is abandoned and retried like a cut one, so
+    every sample arrives once, intact; the shard is not given up on."""
+    sim, remote = through(
+        cloudsim, remote_dataset, stall_every_n=3, stall_s=20.0, cut_after_bytes=CUT_AT
+    )
+    cache = {"cache_dir": str(tmp_path / "cache")} if cached else {}
+    ds = dataset_for(
+        remote, part_bytes=PART, concurrency=2, prefetch=1, stall_timeout_s=1, retries=4, **cache
+    )
+    assert_exactly_once(read_samples(ds), remote.local)
+    assert sim.stats().stalls >= 2
+    assert ds.stats()["io"]["failures"] == 0
+
+
 @pytest.mark.timeout(60)
 def test_stall_is_an_error_not_a_hang(cloudsim: Factory, http_dataset: RemoteDataset) -> None:
-    """Every GET pauses 20 s after CUT_AT bytes; stall_timeout_s=1 turns that into an error,
-    and dropping the failed iterator does not wait for the stalled requests either."""
+    """Every GET pauses 20 s after CUT_AT bytes; stall_timeout_s=1 abandons each try (and
+    retries it, as any failure) and turns the last into an error, and dropping the failed
+    iterator does not wait for the stalled requests either."""
     stall_s = 20.0
     sim, remote = through(
         cloudsim, http_dataset, stall_every_n=1, stall_s=stall_s, cut_after_bytes=CUT_AT
     )
-    ds = dataset_for(remote, part_bytes=PART, concurrency=2, prefetch=1, stall_timeout_s=1)
+    ds = dataset_for(
+        remote, part_bytes=PART, concurrency=2, prefetch=1, stall_timeout_s=1, retries=1
+    )
     start = time.monotonic()
     with pytest.raises(ShardOpenError, match="stalled") as info:
         for _ in ds:
             pass
     elapsed = time.monotonic() - start
-    assert elapsed < 1 + STARTUP_S + REQUEST_S, (
-        f"ShardOpenError surfaced after {elapsed:.1f} s (stall_timeout_s=1, server stalls "
-        f"{stall_s:.0f} s)"
+    bound = ds.fetch.give_up_s + STARTUP_S + REQUEST_S  # 2 tries of 1 s, and a backoff
+    assert elapsed < bound, (
+        f"ShardOpenError surfaced after {elapsed:.1f} s (stall_timeout_s=1, retries=1, server "
+        f"stalls {stall_s:.0f} s)"
     )
     assert info.value.url == remote.url_for(remote.local.shards[0])
-    assert sim.stats().stalls > 0
+    assert sim.stats().stalls >= 2  # the stalled try was tried again
 
     # The failed iterator's frames (and its prefetcher) live on in the traceback; release
     # them on a helper thread so a blocking clean-up shows as a failure, not a stuck test.

@@ -68,7 +68,8 @@ class FetchOptions:
         retries: Further attempts after a failed request (0: no retry).
         backoff_s: First retry delay; doubles each time, with full jitter.
         max_backoff_s: Cap on one retry delay.
-        stall_timeout_s: A part that makes no progress for this long is an error.
+        stall_timeout_s: A try of a request that makes no progress for this long is
+            abandoned, and retried as any other failure (see :attr:`give_up_s`).
         adaptive: Size the parts from the measured link (:mod:`cloudshards.source.adapt`),
             holding at most ``concurrency x part_bytes`` per shard; :meth:`from_env` turns it
             on unless ``part_bytes`` or ``concurrency`` is given (argument or variable).
@@ -119,6 +120,15 @@ class FetchOptions:
                 value = config.env_int(variable, int(default))
                 values[name] = float(value) if isinstance(default, float) else value
         return cls(**values)
+
+    @property
+    def give_up_s(self) -> float:
+        """The longest one request takes through all its tries before it fails for good:
+        ``retries + 1`` tries of at most ``stall_timeout_s`` each and the backoff between
+        them. A reader waits this long for a part (a little longer) before it calls the
+        store stalled: a backend whose tries cannot be bounded still ends in an error."""
+        backoff = sum(min(self.max_backoff_s, self.backoff_s * 2.0**n) for n in range(self.retries))
+        return (self.retries + 1) * self.stall_timeout_s + backoff
 
     @property
     def max_buffered_bytes(self) -> int:

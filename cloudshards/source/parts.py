@@ -76,6 +76,7 @@ class PartStream(ClosingStream):
         self._source = source
         self._executor = executor
         self._options = options
+        self._wait_s = options.give_up_s + 1.0  # for a backend whose tries are not bounded
         # CLOUDSHARDS_IF_MATCH=0: for HTTP replicas behind one name whose ETags differ (an
         # mtime-based ETag on each host) while their bytes are the same.
         self._if_match = config.env_bool("IF_MATCH", True)
@@ -118,7 +119,7 @@ class PartStream(ClosingStream):
     def details(self) -> dict[str, Any]:
         if not self._details.done():
             start = time.perf_counter()
-            deadline = start + self._options.stall_timeout_s
+            deadline = start + self._wait_s
             try:
                 # In slices: a reader closed meanwhile (its prefetcher cancels, then shuts its
                 # pool down, which may drop the lookup before it runs) stops the wait at once.
@@ -328,7 +329,7 @@ class PartStream(ClosingStream):
 
     def _failed(self, why: str | None = None) -> ShardOpenError:  # None: it stalled
         return ShardOpenError(
-            why or f"stalled: no bytes for {self._options.stall_timeout_s:.0f} s",
+            why or f"stalled: no bytes for {self._wait_s:.0f} s",
             url=self.url,
             shard_index=self.shard_index,
             offset=self.offset,
@@ -337,7 +338,7 @@ class PartStream(ClosingStream):
     def _wait(self, future: cf.Future[Any]) -> bytes | memoryview:
         start = time.perf_counter()
         try:
-            data: bytes | memoryview = future.result(timeout=self._options.stall_timeout_s)
+            data: bytes | memoryview = future.result(timeout=self._wait_s)
             return data
         except cf.TimeoutError:
             raise self._failed() from None

@@ -8,6 +8,7 @@ transport (:mod:`cloudshards.source.objstore`) has the same methods, and
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from typing import IO, Any
 
@@ -88,8 +89,11 @@ class FsspecObject:
         headers = {"Range": f"bytes={start}-{end - 1}"}
         if if_match:
             headers["If-Match"] = if_match
+        # The read ends itself at ``timeout``, keeping what arrived (a stall loses nothing);
+        # the bridge's own bound, a little later, is for an answer whose headers never come.
+        backstop = None if timeout is None else timeout + _BACKSTOP_S
         data: bytes = fsspec.asyn.sync(
-            fs.loop, _http_salvage, fs, self.path, headers, expect_etag, timeout=timeout
+            fs.loop, _http_salvage, fs, self.path, headers, expect_etag, timeout, timeout=backstop
         )
         return data
 
@@ -108,11 +112,16 @@ class FsspecObject:
         )
 
 
+_BACKSTOP_S = 1.0
+
+
 async def _http_salvage(
-    fs: Any, url: str, headers: dict[str, str], expect_etag: str | None
+    fs: Any, url: str, headers: dict[str, str], expect_etag: str | None, timeout: float | None
 ) -> bytes:
     # fsspec's HTTPFileSystem._cat_file, reading the body in chunks: fsspec has no ranged
-    # read that keeps what arrived before a cut.
+    # read that keeps what arrived before a cut or a stall.
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout is None else loop.time() + timeout
     kw = fs.kwargs.copy()
     headers = {**kw.pop("headers", {}), **headers}
     session = await fs.set_session()
@@ -129,7 +138,14 @@ async def _http_salvage(
         total = where.rsplit("/", 1)[-1]
         received = bytearray()
         try:
-            async for chunk in response.content.iter_chunked(1 << 20):
+            while True:
+                left = None if deadline is None else max(0.0, deadline - loop.time())
+                try:
+                    chunk = await asyncio.wait_for(response.content.read(1 << 20), left)
+                except TimeoutError:
+                    raise TimeoutError(f"stalled: the answer took over {timeout:g} s") from None
+                if not chunk:
+                    break
                 received += chunk
         except Exception as exc:
             size = int(total) if total.isdigit() else None

@@ -81,6 +81,7 @@ class SimConfig:
     stall_every_n: int = 0  # every Nth forwarded GET pauses stall_s at cut_after_bytes
     stall_s: float = 30.0
     ignore_range: bool = False  # drop Range/If-Range: upstream answers 200 + the whole body
+    ignore_if_match: bool = False  # drop If-Match, as s3rver and Python's http.server ignore it
     match: str = ""  # regex on path?query: faults only hit requests it matches ("" = all)
     rate_limit_rps: float = 0.0  # GETs admitted per second (a sliding second); the rest: 503
 
@@ -125,6 +126,7 @@ class SimStats:
     cuts: int = 0  # bodies cut short
     stalls: int = 0
     ranges_ignored: int = 0  # Range headers dropped by ignore_range
+    if_match_ignored: int = 0  # If-Match headers dropped by ignore_if_match
     upstream_errors: int = 0  # upstream unreachable (502) or its body broke mid-way
     client_disconnects: int = 0  # the client went away before the body was sent
     throttled: int = 0  # GETs answered 503 SlowDown by the rate limit
@@ -377,6 +379,9 @@ class CloudSim:
         if cfg.ignore_range and "Range" in request.headers:
             headers = [(k, v) for k, v in headers if k.lower() not in ("range", "if-range")]
             self._count(ranges_ignored=1)
+        if cfg.ignore_if_match and "If-Match" in request.headers:
+            headers = [(k, v) for k, v in headers if k.lower() != "if-match"]
+            self._count(if_match_ignored=1)
         assert self._session is not None
         try:
             upstream = await self._session.request(

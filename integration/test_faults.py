@@ -362,9 +362,10 @@ def test_a_stalled_get_is_retried_and_loses_nothing(
     ds = dataset_for(
         remote, part_bytes=PART, concurrency=2, prefetch=1, stall_timeout_s=1, retries=4, **cache
     )
+    before = ds.stats()["io"]["failures"]  # the process's counters, over every test
     assert_exactly_once(read_samples(ds), remote.local)
     assert sim.stats().stalls >= 2
-    assert ds.stats()["io"]["failures"] == 0
+    assert ds.stats()["io"]["failures"] == before
 
 
 @pytest.mark.timeout(60)

@@ -24,6 +24,8 @@ from cloudsim_fixtures import cloudsim_factory  # noqa: F401
 import cloudshards as wds
 from cloudshards.errors import ShardOpenError
 from cloudshards.redact import install_log_redaction
+from cloudshards.source import OpenOptions
+from cloudshards.source.transport import object_size
 
 if TYPE_CHECKING:
     from conftest import RemoteDataset
@@ -131,6 +133,12 @@ def test_debug_logs_of_backends_carry_no_secret(
     assert len(samples) == len(http_dataset.local.shard_keys[1])
     with pytest.raises(ShardOpenError):
         list(wds.WebDataset(forbidding, shardshuffle=False))
+    # Shard reads go through requests of cloudshards' own; metadata (a size, an index) goes
+    # through fsspec's, which logs each URL.
+    assert (
+        object_size(good, OpenOptions())
+        == (http_dataset.local.root / http_dataset.local.shards[1]).stat().st_size
+    )
     logged = debug_log.getvalue()
     # The backends did log the URLs (so this checks something), with the secrets masked.
     assert "fsspec" in logged

@@ -5,6 +5,7 @@ The checks that hold for GCS as well run for it too (its own are in test_transpo
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import shutil
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import torch.utils.data
 from cloudsim_fixtures import cloudsim_factory, via  # noqa: F401 - the fixture
+from servers import S3Server
 
 import cloudshards as wds
 from cloudshards.errors import ConfigError, ShardFormatError, ShardOpenError
@@ -373,6 +375,73 @@ def test_an_object_replaced_while_it_is_read_is_never_stitched(
         assert name in str(info.value)
         assert all(bytes(s["bin"]) == b"\x01" * (64 << 10) for s in read)  # never version 2
     assert not [p for p in (cache / "data").glob("*") if not p.name.endswith(".partial")]
+
+
+@pytest.mark.parametrize("remote", ["s3", "http"])
+def test_a_store_ignoring_if_match_never_gets_two_versions_stitched(
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    remote: str,
+    cloudsim: Any,
+) -> None:
+    """s3rver and Python's http.server answer a ranged GET whatever its If-Match says: each
+    answer's own ETag must be the first part's, checked on its headers, so a replaced object
+    still fails the read, naming the change, and the cache keeps nothing."""
+    monkeypatch.setenv("CLOUDSHARDS_CACHE_IDLE_MS", "600000")  # as in the test above
+    old, new = tmp_path / "old.tar", tmp_path / "new.tar"
+    _changing_tar(old, 1)
+    _changing_tar(new, 2)
+    name = f"ignoring-{remote}.tar"
+    with contextlib.ExitStack() as stack:
+        if remote == "s3":  # a moto that checks no signature: a signed If-Match is dropped
+            server = S3Server.start(tmp_path / "moto", enforce_auth=False)
+            stack.callback(server.close)
+            fs = server.filesystem()
+            fs.mkdir("open-bucket")
+            upstream, options = server.endpoint_url, {"s3": server.storage_options()}
+
+            def publish(source: Path) -> None:
+                fs.put(str(source), f"open-bucket/{name}")
+
+        else:
+            dataset: RemoteDataset = request.getfixturevalue("http_dataset")
+            upstream, options = dataset.server.base_url, dataset.storage_options
+
+            def publish(source: Path) -> None:
+                target = dataset.server.root / "cloudshards-it" / name
+                shutil.copyfile(source, f"{target}.new")  # replaced at once, as a store does
+                mtime = 1_700_000_500 if source == new else 1_700_000_000  # nginx's ETag
+                os.utime(f"{target}.new", (mtime, mtime))
+                os.replace(f"{target}.new", target)
+
+        sim = cloudsim(upstream, ignore_if_match=True)
+        if remote == "s3":
+            options = {"s3": {**options["s3"], "endpoint_url": sim.url}}
+            url = f"s3://open-bucket/{name}"
+        else:
+            url = f"{sim.url}/cloudshards-it/{name}"
+        cache = tmp_path / "cache"
+        for cache_dir in (None, cache):
+            publish(old)
+            samples = iter(
+                wds.WebDataset(
+                    url,
+                    shardshuffle=False,
+                    storage_options=options,
+                    part_bytes=64 << 10,
+                    concurrency=1,
+                    prefetch=0,
+                    cache_dir=str(cache_dir) if cache_dir else None,
+                )
+            )
+            read = [next(samples)]
+            publish(new)
+            with pytest.raises(ShardOpenError, match="changed while it was read"):
+                read.extend(samples)
+            assert all(bytes(s["bin"]) == b"\x01" * (64 << 10) for s in read)  # never version 2
+        assert not [p for p in (cache / "data").glob("*") if not p.name.endswith(".partial")]
+        assert sim.stats().if_match_ignored > 0
 
 
 @pytest.mark.parametrize("remote", ["s3", "gcs"])

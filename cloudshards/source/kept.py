@@ -81,10 +81,10 @@ class KeptRange:
         assert self.salvage is not None
         if self.at >= self.end:
             return b""
+        given = dict(condition)  # the caller's expect_etag names this object too
+        expect = self._etag or given.pop("expect_etag", None)
         try:
-            data: bytes = self.salvage(
-                self.at, self.end, timeout, expect_etag=self._etag, **condition
-            )
+            data: bytes = self.salvage(self.at, self.end, timeout, expect_etag=expect, **given)
             return data
         except PartialBodyError as cut:
             self._keep(cut)

@@ -200,27 +200,40 @@ class ObstoreObject:
         return object_details(obstore_call(obstore.head, self.store, self.key))
 
     def cat_range(
-        self, start: int, end: int, timeout: float | None = None, if_match: str | None = None
+        self,
+        start: int,
+        end: int,
+        timeout: float | None = None,
+        if_match: str | None = None,
+        expect_etag: str | None = None,
     ) -> bytes:
         """Bytes ``[start, end)`` (fewer when the object ends first), in one ranged GET (only
-        while the object's ETag is ``if_match``, when given: else HTTP 412)."""
+        while the object's ETag is ``if_match``, when given: else HTTP 412; ``expect_etag``:
+        the same, without sending ``If-Match``)."""
         del timeout  # the store's read timeout is the stall timeout
-        return bytes(self.cat_range_view(start, end, if_match))
+        return bytes(self.cat_range_view(start, end, if_match, expect_etag))
 
-    def cat_range_view(self, start: int, end: int, if_match: str | None = None) -> memoryview:
+    def cat_range_view(
+        self, start: int, end: int, if_match: str | None = None, expect_etag: str | None = None
+    ) -> memoryview:
         """:meth:`cat_range` without the copy into ``bytes``: a read-only view of the buffer
         obstore filled (the parts of a shard the tar reader slices members from)."""
         import obstore
 
+        expect = if_match or expect_etag
         try:
-            if if_match is None and self._version is None:
+            if expect is None and self._version is None:
                 data = obstore_call(obstore.get_range, self.store, self.key, start=start, end=end)
                 return memoryview(data)
-            # Pinned to the first answer's generation (GCS), else conditional on its ETag.
+            # Pinned to the first answer's generation (GCS), else conditional on its ETag,
+            # which the answer must name too: a store may ignore If-Match (s3rver does).
             options: dict[str, Any] = {"range": (start, end)}
-            if self._version is None:
+            if self._version is None and if_match is not None:
                 options["if_match"] = if_match
-            return memoryview(obstore_call(self._get(options).bytes))
+            result = self._get(options)
+            if self._version is None:
+                refuse_another_object(result.meta.get("e_tag"), expect)
+            return memoryview(obstore_call(result.bytes))
         except ConnectionError as exc:
             if _NON_PARTIAL not in str(exc):
                 raise

@@ -8,15 +8,12 @@ transport (:mod:`cloudshards.source.objstore`) has the same methods, and
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Mapping
 from typing import IO, Any
 
 import fsspec.asyn
 
 from cloudshards.redact import raise_redacted
-from cloudshards.source.kept import refuse_another_object
-from cloudshards.source.retries import PartialBodyError, RangeIgnoredError
 from cloudshards.source.stream import map_backend_error
 from cloudshards.urls import protocol_of, resolve
 
@@ -67,36 +64,6 @@ class FsspecObject:
             data = fs.cat_file(self.path, start=start, end=end, **extra)
         return data
 
-    def cat_range_salvage(
-        self,
-        start: int,
-        end: int,
-        timeout: float | None = None,
-        if_match: str | None = None,
-        expect_etag: str | None = None,
-    ) -> bytes:
-        """:meth:`cat_range`; over HTTP streamed, so that an answer cut mid-body raises
-        :class:`~cloudshards.source.retries.PartialBodyError` with the bytes that arrived
-        (s3fs and gcsfs hand on whole answers only: there, as :meth:`cat_range`). With
-        ``expect_etag``, an answer with another ETag is refused before its body, as a 412.
-
-        Raises:
-            RangeIgnoredError: Over HTTP, the server answered with the whole object.
-        """
-        fs = self.fs
-        if not (self.conditional and hasattr(fs, "encode_url") and getattr(fs, "loop", None)):
-            return self.cat_range(start, end, timeout, if_match)
-        headers = {"Range": f"bytes={start}-{end - 1}"}
-        if if_match:
-            headers["If-Match"] = if_match
-        # The read ends itself at ``timeout``, keeping what arrived (a stall loses nothing);
-        # the bridge's own bound, a little later, is for an answer whose headers never come.
-        backstop = None if timeout is None else timeout + _BACKSTOP_S
-        data: bytes = fsspec.asyn.sync(
-            fs.loop, _http_salvage, fs, self.path, headers, expect_etag, timeout, timeout=backstop
-        )
-        return data
-
     def cat(self) -> bytes:
         """The whole (small) object in one request."""
         data: bytes = self.fs.cat_file(self.path)
@@ -112,54 +79,21 @@ class FsspecObject:
         )
 
 
-_BACKSTOP_S = 1.0
-
-
-async def _http_salvage(
-    fs: Any, url: str, headers: dict[str, str], expect_etag: str | None, timeout: float | None
-) -> bytes:
-    # fsspec's HTTPFileSystem._cat_file, reading the body in chunks: fsspec has no ranged
-    # read that keeps what arrived before a cut or a stall.
-    loop = asyncio.get_running_loop()
-    deadline = None if timeout is None else loop.time() + timeout
-    kw = fs.kwargs.copy()
-    headers = {**kw.pop("headers", {}), **headers}
-    session = await fs.set_session()
-    async with session.get(fs.encode_url(url), headers=headers, **kw) as response:
-        fs._raise_not_found_for_status(response, url)
-        if response.status != 206:  # the whole object (Range ignored): never joined onto kept
-            raise RangeIgnoredError(await response.read())
-        start = headers["Range"][len("bytes=") :].split("-", 1)[0]
-        where = response.headers.get("Content-Range", "")
-        if not where.startswith(f"bytes {start}-"):
-            raise ConnectionError(f"a 206 answer for {headers['Range']} from another byte")
-        etag = response.headers.get("ETag")
-        refuse_another_object(etag, expect_etag)
-        total = where.rsplit("/", 1)[-1]
-        received = bytearray()
-        try:
-            while True:
-                left = None if deadline is None else max(0.0, deadline - loop.time())
-                try:
-                    chunk = await asyncio.wait_for(response.content.read(1 << 20), left)
-                except TimeoutError:
-                    raise TimeoutError(f"stalled: the answer took over {timeout:g} s") from None
-                if not chunk:
-                    break
-                received += chunk
-        except Exception as exc:
-            size = int(total) if total.isdigit() else None
-            raise PartialBodyError(bytes(received), exc, etag, size) from None
-    return bytes(received)
-
-
-def fsspec_object(url: str, storage_options: Mapping[str, Any] | None) -> FsspecObject:
-    """The object at ``url`` on its fsspec filesystem (resolving needs no request).
+def fsspec_object(
+    url: str, storage_options: Mapping[str, Any] | None, stall_timeout_s: float | None = None
+) -> FsspecObject:
+    """The object at ``url`` on its fsspec filesystem (resolving needs no request); over
+    HTTP(S) an :class:`~cloudshards.source.httpobj.HttpObject`, whose reads of one answer
+    are bounded by ``stall_timeout_s``.
 
     Raises:
         ConfigError: The URL's protocol is unknown or its backend is missing.
     """
     fs, path = resolve(url, storage_options)
+    if protocol_of(url) in ("http", "https") and hasattr(fs, "encode_url"):
+        from cloudshards.source.httpobj import HttpObject
+
+        return HttpObject(fs, path, url, stall_timeout_s=stall_timeout_s)
     return FsspecObject(fs, path, url)
 
 

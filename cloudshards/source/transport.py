@@ -50,7 +50,8 @@ class StoreObject(Protocol):
     def cat_range(self, start: int, end: int, timeout: float | None = None) -> bytes: ...
 
     # Transports that can make a ranged GET conditional on the object's ETag (``If-Match``)
-    # also have ``conditional = True`` and take ``if_match=`` in cat_range(_view).
+    # also have ``conditional = True`` and take ``if_match=`` (sent, and checked on the
+    # answer) or ``expect_etag=`` (checked only) in cat_range(_view).
 
     def cat(self) -> bytes: ...
 
@@ -69,7 +70,7 @@ def object_at(
     fast = store_object(url, options, stall_timeout_s=stall_timeout_s)
     if fast is not None:
         return fast
-    return fsspec_object(url, options.storage_options)
+    return fsspec_object(url, options.storage_options, stall_timeout_s)
 
 
 def open_stream(url: str, options: OpenOptions, shard_index: int | None) -> IO[bytes]:
@@ -125,13 +126,15 @@ logger = logging.getLogger("cloudshards.fetch")
 
 
 class IfMatch:
-    """The ETag one shard's later parts ask for (``If-Match``), shared by its parts: cleared
-    when the store refuses the ETag it still reports (see :func:`fetch_range`)."""
+    """The ETag one shard's later parts ask for (``If-Match``) and whose answers must name it,
+    shared by its parts; ``send`` is cleared when the store refuses the ETag it still reports
+    (see :func:`fetch_range`): the parts then only check their answers' ETags."""
 
-    __slots__ = ("etag",)
+    __slots__ = ("etag", "send")
 
     def __init__(self, etag: str | None) -> None:
         self.etag = etag
+        self.send = True
 
 
 def _unchanged(source: StoreObject, etag: str | None) -> bool:
@@ -156,18 +159,18 @@ def _conditioned(
         return get()
     except Exception as exc:
         gone = getattr(exc, "generation_gone", False)  # pinned (GCS): it changed
-        if gone or not (condition and http_status(exc) == 412):
+        if gone or not (condition.get("if_match") and http_status(exc) == 412):
             raise
         if not _unchanged(source, etag):
             raise  # a 412 for an object whose ETag is no longer the first part's
     logger.info(
-        "%s refuses If-Match with the ETag it reports; reading it without (a change while it "
-        "is read is then not detected)",
+        "%s refuses If-Match with the ETag it reports; reading it without (each answer's ETag "
+        "is still checked)",
         redact_url(source.url),
     )
     if if_match is not None:
-        if_match.etag = None
-    condition.clear()
+        if_match.send = False
+    condition["expect_etag"] = condition.pop("if_match")
     return get()
 
 
@@ -201,7 +204,9 @@ def fetch_range(
     """
     fetch = getattr(source, "cat_range_view", None) if view else None
     etag = if_match.etag if if_match is not None else None
-    condition = {"if_match": etag} if etag and getattr(source, "conditional", False) else {}
+    # Sent as If-Match, and checked on the answer's headers; or only checked (see IfMatch).
+    key = "if_match" if if_match is None or if_match.send else "expect_etag"
+    condition = {key: etag} if etag and getattr(source, "conditional", False) else {}
     kept = KeptRange(source, start, end, stats)
     attempts = 0
 

@@ -73,7 +73,6 @@ def download_ahead(
             options,
             shard_index,
             lock,
-            skip=0,
             open_store=open_store,
             count_uncached=False,
         )

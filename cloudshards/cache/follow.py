@@ -26,17 +26,18 @@ class FollowStream(ClosingStream):
 
     At the current end of the file it checks: the entry was committed (the file we hold was
     renamed into place) means the real end; the downloader's lock is free without a commit
-    means it died or stopped, and ``take_over(offset)`` returns a stream that continues for
-    us, unless the downloader marked the file as failing verification (see
-    :data:`~cloudshards.cache.lock.POISONED_MODE`): the bytes read so far may be wrong, and
-    ``read`` raises instead.
+    means it died or stopped, and ``take_over()`` returns a stream of the shard from its
+    first byte, read up to our offset and checked against what we read (an object replaced
+    since must not continue the bytes of its former version), unless the downloader marked
+    the file as failing verification (see :data:`~cloudshards.cache.lock.POISONED_MODE`):
+    the bytes read so far may be wrong, and ``read`` raises instead.
 
     Args:
         fd: An open descriptor of the partial file.
         url: The shard URL (for errors).
         entry: Path the partial file is renamed to when complete.
         lock_path: The downloader's lock file.
-        take_over: Returns a replacement stream that skips ``offset`` delivered bytes.
+        take_over: Returns a replacement stream, from the shard's first byte.
         handoff: The blocks of this process's own download ahead of the file, if it is one:
             read from memory while they are held, and waited for instead of polling.
     """
@@ -56,7 +57,7 @@ class FollowStream(ClosingStream):
         entry: str,
         lock_path: str,
         stats: CacheStats,
-        take_over: Callable[[int], ShardSource],
+        take_over: Callable[[], ShardSource],
         on_close: Callable[[], None],
         handoff: Handoff | None = None,
     ) -> None:
@@ -111,7 +112,7 @@ class FollowStream(ClosingStream):
             # The process's own download has timeouts of its own: never a second download.
             own = handoff is not None and not handoff.finished
             stalled = not own and time.monotonic() - waited_since > self.STALL_S
-            unlocked = not is_locked(self.lock_path)
+            unlocked = not is_locked(self.lock_path) or self._replaced()
             if unlocked and handoff is not None and _more_from(handoff, self.offset):
                 unlocked = False  # this process's download: what it hands on comes next
             if self._committed() or stalled or unlocked:
@@ -145,9 +146,7 @@ class FollowStream(ClosingStream):
                 handed = self._release_handoff()
                 if handed is not None:  # cannot be: it is taken above; never left open
                     handed.close()
-                os.close(self.fd)
-                self.fd = -1
-                self._replacement = self._take_over(self.offset)
+                self._replacement = self._caught_up(self._take_over())
                 return self._replacement.read(size)
             if handoff is not None:
                 handoff.wait(self.offset, delay)  # woken by the next block
@@ -175,6 +174,38 @@ class FollowStream(ClosingStream):
             return None
         handoff, self._handoff = self._handoff, None
         return handoff.release()
+
+    def _caught_up(self, replacement: ShardSource) -> ShardSource:
+        """``replacement`` read up to this reader's offset, each byte the one read from the
+        file (kept open for this).
+
+        Raises:
+            ShardOpenError: The store's object is not the one read so far (replaced since).
+        """
+        at = 0
+        try:
+            while at < self.offset:
+                data = replacement.read(min(self.offset - at, 1 << 22))
+                if not data or os.pread(self.fd, len(data), at) != data:
+                    raise ShardOpenError(
+                        "the object changed while it was read (the store's bytes are not the "
+                        "ones read from the download this reader followed)",
+                        url=self.url,
+                        offset=at,
+                    )
+                at += len(data)
+        except BaseException:
+            replacement.close()
+            raise
+        return replacement
+
+    def _replaced(self) -> bool:
+        """Whether another reader took the download over into a new file (ours, the old one,
+        stays readable through our descriptor)."""
+        try:
+            return os.stat(f"{self.entry}.partial").st_ino != self._inode
+        except FileNotFoundError:
+            return False
 
     def _committed(self) -> bool:
         try:

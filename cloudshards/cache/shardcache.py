@@ -40,7 +40,6 @@ from cloudshards.source import (
     OpenOptions,
     ShardSource,
     StoreOpener,
-    discard,
     is_local,
     open_remote,
     open_shard,
@@ -143,7 +142,7 @@ class ShardCache(CacheBudget):
                 return self._stream_uncached(url, options, shard_index, open_store, exc)
             if lock is not None:
                 stream = self._download(
-                    url, name, options, shard_index, lock, skip=0, open_store=open_store
+                    url, name, options, shard_index, lock, open_store=open_store
                 )
                 own_download = None
                 if cancel is not None and isinstance(stream, TeeStream):
@@ -173,7 +172,7 @@ class ShardCache(CacheBudget):
                 entry=self._path("data", name),
                 lock_path=self._path("locks", name + ".lock"),
                 stats=CacheStats() if own else self.stats,
-                take_over=lambda offset: self._take_over(url, name, options, shard_index, offset),
+                take_over=lambda: self._take_over(url, name, options, shard_index),
                 on_close=self._save_stats,
                 handoff=handoff,
             )
@@ -202,8 +201,10 @@ class ShardCache(CacheBudget):
         return lock
 
     def _take_over(
-        self, url: str, name: str, options: OpenOptions, shard_index: int | None, offset: int
+        self, url: str, name: str, options: OpenOptions, shard_index: int | None
     ) -> ShardSource:
+        """The shard from its first byte, downloaded into a new file when the lock is free
+        (the follower checks it against what it read, see FollowStream)."""
         try:
             lock = self._claim(name)
         except OSError as exc:
@@ -211,13 +212,13 @@ class ShardCache(CacheBudget):
                 raise
             warn_disk_full(self.stats, exc)
             lock = None
-        if lock is not None:
-            return self._download(url, name, options, shard_index, lock, skip=offset)
+        if lock is not None:  # a new file: followers of the old one keep what they read
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._path("data", name + ".partial"))
+            return self._download(url, name, options, shard_index, lock)
         # Someone else took over first (or finished), or the disk is full: stream this one
         # directly from the store.
-        stream = open_remote(url, options, shard_index=shard_index)
-        discard(stream, offset)
-        return stream
+        return open_remote(url, options, shard_index=shard_index)
 
     def _open_hit(
         self, name: str, url: str, shard_index: int | None, *, counted: bool = True
@@ -260,7 +261,6 @@ class ShardCache(CacheBudget):
         shard_index: int | None,
         lock: DownloadLock,
         *,
-        skip: int,
         open_store: StoreOpener | None = None,
         count_uncached: bool = True,
     ) -> ShardSource:
@@ -287,7 +287,7 @@ class ShardCache(CacheBudget):
         except OSError as exc:
             abandon()
             return self._degrade(
-                remote, skip, exc, f"cannot reserve room for {partial}", counted=count_uncached
+                remote, exc, f"cannot reserve room for {partial}", counted=count_uncached
             )
         if reserved != "ok":
             lock.release()
@@ -296,7 +296,6 @@ class ShardCache(CacheBudget):
             if count_uncached:
                 stats.uncached += 1
             self._save_stats()
-            discard(remote, skip)
             return remote
 
         tee: TeeStream | None = None
@@ -343,7 +342,6 @@ class ShardCache(CacheBudget):
                 stats=stats,
                 expected_size=size,
                 checksum=checksum,
-                skip=skip,
                 refetch=lambda: open_remote(url, options, shard_index=shard_index),
                 distrust=lambda: distrust_checksums(url, endpoint),
             )
@@ -352,11 +350,11 @@ class ShardCache(CacheBudget):
         except OSError as exc:
             abandon()
             return self._degrade(
-                remote, skip, exc, f"cannot create cache file {partial}", counted=count_uncached
+                remote, exc, f"cannot create cache file {partial}", counted=count_uncached
             )
 
     def _degrade(
-        self, remote: ShardSource, skip: int, exc: OSError, what: str, *, counted: bool = True
+        self, remote: ShardSource, exc: OSError, what: str, *, counted: bool = True
     ) -> ShardSource:
         """Serve ``remote`` without caching when the disk took no more; raise otherwise.
         ``counted``: it counts as a shard streamed uncached."""
@@ -368,7 +366,6 @@ class ShardCache(CacheBudget):
         if counted:
             self.stats.uncached += 1
         self._save_stats()
-        discard(remote, skip)
         return remote
 
     def _stream_uncached(
@@ -385,7 +382,7 @@ class ShardCache(CacheBudget):
             if open_store is not None
             else open_remote(url, options, shard_index=shard_index)
         )
-        return self._degrade(remote, 0, exc, f"cannot use the cache in {self.directory}")
+        return self._degrade(remote, exc, f"cannot use the cache in {self.directory}")
 
     def info(self) -> dict[str, Any]:
         """Entries, bytes and summed per-process counters of this cache directory."""

@@ -47,7 +47,6 @@ class TeeStream(ClosingStream):
         expected_size: Size the store reported, verified at the end when known.
         checksum: The checksum to verify, if the store guarantees one (see
             :func:`~cloudshards.cache.facts.trusted_checksum`).
-        skip: Bytes already delivered to this consumer (taking over a dead download).
         refetch: Opens the object again from its start, to recheck a checksum mismatch.
         distrust: Called when the store's checksum proves not to be one of its bytes.
     """
@@ -66,7 +65,6 @@ class TeeStream(ClosingStream):
         stats: CacheStats,
         expected_size: int | None,
         checksum: Checksum | None,
-        skip: int = 0,
         refetch: Callable[[], ShardSource] | None = None,
         distrust: Callable[[], None] | None = None,
     ) -> None:
@@ -82,7 +80,6 @@ class TeeStream(ClosingStream):
         self._checksum = checksum
         self._refetch = refetch
         self._distrust = distrust
-        self._skip = skip
         self.offset = 0  # bytes delivered to the consumer
         self._received = 0  # bytes read from the store
         self._written = 0  # bytes in the partial file
@@ -163,10 +160,6 @@ class TeeStream(ClosingStream):
                     continue
                 self.stats.bytes_network += len(data)
                 data = self._take(data)
-            if self._skip:
-                drop = min(self._skip, len(data))
-                self._skip -= drop
-                data = data[drop:]
             if data:
                 self.offset += len(data)
                 return data

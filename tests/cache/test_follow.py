@@ -54,8 +54,9 @@ class Download:
 
     directory: Path
     lock: DownloadLock = field(init=False)
-    takeovers: list[int] = field(default_factory=list)
+    takeovers: int = 0
     closes: int = 0
+    store: bytes = DATA  # the object in the store, when a follower takes the download over
 
     def __post_init__(self) -> None:
         self.lock = DownloadLock(str(self.lock_path))
@@ -93,9 +94,9 @@ class Download:
             on_close=self.on_close,
         )
 
-    def take_over(self, offset: int) -> Any:
-        self.takeovers.append(offset)
-        return _Rest(DATA[offset:])
+    def take_over(self) -> Any:
+        self.takeovers += 1
+        return _Rest(self.store)  # from its first byte: the follower checks what it read
 
     def on_close(self) -> None:
         self.closes += 1
@@ -155,7 +156,7 @@ def test_the_bytes_written_between_the_last_read_and_the_commit_are_read(
     assert read_all(follow) == DATA[4001:]
     assert follow.offset == len(DATA)
     assert stats.bytes_disk == len(DATA)
-    assert download.takeovers == []
+    assert download.takeovers == 0
     follow.close()
 
 
@@ -188,9 +189,12 @@ def test_an_abandoned_download_is_taken_over_at_the_offset_reached(
     assert read_exactly(follow, 3000) == DATA[:3000]
     download.lock.release()  # the downloader died: its lock is free, nothing committed
     assert read_all(follow) == DATA[3000:]
-    assert download.takeovers == [3000]
-    # The partial file's descriptor was closed at the take-over; once its number is reused,
-    # closing the follower must leave that new file alone.
+    assert download.takeovers == 1
+    # The partial file stays open through the take-over (what was read is checked against
+    # it), and closing the follower closes it; once its number is reused, closing the
+    # follower again must leave that new file alone.
+    os.fstat(number)
+    follow.close()
     with pytest.raises(OSError, match="Bad file descriptor"):
         os.fstat(number)
     devnull = os.open(os.devnull, os.O_RDONLY)
@@ -202,7 +206,6 @@ def test_an_abandoned_download_is_taken_over_at_the_offset_reached(
         follow.table_path = str(download.directory / "entry.members.json")
         follow.save_member_table(table)  # read from another stream: not this entry's table
         assert not Path(follow.table_path).exists()
-        follow.close()
         follow.close()
         os.fstat(reused)
     finally:
@@ -224,7 +227,7 @@ def test_a_download_that_makes_no_progress_is_read_past_from_the_store(
     began = time.monotonic()
     assert read_all(follow) == DATA[3000:]  # the lock is still held, nothing committed
     assert 0.2 <= time.monotonic() - began < 5
-    assert download.takeovers == [3000]
+    assert download.takeovers == 1
     assert "made no progress" in caplog.text
     follow.close()
 
@@ -237,7 +240,41 @@ def test_a_poisoned_download_fails_its_followers(download: Download) -> None:
     download.lock.release()
     with pytest.raises(ShardOpenError, match="checksum"):
         follow.read(100)
-    assert download.takeovers == []
+    assert download.takeovers == 0
+    follow.close()
+
+
+def test_a_take_over_of_an_object_replaced_since_fails_naming_the_change(
+    download: Download,
+) -> None:
+    """The downloader died, and the object was replaced before the follower took over: the
+    new object's bytes must not continue the old one's (a sample made of both)."""
+    download.write(DATA[:3000])
+    follow = download.follow()
+    assert read_exactly(follow, 3000) == DATA[:3000]
+    download.lock.release()
+    download.store = DATA[:2000] + bytes(len(DATA) - 2000)  # replaced, the same size
+    with pytest.raises(ShardOpenError, match="changed while it was read") as info:
+        follow.read(100)
+    assert info.value.offset == 0  # the first piece read back differs (it holds byte 2000)
+    follow.close()
+
+
+def test_a_download_another_reader_took_over_into_a_new_file_is_left_at_once(
+    download: Download,
+) -> None:
+    """Another follower took the dead download over: it writes a new file at the partial's
+    name (the old one stays readable to those holding it). This follower notices at once,
+    not after STALL_S, and takes over too, checked against what it read."""
+    download.write(DATA[:3000])
+    follow = download.follow()
+    assert read_exactly(follow, 3000) == DATA[:3000]
+    os.unlink(download.partial)
+    download.partial.write_bytes(DATA[:100])  # the other reader's new file; its lock is held
+    began = time.monotonic()
+    assert read_all(follow) == DATA[3000:]
+    assert time.monotonic() - began < FollowStream.STALL_S / 10
+    assert download.takeovers == 1
     follow.close()
 
 

@@ -5,7 +5,7 @@ whose reads are counted, so "how much was fetched" is observable.
 The pipeline-level behaviour (hits, followers, a full disk, checksums of real stores) is in
 test_cache.py, test_cache_safety.py and the integration tests; these pin the stream's own
 promises, which the mutation check (``integration/mutation.py``, area ``cache``) showed no
-other test held down: skipping on a take-over, the byte counts, checksums without a size, the
+other test held down: the byte counts, checksums without a size, the
 held-back end of a large object, bounded reads from a store that sends too much, and close().
 """
 
@@ -105,7 +105,6 @@ def tee(
     *,
     size: int | None = len(DATA),
     checksum: Checksum | None = None,
-    skip: int = 0,
     refetch: Callable[[], Store] | None = None,
 ) -> TeeStream:
     def counted_refetch() -> Any:
@@ -123,7 +122,6 @@ def tee(
         stats=CacheStats(),
         expected_size=size,
         checksum=checksum,
-        skip=skip,
         refetch=counted_refetch if refetch is not None else None,
         distrust=entry.distrust,
     )
@@ -154,21 +152,6 @@ def small_hold(monkeypatch: pytest.MonkeyPatch) -> int:
 
 
 # --- serving and committing --------------------------------------------------------------
-
-
-def test_a_take_over_skips_what_its_consumer_had_and_caches_the_whole_object(
-    entry: Entry,
-) -> None:
-    stream = tee(entry, Store(), skip=1234)
-    assert read_all(stream) == DATA[1234:]
-    assert stream.offset == len(DATA) - 1234  # bytes delivered to this consumer
-    assert stream.stats.bytes_network == len(DATA)
-    stream.close()
-    assert entry.commits == [len(DATA)]
-    assert entry.final.read_bytes() == DATA
-    assert stream.stats.misses == 1
-    assert stream.stats.uncached == 0
-    assert entry.closes == 1
 
 
 def test_a_checksum_without_a_size_is_still_verified(

@@ -16,6 +16,7 @@ and its ``mkstemp`` ignores the umask (0600).
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
 import stat
@@ -29,8 +30,26 @@ _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 def open_file(path: str, flags: int, mode: int = 0o644) -> int:
-    """``os.open`` that refuses a symlink at ``path`` (``OSError`` with ``ELOOP``)."""
-    return os.open(path, flags | _NOFOLLOW | getattr(os, "O_CLOEXEC", 0), mode)
+    """``os.open`` of a regular file only: a symlink at ``path`` is refused, and so is a
+    directory, FIFO or device planted there (a FIFO would hold the open, or a read, forever).
+
+    Raises:
+        CacheError: ``path`` is a symlink or not a regular file (an ``OSError``).
+        OSError: As ``os.open`` raises it (a missing file, a full disk, ...).
+    """
+    # O_NONBLOCK: opening a FIFO returns at once (a regular file's reads ignore the flag).
+    extra = _NOFOLLOW | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = os.open(path, flags | extra, mode)
+    except OSError as exc:
+        # A symlink; a FIFO no one reads; a directory opened for writing.
+        if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
+            raise CacheError(f"{path} is not a regular file: refused, never followed") from exc
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CacheError(f"{path} is not a regular file (a directory, FIFO or device): refused")
+    return fd
 
 
 def replace_with(path: str, data: bytes) -> None:

@@ -228,6 +228,8 @@ class ShardCache(CacheBudget):
             fd = open_file(entry, os.O_RDONLY)
         except FileNotFoundError:
             return None
+        except CacheError as exc:  # not a regular file: planted, never read or followed
+            raise CacheError(f"the cache entry of {redact_url(url)}: {exc}") from None
         fcntl.flock(fd, fcntl.LOCK_SH)  # in use: eviction skips it
         info = os.fstat(fd)
         meta = self._read_meta(name)

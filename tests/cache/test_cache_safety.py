@@ -1013,6 +1013,34 @@ def test_a_symlink_at_a_partial_files_name_is_refused_and_its_target_untouched(
     assert not (cache_dir / "data" / name).exists()
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+@pytest.mark.parametrize("where", ["data", "partial", "lock"])
+def test_a_fifo_or_directory_at_an_entrys_name_is_a_clear_error_not_a_hang(
+    make_shards: Any, store: Path, tmp_path: Path, kind: str, where: str
+) -> None:
+    """A FIFO planted where the cache opens a file held the open forever; a directory at an
+    entry's name, which cannot be removed, made the reader refetch in a loop. Either is
+    refused at once with a CacheError naming the file."""
+    shards = make_shards([3])
+    url = fakes.url_of(shards.paths[0])
+    cache_dir = tmp_path / "c"
+    name, _ = _planted(cache_dir, url)
+    path = {
+        "data": cache_dir / "data" / name,
+        "partial": cache_dir / "data" / f"{name}.partial",
+        "lock": cache_dir / "locks" / f"{name}.lock",
+    }[where]
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.mkdir()
+    with pytest.raises(wds.CacheError, match=f"{path.name}.* not a regular file") as info:
+        _read_through_cache([url], cache_dir)
+    if where == "data":
+        assert url in str(info.value)
+
+
 def test_a_symlink_at_a_metadata_name_is_replaced_not_written_through(
     make_shards: Any, store: Path, tmp_path: Path
 ) -> None:

@@ -91,6 +91,7 @@ class DecompressReader:
         self._offset = 0  # decompressed bytes returned so far
         self._out = b""
         self._out_pos = 0
+        self._failed: str | None = None  # a corrupt gzip stream, raised at the next read
 
     def read(self, size: int) -> bytes:
         """Return up to ``size`` decompressed bytes; ``b""`` only at a clean end of stream."""
@@ -104,6 +105,8 @@ class DecompressReader:
         return data
 
     def _decompress(self) -> bytes:
+        if self._failed is not None:
+            raise ShardFormatError(self._failed, url=self._url, offset=self._offset)
         while True:
             decompressor = self._decompressor
             if decompressor.eof:
@@ -124,6 +127,7 @@ class DecompressReader:
                         f"truncated {self.kind} stream (ends before {_END[self.kind]})"
                     )
             feed = self._input[:_INPUT_BYTES] if wants_input else b""
+            saved = decompressor.copy() if self._zlib else None  # see _salvage
             try:
                 out: bytes = decompressor.decompress(feed, self._block_bytes)
             except (zlib.error, OSError, lzma.LZMAError, EOFError) as exc:
@@ -132,7 +136,15 @@ class DecompressReader:
                         f"refused: the {self.kind} stream needs more than "
                         f"{XZ_MEMORY_LIMIT >> 20} MiB of decoder memory ({exc})"
                     ) from None
-                raise self._error(f"corrupt {self.kind} stream ({exc})") from None
+                if saved is None:
+                    raise self._error(f"corrupt {self.kind} stream ({exc})") from None
+                # Where the failed call's input began: the damage lies no earlier (zlib may
+                # notice it some bytes after it).
+                failure = self._error(f"corrupt {self.kind} stream ({exc})").reason
+                out = self._salvage(saved, feed, failure)
+                if out:
+                    return out
+                raise ShardFormatError(failure, url=self._url, offset=self._offset) from None
             rest = self._input[len(feed) :]
             if self._zlib:
                 tail = (
@@ -144,6 +156,32 @@ class DecompressReader:
             self._input = rest
             if out:
                 return out
+
+    def _salvage(self, saved: Any, feed: bytes, failure: str) -> bytes:
+        """What ``feed`` decodes to before the byte zlib fails at, replayed from ``saved``
+        (the state before the failed call) in small steps: zlib drops a call's whole output
+        when it fails (a bad CRC in the trailer dropped up to a block of good members), so the
+        members before the damage are handed on, and ``failure`` is raised at the next read.
+        Error path only: nothing is replayed while nothing fails."""
+        out = bytearray()
+        at, state, failed = 0, saved, False
+        for step in (4096, 1):  # the failing 4 KiB, then the failing byte in it
+            while not (failed or state.eof) and at < len(feed) and len(out) < self._block_bytes:
+                trial = state.copy()
+                piece = feed[at : at + step]
+                try:
+                    out += trial.decompress(piece, self._block_bytes - len(out))
+                except zlib.error:
+                    failed = step == 1
+                    break
+                # (An end of stream cannot be where the whole call failed: as a normal call.)
+                at += len(piece) - len(trial.unconsumed_tail) - len(trial.unused_data)
+                state = trial
+        self._decompressor = state
+        self._input = feed[at:] + self._input[len(feed) :]
+        if failed:  # nothing after the failing byte is handed on
+            self._failed = failure
+        return bytes(out)
 
     def _read_compressed(self) -> bytes:
         chunk: bytes = self._stream.read(self._block_bytes)

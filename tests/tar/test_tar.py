@@ -1102,6 +1102,22 @@ def test_truncated_member_error_is_at_its_data(stream: str) -> None:
     assert (info.value.member, info.value.offset) == ("big.bin", 1536)  # after its header
 
 
+@pytest.mark.parametrize("block_bytes", [512, 4 << 20])
+def test_a_bad_gzip_checksum_at_the_end_loses_no_member_before_it(block_bytes: int) -> None:
+    """Every member decodes, only the trailer's CRC is wrong: zlib raises for the call that
+    reaches the trailer and drops that call's whole output (up to a block of good members,
+    once 42 of 300 samples); the members are all handed on before the error."""
+    rng = random.Random(5)
+    names = [f"s{i:04d}.bin".encode() for i in range(300)]
+    raw = b"".join(member(name, rng.randbytes(3000)) for name in names) + END
+    compressed = bytearray(gzip.compress(raw, mtime=0))
+    compressed[-8] ^= 0xFF  # the CRC-32 of the uncompressed data
+    got, exc = read_until_error(bytes(compressed), block_bytes=block_bytes)
+    assert [m.name for m in got] == [name.decode() for name in names]
+    assert exc is not None
+    assert "corrupt gzip stream" in str(exc)
+
+
 def test_gzip_cut_inside_an_extended_header_says_so() -> None:
     records = pax_records(path="p.bin", comment=random.Random(1).randbytes(30_000).hex())
     raw = member(b"a.txt", b"a") + member(b"pax", records, b"x") + member(b"b.txt", b"b") + END

@@ -77,6 +77,7 @@ class CountFree:
         self._met = False  # every rank said it iterates this loader
         self._counted = False  # every rank said it knows the counts
         self._id: int | None = None  # this loader among this process's over the same data
+        self._check_first = False  # the ranks met for this epoch: check its first batch too
         self.restored = False  # the loader restored a count-free epoch: run it as one
 
     def begin(self, dataset: Any, workers: int, after: Sequence[Any] = ()) -> bool:
@@ -112,9 +113,12 @@ class CountFree:
         if not (free or together):
             return False
         verdict: bool | None = True
+        self._check_first = False
         if free or not self._met:
             known = not free or (not restored and split.known_counts() is not None)
             verdict = self._everyone_knows(dataset, known)
+            # Every rank is in this epoch: its first batch is checked too (see run).
+            self._check_first = verdict is not None
         if verdict is None and not self._met:
             self._solo = True  # not every rank iterates this loader: never wait for it again
             logger.warning(
@@ -155,16 +159,20 @@ class CountFree:
         rank that ran out, and a count-free epoch notes the count of every shard it began);
         then the counts noted are pooled.
 
-        The first batch goes without a check (every rank has one but in a freak case): a
-        look at one batch on one rank alone (``next(iter(loader))``) then takes no part in
-        the ranks' collective steps."""
-        first = True
+        The first batch is checked too when the ranks met through the store for this epoch
+        (every one of them is in it): a count-free epoch, a restored one, a loader's first;
+        a rank may have no batch at all there (a restore at the last step of an epoch whose
+        other ranks had batches left, a rank whose whole shards hold less than a batch).
+        Otherwise it goes without a check (every rank has one, but in a freak case), so that
+        a look at one batch on one rank alone (``next(iter(loader))``) takes no part in the
+        ranks' collective steps."""
+        check = self._check_first
         for batch in batches:
-            if not first and not self._all(True):
+            if check and not self._all(True):
                 for _ in batches:
                     pass
                 break
-            first = False
+            check = True
             yield batch
         else:
             self._all(False)

@@ -44,7 +44,9 @@ class _EmptyCheck:
             count += 1
             yield sample
         context = current_context()
-        if count == 0 and not (context is not None and context.resumed):
+        # (A count-free epoch hands out whole shards: a consumer's may all be empty, and its
+        # ranks end the epoch together whatever each one holds.)
+        if count == 0 and not (context is not None and (context.resumed or context.count_free)):
             info = WorkerInfo.detect()
             errors = getattr(self.reader, "errors", None)
             if errors is not None and errors.count:

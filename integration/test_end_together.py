@@ -45,6 +45,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(TEST_TIMEOUT_S)]
 #: where the others have 6.
 DAMAGED = tuple(sample_key(1, index) for index in (5, 6, 7))
 SOLO_SCRIPT = Path(__file__).with_name("solo_loader.py")
+EDGES_SCRIPT = Path(__file__).with_name("end_together_edges.py")
 
 
 @pytest.fixture(scope="module")
@@ -178,3 +179,68 @@ def test_a_look_at_one_batch_on_one_rank_takes_no_part_in_the_check(
     result = torchrun(SOLO_SCRIPT, [spec, "peek"], nproc_per_node=2, env=env, timeout_s=120)
     assert result.ok, result.describe()
     _check_equal_batches(result.stdout, epochs=2)
+
+
+def _small_shards(root: Path, sizes: list[int]) -> None:
+    """Shards ``a{s}.tar`` of ``sizes[s]`` one-member samples keyed ``a{s}-{i:03d}``."""
+    root.mkdir(parents=True, exist_ok=True)
+    for shard, size in enumerate(sizes):
+        with tarfile.open(root / f"a{shard}.tar", "w") as tar:
+            for index in range(size):
+                data = f"a{shard}-{index:03d}".encode()
+                info = tarfile.TarInfo(f"a{shard}-{index:03d}.txt")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+
+
+def _steps(output: str, mode: str, epoch: int, world: int) -> list[int]:
+    found = [
+        re.search(rf"rank {rank} {mode} epoch {epoch}: (\d+) steps", output)
+        for rank in range(world)
+    ]
+    assert all(found), output
+    return [int(match.group(1)) for match in found if match]
+
+
+def test_a_checkpoint_at_the_last_step_of_an_epoch_ended_together_restores_without_a_hang(
+    tmp_path: Path,
+) -> None:
+    """A select drops shard 0 whole: rank 0 runs out first, the ranks end the epoch together,
+    and rank 1's last batches are dropped. A checkpoint saved after that last step (every
+    step here) restores to an epoch with nothing left on any rank: every rank takes 0 steps.
+    Rank 1 once took a batch unchecked while rank 0 waited in the check: a hang, at every
+    restart from that checkpoint."""
+    _small_shards(tmp_path / "shards", [20, 20, 20, 20])
+    spec = f"{tmp_path / 'shards'}/a{{0..3}}.tar"
+    env = {"CLOUDSHARDS_COUNTS_DIR": str(tmp_path / "counts")}
+    saved = torchrun(EDGES_SCRIPT, ["restore", "save", spec, str(tmp_path)], env=env)
+    assert saved.ok, saved.describe()
+    steps = _steps(saved.stdout, "save", 0, 2)
+    assert len(set(steps)) == 1, saved.stdout
+    assert steps[0] > 0, saved.stdout
+    resumed = torchrun(
+        EDGES_SCRIPT, ["restore", "resume", spec, str(tmp_path)], env=env, timeout_s=120
+    )
+    assert resumed.ok, resumed.describe()
+    assert _steps(resumed.stdout, "resume", 0, 2) == [0, 0]
+
+
+@pytest.mark.parametrize("last", [3, 0], ids=["3 samples", "empty"])
+def test_a_count_free_epoch_where_a_rank_has_no_batch_ends_together(
+    http_server: NginxServer, tmp_path: Path, last: int
+) -> None:
+    """Remote shards of 20, 20 and 3 (or 0) samples, no counts: epoch 0 runs count-free, one
+    whole shard per rank, and the rank with the last shard has no batch of 4. Every rank takes
+    the same steps (none: the first to run out ends the epoch); epoch 1 balances by the counts
+    epoch 0 noted. The other ranks once took a first step unchecked: a hang; an empty shard
+    once failed the job as "No samples found ... fewer shards than workers"."""
+    name = f"end-together-short-{last}"
+    _small_shards(http_server.root / name, [20, 20, last])
+    spec = f"{http_server.base_url}/{name}/a{{0..2}}.tar"
+    env = {"CLOUDSHARDS_COUNTS_DIR": str(tmp_path / "counts")}
+    result = torchrun(EDGES_SCRIPT, ["short", spec], nproc_per_node=3, env=env, timeout_s=120)
+    assert result.ok, result.describe()
+    output = result.stdout + "".join(node.stderr for node in result.nodes)
+    assert "epoch 0 runs without sample counts" in output, output
+    assert _steps(result.stdout, "short", 0, 3) == [0, 0, 0]
+    assert _steps(result.stdout, "short", 1, 3) == [3, 3, 3]  # 43 (40) samples: 14 (13) each

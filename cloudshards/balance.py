@@ -329,7 +329,9 @@ def assign_samples(
         count = counts[shard["shard_index"]]
         lo, hi = max(start, position), min(end, position + count)
         if lo < hi:
-            segment = {**shard, "skip": lo - position, "take": hi - lo}
+            # "count": the reader looks past a segment that ends where the count says the
+            # shard does, for a shard rewritten with more samples since it was counted.
+            segment = {**shard, "skip": lo - position, "take": hi - lo, "count": count}
             first = first or segment
             yield segment
         position += count
@@ -339,4 +341,5 @@ def assign_samples(
         if first is None:  # fewer samples than consumers: repeat the epoch's first sample
             first = next(({**s, "skip": 0} for s in order if counts[s["shard_index"]] > 0), None)
         if first is not None:
-            yield {**first, "take": wanted - take, "pad": True}
+            repeat = {key: value for key, value in first.items() if key != "count"}
+            yield {**repeat, "take": wanted - take, "pad": True}

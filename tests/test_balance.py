@@ -517,7 +517,7 @@ def test_padding_repeats_the_consumers_own_first_sample() -> None:
     shards = [{"url": "u0", "shard_index": 0}]
     segments = list(assign_samples(shards, {0: 3}, consumer=1, num_consumers=2, mode="pad"))
     assert segments == [
-        {"url": "u0", "shard_index": 0, "skip": 2, "take": 1},
+        {"url": "u0", "shard_index": 0, "skip": 2, "take": 1, "count": 3},
         {"url": "u0", "shard_index": 0, "skip": 2, "take": 1, "pad": True},
     ]
     # Fewer samples than consumers: the epoch's first sample, from a shard that has one.

@@ -253,3 +253,35 @@ def test_an_elastic_restore_over_a_faulty_shard_gives_every_new_rank_the_same_co
         counts.append(len(list(loader)))
     assert counts[0] > 0
     assert counts == [counts[0]] * 3  # one was 4 short, and its rank would hang
+
+
+def test_a_shard_holding_more_samples_than_its_count_is_named(
+    make_shards: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A shard rewritten with more samples since it was counted (a node's counts key a remote
+    shard by its URL alone): balancing still reads its count of them, the same on every rank,
+    but a warning names the shard and how to count again, where its samples were once left
+    out silently."""
+    shards = make_shards(SIZES)
+    bigger = shards.paths[1]  # 13 by the counts, all read by rank 0
+    make_shards([7, 20], directory=bigger.parent / "more")  # keys of a shard 1, 20 of them
+    (bigger.parent / "more" / "shard-000001.tar").replace(bigger)
+    urls = [str(p) for p in shards.paths]
+    with caplog.at_level(logging.WARNING):
+        ranks = per_rank(urls, monkeypatch)
+    assert [len(keys) for keys in ranks] == [22, 22]
+    assert all(len(set(keys)) == 22 for keys in ranks)
+    warned = [r.getMessage() for r in caplog.records if "more samples than" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert "shard-000001.tar holds more samples than the 13 its count says" in warned[0]
+    assert "CLOUDSHARDS_COUNTS_DIR" in warned[0]
+
+
+def test_a_shard_that_ends_where_its_count_says_is_not_named(
+    make_shards: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    shards = make_shards(SIZES)
+    with caplog.at_level(logging.WARNING):
+        ranks = per_rank([str(p) for p in shards.paths], monkeypatch)
+    assert [len(keys) for keys in ranks] == [22, 22]
+    assert "more samples than" not in caplog.text

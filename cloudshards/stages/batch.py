@@ -1,16 +1,21 @@
 """Batching and unbatching, with webdataset's collation (tensors and arrays are stacked).
 
-Resumption: approximate (a partially filled batch is rebuilt from the restored position).
+Resumption: approximate (a partially filled batch is rebuilt from the restored position;
+the rest of a batch being split by ``unbatched``/``unlisted`` is lost, with a warning).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+import functools
+import logging
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from cloudshards.stages.base import pipelinefilter
+from cloudshards.stages.base import StageIterator, checkpoint_warning, pipelinefilter
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "_batched",
@@ -105,10 +110,13 @@ batched = pipelinefilter(_batched)
 
 def _unlisted(data: Iterable[list[Any]]) -> Iterator[Any]:
     """Flatten lists of samples (``listed``'s output) back into samples."""
-    for batch in data:
-        if not isinstance(batch, list):
-            raise ValueError(f"unlisted expects lists, got {type(batch).__name__}")
-        yield from batch
+    return _Flattened("unlisted", data, _listed_samples)
+
+
+def _listed_samples(batch: Any) -> list[Any]:
+    if not isinstance(batch, list):
+        raise ValueError(f"unlisted expects lists, got {type(batch).__name__}")
+    return batch
 
 
 unlisted = pipelinefilter(_unlisted)
@@ -116,18 +124,63 @@ unlisted = pipelinefilter(_unlisted)
 
 def _unbatched(data: Iterable[Any]) -> Iterator[Any]:
     """Split collated batches (tuples or dicts of columns) back into samples."""
-    for sample in data:
-        if isinstance(sample, (list, tuple)):
-            for i in range(len(sample[0])):
-                yield tuple(x[i] for x in sample)
-        elif isinstance(sample, dict):
-            lengths = {len(v) for v in sample.values()}
-            if len(lengths) != 1:
-                raise ValueError(f"unbatched: columns have different lengths {lengths}")
-            for i in range(lengths.pop()):
-                yield {k: v[i] for k, v in sample.items()}
-        else:
-            raise ValueError(f"unknown sample type: {type(sample)}")
+    return _Flattened("unbatched", data, _batch_samples)
+
+
+def _batch_samples(sample: Any) -> list[Any]:
+    if isinstance(sample, (list, tuple)):
+        return [tuple(x[i] for x in sample) for i in range(len(sample[0]))]
+    if isinstance(sample, dict):
+        lengths = {len(v) for v in sample.values()}
+        if len(lengths) != 1:
+            raise ValueError(f"unbatched: columns have different lengths {lengths}")
+        return [{k: v[i] for k, v in sample.items()} for i in range(lengths.pop())]
+    raise ValueError(f"unknown sample type: {type(sample)}")
 
 
 unbatched = pipelinefilter(_unbatched)
+
+
+class _Flattened(StageIterator[Any]):
+    """The samples of each batch of its source, one by one.
+
+    Resumption: approximate. The stage before it has delivered the batch being split, so a
+    checkpoint taken inside one cannot hold the rest of it (samples are no plain data): a
+    restore loses them (at most a batch less one per worker), and such a checkpoint says so
+    with a warning."""
+
+    def __init__(self, key: str, data: Iterable[Any], split: Callable[[Any], list[Any]]) -> None:
+        self.state_key = key  # type: ignore[misc]
+        self._source = iter(data)
+        self._split = split
+        self._batch: list[Any] = []
+        self._at = 0
+
+    def __next__(self) -> Any:
+        while self._at >= len(self._batch):
+            self._batch, self._at = self._split(next(self._source)), 0
+        sample = self._batch[self._at]
+        self._at += 1
+        return sample
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._at < len(self._batch):  # the rest of this batch is not in the state
+            key = self.state_key
+            checkpoint_warning(key, functools.partial(_warn_inside_batch, key))
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        pass  # (nothing was saved: see state_dict)
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_inside_batch(key: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        logger.warning(
+            "%s: a checkpoint taken inside a batch cannot hold the rest of it; a restore "
+            "loses those samples (at most a batch less one per worker)",
+            key,
+        )

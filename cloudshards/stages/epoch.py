@@ -1,16 +1,17 @@
 """Epoch shaping: slice, with_epoch-style truncation (:class:`EpochLimiter`), and repeatedly.
 
-Resumption: exact (counters only).
+Resumption: exact (counters only: a slice's items taken, an epoch's pass and items).
 """
 
 from __future__ import annotations
 
+import builtins
 import itertools
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
-from cloudshards.stages.base import pipelinefilter
+from cloudshards.stages.base import StageIterator, pipelinefilter
 
 __all__ = ["EpochLimiter", "guess_batchsize", "repeatedly", "slice"]
 
@@ -61,8 +62,38 @@ class EpochLimiter:
 
 
 def _slice(data: Iterable[Any], *args: int | None) -> Iterator[Any]:
-    """``itertools.islice`` as a filter: ``slice(stop)`` or ``slice(start, stop[, step])``."""
-    return itertools.islice(data, *args)
+    """``itertools.islice`` as a filter: ``slice(stop)`` or ``slice(start, stop[, step])``;
+    it keeps its position (the items it took) in the pipeline's state."""
+    itertools.islice((), *args)  # islice's own checks of the arguments, and its errors
+    bounds = builtins.slice(*args)
+    return _Sliced(data, bounds.start or 0, bounds.stop, bounds.step or 1)
+
+
+class _Sliced(StageIterator[Any]):
+    """A slice of its source, by the index of each item taken from it.
+
+    Resumption: exact (the items taken; state key ``slice``)."""
+
+    state_key = "slice"
+
+    def __init__(self, data: Iterable[Any], start: int, stop: int | None, step: int) -> None:
+        self._source = iter(data)
+        self._start, self._stop, self._step = start, stop, step
+        self._taken = 0
+
+    def __next__(self) -> Any:
+        while self._stop is None or self._taken < self._stop:  # never one item past the end
+            item = next(self._source)
+            index, self._taken = self._taken, self._taken + 1
+            if index >= self._start and (index - self._start) % self._step == 0:
+                return item
+        raise StopIteration
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"taken": self._taken} if self._taken else {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._taken = int(state["taken"])
 
 
 slice = pipelinefilter(_slice)

@@ -37,7 +37,13 @@ from cloudshards.stages.positions import (
     selecting,
     skipping,
 )
-from cloudshards.stages.shortfall import Shortfall, owed_by, reader_state, restore_point
+from cloudshards.stages.shortfall import (
+    Shortfall,
+    owed_by,
+    reader_state,
+    restore_point,
+    warn_uncounted,
+)
 from cloudshards.tar import iter_members
 from cloudshards.types import ExceptionHandler, NameFilter, Sample
 
@@ -305,10 +311,13 @@ def _read_opened(
                     # table is a cached remote shard's: none has a local path).
                     local_path=local_path(url),
                 )
+            whole: Iterator[Sample] | None = None  # a shard read to where its count ends
             if chosen is not None:  # stop after the last one: the rest is not needed
                 samples = itertools.islice(samples, len(chosen))
                 record = None
             elif "take" in shard:
+                if shard.get("skip", 0) + shard["take"] == shard.get("count"):
+                    whole = samples = iter(samples)
                 samples = itertools.islice(samples, shard["take"])
             places = shard.get("select_places")
             if places is not None:  # selected samples: their own numbers, in order
@@ -322,6 +331,8 @@ def _read_opened(
                 if balanced:  # as delivered: what a shortfall repeats (stages may change it)
                     held = sample.copy()
                 yield sample
+            if whole is not None and next(whole, None) is not None:
+                warn_uncounted(url, shard["count"])
             if record is not None and record.complete:
                 stream.save_member_table(record)
             if "observe" in shard and not (chosen or "take" in shard):

@@ -14,7 +14,7 @@ from cloudshards.errors import ShardError
 from cloudshards.redact import redact_url
 from cloudshards.types import Sample
 
-__all__ = ["Shortfall", "owed_by", "reader_state", "restore_point"]
+__all__ = ["Shortfall", "owed_by", "reader_state", "restore_point", "warn_uncounted"]
 
 logger = logging.getLogger(__name__)
 
@@ -153,3 +153,23 @@ def restore_point(
         return (int(again[0]) - 1, int(again[1]) - 1), True
     shards = int(state.get("shards", 0))
     return ((shards - 1, int(state.get("samples", 0))) if shards > 0 else None), False
+
+
+_UNCOUNTED_WARNED: set[str] = set()
+
+
+def warn_uncounted(url: str, count: int) -> None:
+    """A shard holds more samples than the counts that balance it (rewritten since it was
+    counted: a counts file keys a remote shard by its URL alone). Balancing reads only the
+    counted ones, the same on every rank, so it goes on; the user is told how to count again."""
+    if url not in _UNCOUNTED_WARNED:
+        _UNCOUNTED_WARNED.add(url)
+        logger.warning(
+            "%s holds more samples than the %d its count says (rewritten since it was "
+            "counted?): each epoch reads %d of them. To read them all, delete this node's "
+            "counts (CLOUDSHARDS_COUNTS_DIR, default ~/.cache/cloudshards/counts) on every "
+            "node, or give sample_counts= or an index",
+            redact_url(url),
+            count,
+            count,
+        )

@@ -9,11 +9,11 @@ from __future__ import annotations
 import copy
 import logging
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from cloudshards.handlers import reraise_exception
-from cloudshards.stages.base import make_rng, per_sample, pipelinefilter
+from cloudshards.stages.base import StageIterator, make_rng, per_sample, pipelinefilter
 from cloudshards.types import ExceptionHandler, Sample
 
 __all__ = [
@@ -181,13 +181,42 @@ select = pipelinefilter(_select)
 
 
 def _rsample(data: Iterable[Any], p: float = 0.5) -> Iterator[Any]:
-    """Keep each sample with probability ``p`` (seeded per epoch and worker)."""
+    """Keep each sample with probability ``p`` (seeded per epoch and worker); the draws made
+    are kept in the pipeline's state, so a restored epoch keeps the same samples."""
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"rsample: p={p} must be in [0, 1]")
-    rng = make_rng("rsample")
-    for sample in data:
-        if rng.uniform(0.0, 1.0) < p:
-            yield sample
+    return _Sampled(data, p)
+
+
+class _Sampled(StageIterator[Any]):
+    """Each sample of its source kept with probability ``p``.
+
+    Resumption: exact (the draws made from the epoch's seeded RNG, replayed on restore;
+    state key ``rsample``)."""
+
+    state_key = "rsample"
+
+    def __init__(self, data: Iterable[Any], p: float) -> None:
+        self._source = iter(data)
+        self._p = p
+        self._rng = make_rng("rsample")  # while the chain is built: the epoch's context
+        self._draws = 0
+
+    def __next__(self) -> Any:
+        uniform, p = self._rng.uniform, self._p
+        for sample in self._source:
+            self._draws += 1
+            if uniform(0.0, 1.0) < p:
+                return sample
+        raise StopIteration
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"draws": self._draws} if self._draws else {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._draws = int(state["draws"])
+        for _ in range(self._draws):  # the same sequence on: as the epoch drew it
+            self._rng.uniform(0.0, 1.0)
 
 
 rsample = pipelinefilter(_rsample)

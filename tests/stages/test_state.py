@@ -255,3 +255,63 @@ def test_repeat_resumes_exactly_at_the_end_of_a_pass(make_shards: Any, k: int) -
     )
     assert len(everything) == 93
     assert keys(resumed) == keys(everything)
+
+
+@pytest.mark.parametrize(
+    "stage",
+    [
+        pytest.param(lambda ds: ds.slice(20), id="slice(20)"),
+        pytest.param(lambda ds: ds.slice(1, 30, 3), id="slice(1, 30, 3)"),
+        pytest.param(lambda ds: ds.rsample(0.5), id="rsample(0.5)"),
+        pytest.param(lambda ds: ds.rsample(0.3).slice(8), id="rsample, then slice"),
+    ],
+)
+@pytest.mark.parametrize("k", [0, 1, 5, 7])
+def test_slices_and_random_samples_resume_exactly(
+    make_shards: Any, stage: Callable[[Any], Any], k: int
+) -> None:
+    """slice and rsample keep their position (the items taken, the draws made): a restored
+    epoch once sliced again from its restored start, or drew new coins, so it delivered
+    samples the epoch never had and left out others."""
+    shards = make_shards(UNEVEN)
+    everything, resumed = resume_after(
+        lambda: stage(wds.WebDataset(shards.spec(), shardshuffle=True, seed=3)), k, epoch=1
+    )
+    assert k <= len(everything)
+    assert keys(resumed) == keys(everything)
+
+
+@pytest.mark.parametrize("flatten", ["unbatched", "unlisted"])
+def test_a_checkpoint_inside_a_batch_being_split_says_what_it_loses(
+    make_shards: Any,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    flatten: str,
+) -> None:
+    """The rest of a batch that unbatched (or unlisted) is splitting is in no stage's state:
+    a checkpoint taken inside it warns that a restore loses those samples, and only then."""
+    from cloudshards.stages import base, batch
+
+    monkeypatch.setattr(batch, "_WARNED", set())  # once per process: not yet in this test
+    monkeypatch.setattr(base, "_DEFERRED", {})  # nor one kept from another test's pipeline
+    shards = make_shards(UNEVEN)
+
+    def build() -> Any:
+        dataset = wds.WebDataset(shards.spec(), shardshuffle=False)
+        if flatten == "unbatched":
+            return dataset.to_tuple("__key__").batched(4).unbatched()
+        return dataset.listed(4).unlisted()
+
+    pipeline = build()
+    it = iter(pipeline)
+    for _ in range(4):  # a whole batch: nothing is lost
+        next(it)
+    pipeline.state_dict()
+    assert f"{flatten}: a checkpoint" not in caplog.text
+    next(it)
+    state = pipeline.state_dict()
+    it.close()  # type: ignore[attr-defined]
+    assert f"{flatten}: a checkpoint taken inside a batch cannot hold the rest" in caplog.text
+    restored = build()
+    restored.load_state_dict(state)
+    assert len(list(restored)) == sum(UNEVEN) - 8  # the 3 left in the batch are lost

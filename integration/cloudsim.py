@@ -82,6 +82,7 @@ class SimConfig:
     stall_s: float = 30.0
     ignore_range: bool = False  # drop Range/If-Range: upstream answers 200 + the whole body
     ignore_if_match: bool = False  # drop If-Match, as s3rver and Python's http.server ignore it
+    chunked: bool = False  # answers without Content-Length (chunked), as a gzipping nginx sends
     match: str = ""  # regex on path?query: faults only hit requests it matches ("" = all)
     rate_limit_rps: float = 0.0  # GETs admitted per second (a sliding second); the rest: 503
 
@@ -400,6 +401,8 @@ class CloudSim:
                 web.StreamResponse(status=upstream.status, reason=upstream.reason)
             )
             for name, value in upstream.headers.items():
+                if cfg.chunked and name.lower() == "content-length":
+                    continue
                 if name.lower() not in _HOP_BY_HOP:
                     if name.lower() == "location" and value.startswith(self.upstream):
                         value = self.url + value[len(self.upstream) :]  # keep the client here

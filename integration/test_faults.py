@@ -421,6 +421,20 @@ def test_stall_is_an_error_not_a_hang(cloudsim: Factory, http_dataset: RemoteDat
 # ------------------------------------------------------------------------------ ignored Range
 
 
+@pytest.mark.timeout(60)
+def test_a_server_ignoring_range_without_a_length_is_streamed_exactly(
+    cloudsim: Factory, http_dataset: RemoteDataset, unranged_hosts: set[str]
+) -> None:
+    """A host that drops Range and sends the whole object chunked, without Content-Length (as
+    nginx does when it gzips on the fly): the first answer's body is the whole object, its
+    length the size; every sample once, intact (each shard once failed "ranged GET returned
+    N bytes, expected 65536")."""
+    sim, remote = through(cloudsim, http_dataset, ignore_range=True, chunked=True)
+    ds = dataset_for(remote, part_bytes=PART, concurrency=2, prefetch=2)
+    assert_exactly_once(read_samples(ds), remote.local)
+    assert sim.stats().ranges_ignored > 0
+
+
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("fixture", ["http_dataset", "gcs_dataset"])
 def test_server_ignoring_range_never_corrupts(

@@ -197,6 +197,8 @@ class FollowStream(ClosingStream):
         except BaseException:
             replacement.close()
             raise
+        fd, self.fd = self.fd, -1  # checked: the old file's space goes back to the disk
+        os.close(fd)
         return replacement
 
     def _replaced(self) -> bool:

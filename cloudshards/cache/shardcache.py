@@ -212,9 +212,7 @@ class ShardCache(CacheBudget):
                 raise
             warn_disk_full(self.stats, exc)
             lock = None
-        if lock is not None:  # a new file: followers of the old one keep what they read
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._path("data", name + ".partial"))
+        if lock is not None:
             return self._download(url, name, options, shard_index, lock)
         # Someone else took over first (or finished), or the disk is full: stream this one
         # directly from the store.
@@ -285,6 +283,7 @@ class ShardCache(CacheBudget):
             lock.release()
 
         try:
+            _unlink_partial(partial)
             reserved = self._reserve(name, size, lock)
         except OSError as exc:
             abandon()
@@ -391,3 +390,18 @@ class ShardCache(CacheBudget):
         from cloudshards.cache.admin import cache_info
 
         return cache_info(self.directory)
+
+
+def _unlink_partial(partial: str) -> None:
+    """Remove a dead download's partial file (the lock is ours), so that this one writes a new
+    file: the old one's followers keep what they read from it and notice (FollowStream).
+
+    Raises:
+        CacheError: A directory sits at its name (an ``OSError``).
+    """
+    try:
+        os.unlink(partial)
+    except FileNotFoundError:
+        pass
+    except IsADirectoryError as exc:
+        raise CacheError(f"{partial} is not a regular file (a directory): refused") from exc

@@ -118,8 +118,11 @@ def _prepared(fs: Any, headers: dict[str, str]) -> tuple[dict[str, str], dict[st
     return {**kw.pop("headers", {}), **headers}, kw
 
 
-def _checked(response: Any, headers: dict[str, str], expect_etag: str | None) -> str | None:
-    """The answer's ETag, once its headers are found to be of the range and object asked for.
+def _checked(
+    response: Any, headers: dict[str, str], expect_etag: str | None, *, missing_ok: bool = False
+) -> str | None:
+    """The answer's ETag, once its headers are found to be of the range and object asked for
+    (``missing_ok``: see :func:`~cloudshards.source.kept.refuse_another_object`).
 
     Raises:
         ConnectionError: A ranged answer (206) that starts at another byte.
@@ -130,7 +133,7 @@ def _checked(response: Any, headers: dict[str, str], expect_etag: str | None) ->
         if not response.headers.get("Content-Range", "").startswith(f"bytes {start}-"):
             raise ConnectionError(f"a 206 answer for {headers['Range']} from another byte")
     etag: str | None = response.headers.get("ETag")
-    refuse_another_object(etag, expect_etag)
+    refuse_another_object(etag, expect_etag, missing_ok=missing_ok)
     return etag
 
 
@@ -156,10 +159,13 @@ async def _get(
     session = await fs.set_session()
     async with session.get(fs.encode_url(url), headers=headers, **kw) as response:
         fs._raise_not_found_for_status(response, url)
-        etag = _checked(response, headers, expect_etag)
-        if on_details is not None:  # fsspec's HTTP info() names
-            on_details({"name": url, "size": _size(response), "type": "file", "ETag": etag})
+        etag = _checked(response, headers, expect_etag, missing_ok=True)
+        details = {"name": url, "size": _size(response), "type": "file", "ETag": etag}
+        if on_details is not None and response.status == 206:  # fsspec's HTTP info() names
+            on_details(details)  # before the body: a retry asks for the rest of this object
         data: bytes = await response.read()
+        if on_details is not None and response.status != 206:  # the whole object: its size
+            on_details({**details, "size": len(data)})  # as read (gzip, chunked: no length)
         return data
 
 
@@ -174,9 +180,9 @@ async def _salvage(
     session = await fs.set_session()
     async with session.get(fs.encode_url(url), headers=headers, **kw) as response:
         fs._raise_not_found_for_status(response, url)
+        etag = _checked(response, headers, expect_etag)  # a 200 of another object too
         if response.status != 206:  # the whole object (Range ignored): never joined onto kept
             raise RangeIgnoredError(await response.read())
-        etag = _checked(response, headers, expect_etag)
         size = _size(response)
         received = bytearray()
         try:

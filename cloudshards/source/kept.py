@@ -31,13 +31,18 @@ __all__ = ["KeptRange", "refuse_another_object"]
 T = TypeVar("T")
 
 
-def refuse_another_object(etag: str | None, expect_etag: str | None) -> None:
+def refuse_another_object(
+    etag: str | None, expect_etag: str | None, *, missing_ok: bool = False
+) -> None:
     """Refuse, as a 412, an answer (its headers) naming another object than ``expect_etag``:
-    what a transport's streamed read checks for :meth:`KeptRange.fetch`, before any body.
+    what a transport's reads check, before any body. ``missing_ok``: an answer naming no
+    object at all (no ETag) passes (a whole part read; never bytes joined onto kept ones).
 
     Raises:
         OSError: ``etag`` is not ``expect_etag`` (HTTP status 412).
     """
+    if etag is None and missing_ok:
+        return
     if expect_etag is not None and etag != expect_etag:  # a store ignoring If-Match, too
         raise status_error(f"another object answered ({etag}, not {expect_etag})", 412)
 
@@ -81,8 +86,9 @@ class KeptRange:
         assert self.salvage is not None
         if self.at >= self.end:
             return b""
-        given = dict(condition)  # the caller's expect_etag names this object too
-        expect = self._etag or given.pop("expect_etag", None)
+        given = dict(condition)  # the shard's ETag (sent as If-Match, or not) names it too
+        shard_etag = given.pop("expect_etag", None) or given.get("if_match")
+        expect = self._etag or shard_etag
         try:
             data: bytes = self.salvage(self.at, self.end, timeout, expect_etag=expect, **given)
             return data

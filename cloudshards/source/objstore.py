@@ -232,7 +232,7 @@ class ObstoreObject:
                 options["if_match"] = if_match
             result = self._get(options)
             if self._version is None:
-                refuse_another_object(result.meta.get("e_tag"), expect)
+                refuse_another_object(result.meta.get("e_tag"), expect, missing_ok=True)
             return memoryview(obstore_call(result.bytes))
         except ConnectionError as exc:
             if _NON_PARTIAL not in str(exc):

@@ -128,7 +128,8 @@ class FetchOptions:
         them. A reader waits this long for a part (a little longer) before it calls the
         store stalled: a backend whose tries cannot be bounded still ends in an error."""
         backoff = sum(min(self.max_backoff_s, self.backoff_s * 2.0**n) for n in range(self.retries))
-        return (self.retries + 1) * self.stall_timeout_s + backoff
+        # A second a try beyond its stall bound: a transport's own backstop, a lookup inside it.
+        return (self.retries + 1) * (self.stall_timeout_s + 1.0) + backoff
 
     @property
     def max_buffered_bytes(self) -> int:

@@ -117,16 +117,9 @@ class PartialBodyError(CloudShardsError):
 
 _NOT_RETRYABLE = (FileNotFoundError, IsADirectoryError, PermissionError, ConfigError)
 # A bug (ours, a backend's or a user's hook), not the store: asking again only repeats it, and
-# six tries logged as "transient" hide it behind minutes of backoff.
-# (Not AttributeError: aiohttp has raised it for a connection closed under a read.)
-_PROGRAMMING_ERRORS = (
-    TypeError,
-    NameError,
-    ImportError,
-    NotImplementedError,
-    AssertionError,
-    RecursionError,
-)
+# six tries logged as "transient" hide it behind minutes of backoff. (Not AttributeError,
+# TypeError or AssertionError: aiohttp and botocore have raised them in connection races.)
+_PROGRAMMING_ERRORS = (NameError, ImportError, NotImplementedError, RecursionError)
 _AUTH_OR_CLIENT = (
     "AccessDenied",
     "InvalidAccessKeyId",

@@ -39,6 +39,7 @@ from cloudshards.stages.positions import (
 )
 from cloudshards.stages.shortfall import (
     Shortfall,
+    more_after,
     owed_by,
     reader_state,
     restore_point,
@@ -331,7 +332,7 @@ def _read_opened(
                 if balanced:  # as delivered: what a shortfall repeats (stages may change it)
                     held = sample.copy()
                 yield sample
-            if whole is not None and next(whole, None) is not None:
+            if whole is not None and more_after(whole):
                 warn_uncounted(url, shard["count"])
             if record is not None and record.complete:
                 stream.save_member_table(record)

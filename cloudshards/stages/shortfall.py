@@ -14,7 +14,7 @@ from cloudshards.errors import ShardError
 from cloudshards.redact import redact_url
 from cloudshards.types import Sample
 
-__all__ = ["Shortfall", "owed_by", "reader_state", "restore_point", "warn_uncounted"]
+__all__ = ["Shortfall", "more_after", "owed_by", "reader_state", "restore_point", "warn_uncounted"]
 
 logger = logging.getLogger(__name__)
 
@@ -173,3 +173,13 @@ def warn_uncounted(url: str, count: int) -> None:
             count,
             count,
         )
+
+
+def more_after(samples: Iterator[Sample]) -> bool:
+    """Whether a shard holds a sample past its counted end (a look only: a failure there is
+    not the epoch's, whose samples were all delivered)."""
+    try:
+        return next(samples, None) is not None
+    except Exception as exc:
+        logger.debug("past a shard's counted end: %s", type(exc).__name__)
+        return False

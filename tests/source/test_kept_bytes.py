@@ -188,3 +188,57 @@ def test_an_object_shorter_than_its_first_range_ends_where_its_answer_said() -> 
     got = fetch_range(short, 0, 65_536, size=None, options=FAST, stats=IOStats())
     assert bytes(got) == data
     assert short.asked == [("whole", 0, 65_536), ("streamed", 0, 65_536)]
+
+
+class ConditionalSource:
+    """An object behind If-Match (``conditional``): the first try is cut before its body, the
+    first streamed one after 1,000 bytes; every answer names ``answers_etag``."""
+
+    url = "http://example.invalid/shard.tar"
+    conditional = True
+
+    def __init__(self, answers_etag: str) -> None:
+        self.answers_etag = answers_etag
+        self.salvages: list[dict[str, Any]] = []
+
+    def cat_range(self, start: int, end: int, timeout: float | None = None, **kw: Any) -> bytes:
+        raise ConnectionError("cut before the body")
+
+    def cat_range_salvage(
+        self, start: int, end: int, timeout: float | None = None, **kw: Any
+    ) -> bytes:
+        self.salvages.append(kw)
+        expect = kw.get("expect_etag")
+        if expect is not None and self.answers_etag != expect:
+            raise status_error("another object answered", 412)
+        if len(self.salvages) == 1:
+            cut = ConnectionError("cut")
+            raise PartialBodyError(DATA[start : start + 1000], cut, self.answers_etag, len(DATA))
+        return DATA[start:end]
+
+
+@pytest.mark.parametrize("send", [True, False], ids=["If-Match sent", "If-Match refused"])
+def test_a_retry_is_checked_against_the_shards_etag_before_anything_is_kept(send: bool) -> None:
+    """The first streamed retry of a part, with nothing kept yet, must be refused when it
+    names another object than the shard's ETag (a store ignoring If-Match spliced a replaced
+    object in); with the shard's own ETag it is joined as usual, whether If-Match is sent or
+    (a proxy refusing it) only checked."""
+    from cloudshards.source.transport import IfMatch
+
+    for answers, ok in (('"v1"', True), ('"v2"', False)):
+        source = ConditionalSource(answers)
+        condition = IfMatch('"v1"')
+        condition.send = send
+        if ok:
+            got = fetch_range(
+                source, 0, 50_000, size=len(DATA), options=FAST, stats=IOStats(),
+                if_match=condition,
+            )  # fmt: skip
+            assert bytes(got) == DATA[:50_000]
+        else:
+            with pytest.raises(ShardOpenError):
+                fetch_range(
+                    source, 0, 50_000, size=len(DATA), options=FAST, stats=IOStats(),
+                    if_match=condition,
+                )  # fmt: skip
+        assert source.salvages[0]["expect_etag"] == '"v1"'

@@ -156,13 +156,14 @@ def test_failure_goes_to_the_handler(make_shards: Any, faultmem: Any) -> None:
 
 def test_stall_is_an_error_not_a_hang(make_shards: Any, faultmem: Any) -> None:
     """A backend whose reads cannot be bounded (a synchronous fsspec filesystem) that hangs:
-    the reader gives up once the part's tries would all have timed out (2 x 0.5 s, and a
-    backoff), before the read would have come back, and does not hang on it."""
+    the reader gives up once the part's tries would all have timed out (2 x 0.2 s, a second
+    each beyond it, and a backoff), before the read would have come back, and does not hang
+    on it."""
     shards = upload(make_shards, [2])
     faultmem.delay_s = 4.0
     start = time.perf_counter()
     with pytest.raises(ShardOpenError, match="stalled"):
-        read_all(shards, stall_timeout_s=0.5, retries=1, prefetch=0)
+        read_all(shards, stall_timeout_s=0.2, retries=1, prefetch=0)
     assert time.perf_counter() - start < 15  # closing waits for the hung read (4 s)
 
 

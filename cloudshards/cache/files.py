@@ -23,7 +23,7 @@ import stat
 
 from cloudshards.errors import CacheError
 
-__all__ = ["check_directory", "open_file", "replace_with"]
+__all__ = ["check_directory", "open_file", "replace_with", "unlink_partial"]
 
 #: Refuses a symlink as the last component (0 where the platform has no such flag).
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -80,3 +80,18 @@ def check_directory(path: str) -> None:
             f"cache directory {path} is {kind}: refusing to write through it (remove it, or "
             "use another cache_dir)"
         )
+
+
+def unlink_partial(partial: str) -> None:
+    """Remove a dead download's partial file (the lock is ours), so that this one writes a new
+    file: the old one's followers keep what they read from it and notice (FollowStream).
+
+    Raises:
+        CacheError: A directory sits at its name (an ``OSError``).
+    """
+    try:
+        os.unlink(partial)
+    except FileNotFoundError:
+        pass
+    except IsADirectoryError as exc:
+        raise CacheError(f"{partial} is not a regular file (a directory): refused") from exc

@@ -26,7 +26,7 @@ from cloudshards.cache import ahead
 from cloudshards.cache import lock as _cachelock
 from cloudshards.cache.budget import CacheBudget
 from cloudshards.cache.facts import distrust_checksums, remote_facts
-from cloudshards.cache.files import open_file
+from cloudshards.cache.files import open_file, unlink_partial
 from cloudshards.cache.follow import FollowStream
 from cloudshards.cache.keys import entry_name, store_endpoint
 from cloudshards.cache.layout import _CachedFile
@@ -283,7 +283,7 @@ class ShardCache(CacheBudget):
             lock.release()
 
         try:
-            _unlink_partial(partial)
+            unlink_partial(partial)
             reserved = self._reserve(name, size, lock)
         except OSError as exc:
             abandon()
@@ -390,18 +390,3 @@ class ShardCache(CacheBudget):
         from cloudshards.cache.admin import cache_info
 
         return cache_info(self.directory)
-
-
-def _unlink_partial(partial: str) -> None:
-    """Remove a dead download's partial file (the lock is ours), so that this one writes a new
-    file: the old one's followers keep what they read from it and notice (FollowStream).
-
-    Raises:
-        CacheError: A directory sits at its name (an ``OSError``).
-    """
-    try:
-        os.unlink(partial)
-    except FileNotFoundError:
-        pass
-    except IsADirectoryError as exc:
-        raise CacheError(f"{partial} is not a regular file (a directory): refused") from exc

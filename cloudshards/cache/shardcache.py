@@ -25,6 +25,7 @@ from typing import Any
 from cloudshards.cache import ahead
 from cloudshards.cache import lock as _cachelock
 from cloudshards.cache.budget import CacheBudget
+from cloudshards.cache.direct import direct_writes, read_ahead
 from cloudshards.cache.facts import distrust_checksums, remote_facts
 from cloudshards.cache.files import open_file, unlink_partial
 from cloudshards.cache.follow import FollowStream
@@ -248,6 +249,8 @@ class ShardCache(CacheBudget):
             return None
         with contextlib.suppress(OSError):
             os.utime(entry)  # least-recently-used order
+        if direct_writes():  # written past the page cache: the disk starts on all of it now
+            read_ahead(fd, info.st_size)
         if counted:
             self.stats.hits += 1
         raw = os.fdopen(fd, "rb", buffering=0)

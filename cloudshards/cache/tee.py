@@ -7,6 +7,7 @@ import logging
 import os
 from collections.abc import Callable
 
+from cloudshards.cache.direct import PartialWriter
 from cloudshards.cache.facts import Checksum, Hasher
 from cloudshards.cache.files import open_file
 from cloudshards.cache.lock import POISONED_MODE, is_disk_full
@@ -27,7 +28,8 @@ class TeeStream(ClosingStream):
     """Reads the store and writes every byte to ``partial``; commits the entry at the end.
 
     The consumer gets the bytes as they arrive (stream-through), so a cold read through the
-    cache costs one extra ``write`` per block. A write that fails because the disk is full
+    cache costs one extra ``write`` per block, past the page cache where the filesystem allows
+    (see :mod:`~cloudshards.cache.direct`). A write that fails because the disk is full
     drops the partial file and carries on as a plain stream. Closing before the end abandons
     the partial file (followers then take over the download); nothing raises from ``close``.
 
@@ -102,6 +104,7 @@ class TeeStream(ClosingStream):
             remote, "read_view", remote.read
         )
         self._fd: int | None = open_file(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        self._writer = PartialWriter(self._fd)
         self.closed = False
         #: Set by the reader after a complete parse; saved next to the entry on commit.
         self.member_table: MemberTable | None = None
@@ -192,15 +195,16 @@ class TeeStream(ClosingStream):
             self._fail(f"the store sent more than the {self.expected_size} bytes it said")
         return front
 
-    def _write(self, data: bytes | memoryview) -> None:
-        if self._fd is None or not data:
+    def _write(self, data: bytes | memoryview, *, last: bool = False) -> None:
+        """Append ``data`` to the partial file; ``last``: and everything still buffered."""
+        if self._fd is None:
             return
         try:
-            view = memoryview(data)
-            while view:
-                written = os.write(self._fd, view)
-                view = view[written:]
-            self._written += len(data)
+            if data:
+                self._writer.write(data)
+            if last:
+                self._writer.finish()
+            self._written = self._writer.written
         except OSError as exc:
             if not is_disk_full(exc):
                 self._drop_partial()
@@ -219,6 +223,7 @@ class TeeStream(ClosingStream):
         if self._fd is None:
             return
         fd, self._fd = self._fd, None
+        self._writer.release()
         if poison:
             try:
                 os.fchmod(fd, POISONED_MODE)
@@ -289,13 +294,14 @@ class TeeStream(ClosingStream):
     def _complete(self, tail: bytes) -> None:
         """Write the verified held-back bytes, commit the entry (unless not kept), and serve
         those bytes from memory."""
-        self._write(tail)
+        self._write(tail, last=True)
         if self._hold_from is not None:
             self._held.clear()
             self._tail = memoryview(tail)
         if self._fd is None or not self._keep:
             return
         fd, self._fd = self._fd, None
+        self._writer.release()
         try:
             os.close(fd)  # a network filesystem reports a failed write-back here
         except OSError as exc:

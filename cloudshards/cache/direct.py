@@ -1,10 +1,10 @@
 """Cache writes past the page cache (``O_DIRECT``), for a node cache larger than the node's
-memory: ``CLOUDSHARDS_CACHE_DIRECT=1``.
+memory: ``CLOUDSHARDS_CACHE_O_DIRECT=1``.
 
 Written through the page cache (the default), every byte of a cold epoch also takes a page of
 memory until write-back, pushing other pages out, and a writer that outruns the disk waits in
 the kernel's dirty-page throttling. When the cache holds more than memory, the next epoch
-cannot find those pages anyway. With ``CLOUDSHARDS_CACHE_DIRECT=1`` the downloads write from
+cannot find those pages anyway. With ``CLOUDSHARDS_CACHE_O_DIRECT=1`` the downloads write from
 one reused, page-aligned buffer straight to the disk, and a reader of an entry asks the disk
 for all of it when it opens it (:func:`read_ahead`), so the slices it takes wait less.
 
@@ -50,8 +50,8 @@ _KEEP_STAGES = 4
 
 
 def direct_writes() -> bool:
-    """Whether the cache writes past the page cache (``CLOUDSHARDS_CACHE_DIRECT=1``)."""
-    return bool(_O_DIRECT) and config.env_bool("CACHE_DIRECT", False)
+    """Whether the cache writes past the page cache (``CLOUDSHARDS_CACHE_O_DIRECT=1``)."""
+    return bool(_O_DIRECT) and config.env_bool("CACHE_O_DIRECT", False)
 
 
 def _take_stage() -> mmap.mmap:

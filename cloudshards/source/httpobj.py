@@ -39,8 +39,14 @@ class HttpObject(FsspecObject):
         super().__init__(fs, path, url)
         self.stall_timeout_s = stall_timeout_s
 
-    def _run(self, coroutine: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> Any:
-        timeout = args[-1]  # every coroutine here takes its read's bound last
+    def _run(
+        self,
+        coroutine: Callable[..., Coroutine[Any, Any, Any]],
+        *args: Any,
+        timeout: float | None,
+    ) -> Any:
+        """``coroutine(fs, path, *args)`` on fsspec's event loop, bounded by ``timeout`` (the
+        read's own bound) and a second more: an answer whose headers never come."""
         backstop = None if timeout is None else timeout + _BACKSTOP_S
         fs = self.fs
         return fsspec.asyn.sync(fs.loop, coroutine, fs, self.path, *args, timeout=backstop)
@@ -58,7 +64,7 @@ class HttpObject(FsspecObject):
         that ETag (HTTP 412 otherwise, whether or not the server honours ``If-Match``);
         ``expect_etag``: the same, without sending ``If-Match``."""
         headers = _range(start, end, if_match)
-        data: bytes = self._run(_get, headers, if_match or expect_etag, None, timeout)
+        data: bytes = self._run(_get, headers, if_match or expect_etag, None, timeout=timeout)
         return data
 
     def cat_first(
@@ -69,7 +75,9 @@ class HttpObject(FsspecObject):
         so that the retry asks for the rest of that object)."""
         seen: list[dict[str, Any]] = []
         try:
-            data: bytes = self._run(_get, _range(0, end), None, seen.append, self.stall_timeout_s)
+            data: bytes = self._run(
+                _get, _range(0, end), None, seen.append, timeout=self.stall_timeout_s
+            )
         except Exception as exc:
             if seen:
                 on_details(seen[0])
@@ -100,7 +108,8 @@ class HttpObject(FsspecObject):
         Raises:
             RangeIgnoredError: The server answered with the whole object.
         """
-        data: bytes = self._run(_salvage, _range(start, end, if_match), expect_etag, timeout)
+        headers = _range(start, end, if_match)
+        data: bytes = self._run(_salvage, headers, expect_etag, timeout, timeout=timeout)
         return data
 
 
@@ -152,9 +161,8 @@ async def _get(
     headers: dict[str, str],
     expect_etag: str | None,
     on_details: Callable[[dict[str, Any]], None] | None,
-    timeout: float | None,
 ) -> bytes:
-    del timeout  # the bridge bounds the whole request
+    # No bound of its own: the bridge (HttpObject._run) bounds the whole request.
     headers, kw = _prepared(fs, headers)
     session = await fs.set_session()
     async with session.get(fs.encode_url(url), headers=headers, **kw) as response:

@@ -121,7 +121,7 @@ def open_source(
             url,
             options,
             shard_index=shard_index,
-            wait_s=fetch.give_up_s + 1.0,  # the downloader's first GET, through its tries
+            wait_s=fetch.reader_wait_s,  # the downloader's first GET, through its tries
             open_store=store,
             cancel=cancel,
             # The reader takes the blocks it reaches from memory; at most a shard's window.

@@ -125,11 +125,18 @@ class FetchOptions:
     def give_up_s(self) -> float:
         """The longest one request takes through all its tries before it fails for good:
         ``retries + 1`` tries of at most ``stall_timeout_s`` each and the backoff between
-        them. A reader waits this long for a part (a little longer) before it calls the
-        store stalled: a backend whose tries cannot be bounded still ends in an error."""
+        them. A reader waits a little longer for a part (:attr:`reader_wait_s`)."""
         backoff = sum(min(self.max_backoff_s, self.backoff_s * 2.0**n) for n in range(self.retries))
         # A second a try beyond its stall bound: a transport's own backstop, a lookup inside it.
         return (self.retries + 1) * (self.stall_timeout_s + 1.0) + backoff
+
+    @property
+    def reader_wait_s(self) -> float:
+        """How long a reader waits for a part (or a cache follower for the download's first
+        bytes) before it calls the store stalled: :attr:`give_up_s` and a second more, so a
+        backend whose tries cannot be bounded still ends in an error, and a request's own
+        last try fails first where it can."""
+        return self.give_up_s + 1.0
 
     @property
     def max_buffered_bytes(self) -> int:

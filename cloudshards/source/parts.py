@@ -76,7 +76,7 @@ class PartStream(ClosingStream):
         self._source = source
         self._executor = executor
         self._options = options
-        self._wait_s = options.give_up_s + 1.0  # for a backend whose tries are not bounded
+        self._wait_s = options.reader_wait_s
         # CLOUDSHARDS_IF_MATCH=0: for HTTP replicas behind one name whose ETags differ (an
         # mtime-based ETag on each host) while their bytes are the same.
         self._if_match = config.env_bool("IF_MATCH", True)
@@ -126,9 +126,8 @@ class PartStream(ClosingStream):
                 while not self._details.done() and time.perf_counter() < deadline:
                     left = deadline - time.perf_counter()
                     cf.wait([self._details], timeout=max(0.0, min(_CANCEL_CHECK_S, left)))
-                    cancel = self._cancel_event
-                    if cancel is not None and cancel.is_set() and not self._details.done():
-                        raise ShardOpenError("the reader was closed", url=self.url)
+                    if self._cancel_event.is_set() and not self._details.done():
+                        raise ShardOpenError(self._cancel_event.why(), url=self.url)
             finally:
                 self._stats.add(wait_s=time.perf_counter() - start)
             if not self._details.done():

@@ -188,6 +188,12 @@ class LinkedEvent(threading.Event):
     def is_set(self) -> bool:
         return super().is_set() or (self._parent is not None and self._parent.is_set())
 
+    def why(self) -> str:
+        """What set it, for an error: the reader's close, or this shard's own end."""
+        if self._parent is not None and self._parent.is_set():
+            return "the reader was closed"
+        return "the shard's reading was given up (a part failed, or the reader closed it)"
+
     def wait(self, timeout: float | None = None) -> bool:
         if self._parent is None:
             return super().wait(timeout)

@@ -1,5 +1,5 @@
 """Cache writes past the page cache (:mod:`cloudshards.cache.direct`, with
-``CLOUDSHARDS_CACHE_DIRECT=1``): every byte lands in order whatever the chunking, followers
+``CLOUDSHARDS_CACHE_O_DIRECT=1``): every byte lands in order whatever the chunking, followers
 see the bytes as they come, a filesystem that refuses direct I/O is written through the page
 cache instead, and an entry out of the page cache is asked of the disk whole when its hit is
 opened."""
@@ -39,7 +39,7 @@ def _direct_allowed(directory: Path) -> bool:
 
 @pytest.fixture(autouse=True)
 def direct_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("CLOUDSHARDS_CACHE_DIRECT", "1")
+    monkeypatch.setenv("CLOUDSHARDS_CACHE_O_DIRECT", "1")
 
 
 def _writer(path: Path) -> tuple[int, PartialWriter]:
@@ -108,7 +108,7 @@ CHUNKINGS = {
 def test_every_byte_lands_in_order_whatever_the_chunking(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sizes: list[int], direct: bool
 ) -> None:
-    monkeypatch.setenv("CLOUDSHARDS_CACHE_DIRECT", "1" if direct else "0")
+    monkeypatch.setenv("CLOUDSHARDS_CACHE_O_DIRECT", "1" if direct else "0")
     path = tmp_path / "entry.partial"
     fd, writer = _writer(path)
     try:

@@ -15,6 +15,7 @@ import pytest
 from cloudshards.errors import ShardOpenError
 from cloudshards.source import FetchOptions, IOStats
 from cloudshards.source.parts import PartStream
+from cloudshards.source.retries import LinkedEvent
 
 PART = 64 << 10
 DATA = bytes(4 * PART)
@@ -66,3 +67,22 @@ def test_a_shard_given_up_on_stops_its_parts_retrying(how: str) -> None:
     assert store.calls[0] in (1, 4)  # the first part: its own tries (none more once closed)
     later = {start: n for start, n in store.calls.items() if start}
     assert later == {PART: 1, 2 * PART: 1, 3 * PART: 1}  # each stopped after its try in flight
+
+
+def test_a_shards_own_cancel_counts_its_readers_and_says_which_was_set() -> None:
+    """A shard's reading ends with the reader's close (its parent event) or on its own (a
+    failed part): either stops the shard's retries, and an error says which it was."""
+    reader = threading.Event()
+    shard = LinkedEvent(reader)
+    assert not shard.is_set()
+    assert not shard.wait(0.05)
+    shard.set()
+    assert shard.is_set()
+    assert not reader.is_set()  # a shard given up leaves the reader's other shards be
+    assert "given up" in shard.why()
+    other = LinkedEvent(reader)
+    closer = threading.Timer(0.2, reader.set)
+    closer.start()
+    assert other.wait(5.0)  # the reader's close is seen by a wait already under way
+    closer.join()
+    assert other.why() == "the reader was closed"

@@ -79,6 +79,16 @@ def max_decoded_bytes() -> int:
     return env_int("MAX_DECODED_BYTES", env_int("MAX_MEMBER_BYTES", DEFAULT_MAX_DECODED_BYTES))
 
 
+#: Shard URLs one spec may expand to (4 Mi: about 400 MB of URL strings).
+DEFAULT_MAX_SHARDS = 1 << 22
+
+
+def max_shards() -> int:
+    """The most shard URLs a spec's braces may expand to: ``CLOUDSHARDS_MAX_SHARDS``, else
+    :data:`DEFAULT_MAX_SHARDS`. A short spec (``{0..99999999}``) cannot fill memory."""
+    return env_int("MAX_SHARDS", DEFAULT_MAX_SHARDS)
+
+
 def cache_defaults() -> tuple[str | None, int | None]:
     """Cache directory and byte budget from the environment (see :func:`cache_dir_default`
     and :func:`cache_size_default`)."""

@@ -6,6 +6,7 @@ options, and the mapping of backend failures (unknown protocol, missing package)
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import re
@@ -54,8 +55,9 @@ def protocol_of(url: str) -> str:
         return "pipe"
     match = _SCHEME.match(url)
     if match is None:
-        return "file"
-    # fsspec chains ("simplecache::s3://...") name their outermost protocol first.
+        # An fsspec chain ("simplecache::s3://...") is named by its outermost protocol: never
+        # a local path (a path relative to the working directory, outside any index's).
+        return url.partition("::")[0].lower() if _is_fsspec_chain(url) else "file"
     return match.group(1).lower()
 
 
@@ -65,7 +67,11 @@ _BUCKET_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs"})
 
 
 def _refuse_userinfo(url: str) -> None:
-    """Raise a ConfigError for an ``s3://`` or ``gs://`` URL with ``user:secret@`` in it."""
+    """Raise a ConfigError for an ``s3://`` or ``gs://`` URL with ``user:secret@`` in it
+    (the target of an fsspec chain too)."""
+    if _is_fsspec_chain(url):
+        _refuse_userinfo(url.partition("::")[2])
+        return
     if "@" in url and protocol_of(url) in _BUCKET_PROTOCOLS:
         authority = url.split("://", 1)[1].split("/", 1)[0]
         if "@" in authority:
@@ -186,7 +192,7 @@ def expand_urls(
     """
     specs: list[str]
     if isinstance(urls, str):
-        specs = urls.split("::") if "::" in urls and not _is_fsspec_chain(urls) else [urls]
+        specs = _LIST_SEPARATOR.split(urls) if not _is_fsspec_chain(urls) else [urls]
     else:
         specs = list(urls)
         if not all(isinstance(u, str) for u in specs):
@@ -198,9 +204,9 @@ def expand_urls(
         if not (glob and _has_glob(spec)):
             # Brace expansion only rearranges the spec's text: no glob in it, none in its URLs
             # (10^6 shards: no per-URL check).
-            result.extend(braceexpand.braceexpand(spec))
+            result.extend(_expanded(spec, len(result)))
             continue
-        for url in braceexpand.braceexpand(spec):
+        for url in _expanded(spec, len(result)):
             if _has_glob(url):
                 matches = _glob(url, storage_options)
                 if not matches:
@@ -211,6 +217,23 @@ def expand_urls(
     if not result:
         raise ConfigError(f"shard spec {_describe(urls)} expanded to no URLs")
     return result
+
+
+#: webdataset's list separator, but not the ``::`` of an IPv6 host (``http://[::1]:8000/``).
+_LIST_SEPARATOR = re.compile(r"::(?![^\[]*\])")
+
+
+def _expanded(spec: str, before: int) -> list[str]:
+    """The URLs of ``spec``'s braces, refused past :func:`~cloudshards.config.max_shards` in
+    all (``{0..99999999}`` is a few bytes of spec and gigabytes of URLs)."""
+    limit = config.max_shards()
+    urls = list(itertools.islice(braceexpand.braceexpand(spec), limit - before + 1))
+    if before + len(urls) > limit:
+        raise ConfigError(
+            f"shard spec {redact_url(spec)!r} expands to over {limit:,} URLs "
+            "(CLOUDSHARDS_MAX_SHARDS raises the limit)"
+        )
+    return urls
 
 
 def _is_fsspec_chain(url: str) -> bool:
@@ -312,6 +335,12 @@ def _new_filesystem(protocol: str, options: dict[str, Any]) -> fsspec.AbstractFi
         )
 
 
+def _chain_options(storage_options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Options for an fsspec chain: per-protocol ones as fsspec routes them (each link takes
+    the options under its protocol's name); flat ones go to the outermost link."""
+    return dict(storage_options or {})
+
+
 def _missing_backend(protocol: str, exc: ImportError) -> ConfigError:
     extra = _EXTRAS.get(protocol)
     if extra is not None:
@@ -339,7 +368,7 @@ def resolve(
     if "::" in url:
         # fsspec URL chains carry their own option routing; leave them to fsspec entirely.
         try:
-            chained = fsspec.core.url_to_fs(url, **options_for(protocol, storage_options))
+            chained = fsspec.core.url_to_fs(url, **_chain_options(storage_options))
             install_log_redaction()
             return chained  # type: ignore[no-any-return]
         except ImportError as exc:

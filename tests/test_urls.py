@@ -42,6 +42,62 @@ def test_fsspec_chained_url_is_not_split() -> None:
     assert expand_urls("simplecache::s3://b/x.tar") == ["simplecache::s3://b/x.tar"]
 
 
+def test_an_ipv6_host_is_not_a_list_separator() -> None:
+    """``::`` inside ``[...]`` is an IPv6 address, not webdataset's list syntax."""
+    assert expand_urls("http://[::1]:8000/a-{0..1}.tar") == [
+        "http://[::1]:8000/a-0.tar",
+        "http://[::1]:8000/a-1.tar",
+    ]
+    assert expand_urls("http://[::1]:8000/a.tar::http://[fe80::2]/b.tar") == [
+        "http://[::1]:8000/a.tar",
+        "http://[fe80::2]/b.tar",
+    ]
+
+
+def test_an_fsspec_chain_reads_its_target_never_a_local_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``simplecache::memory://b/a.tar`` reads the memory object, not ``./b/a.tar`` under the
+    working directory; and the target's credentials rule holds inside a chain."""
+    import cloudshards as wds
+
+    def shard(text: bytes) -> bytes:
+        import io
+        import tarfile
+
+        out = io.BytesIO()
+        with tarfile.open(fileobj=out, mode="w") as tar:
+            info = tarfile.TarInfo("k.txt")
+            info.size = len(text)
+            tar.addfile(info, io.BytesIO(text))
+        return out.getvalue()
+
+    fs = fsspec.filesystem("memory")
+    fs.pipe("/chainbucket/a.tar", shard(b"remote"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "chainbucket").mkdir()
+    (tmp_path / "chainbucket" / "a.tar").write_bytes(shard(b"local"))
+    try:
+        got = [s["txt"] for s in wds.WebDataset("simplecache::memory://chainbucket/a.tar")]
+    finally:
+        fs.rm("/chainbucket", recursive=True)
+    assert got == [b"remote"]
+    with pytest.raises(ConfigError, match="not credentials") as info:
+        expand_urls("simplecache::s3://AKIAKEY:SECRET@bucket/a.tar")
+    assert "SECRET" not in str(info.value)
+
+
+def test_a_spec_expanding_past_the_limit_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A few bytes of braces can name billions of URLs: past CLOUDSHARDS_MAX_SHARDS (counted
+    over the whole spec) the spec is refused before memory fills."""
+    monkeypatch.setenv("CLOUDSHARDS_MAX_SHARDS", "1000")
+    assert len(expand_urls("s3://b/{0..999}.tar")) == 1000
+    with pytest.raises(ConfigError, match="over 1,000 URLs"):
+        expand_urls("s3://b/{0..1000}.tar")
+    with pytest.raises(ConfigError, match="CLOUDSHARDS_MAX_SHARDS"):
+        expand_urls("s3://b/{0..600}.tar::s3://c/{0..600}.tar")
+
+
 def test_env_substitution_uses_wds_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WDS_BUCKET", "my-bucket")
     assert expand_urls("s3://${BUCKET}/a.tar") == ["s3://my-bucket/a.tar"]
@@ -103,7 +159,9 @@ def test_protocol_of() -> None:
     assert protocol_of("file:///data/a.tar") == "file"
     assert protocol_of("S3://b/k") == "s3"
     assert protocol_of("pipe:cat a.tar") == "pipe"
-    assert protocol_of("simplecache::s3://b/k") == "file"
+    # An fsspec chain is named by its outermost protocol: never a path in the working directory.
+    assert protocol_of("simplecache::s3://b/k") == "simplecache"
+    assert protocol_of("simplecache::file:///data/a.tar") == "simplecache"
 
 
 def test_options_per_protocol_with_aliases() -> None:

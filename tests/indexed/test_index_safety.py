@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import tarfile
 from collections.abc import Callable
 from pathlib import Path
@@ -75,15 +76,20 @@ OUTSIDE_ENTRIES = {
     "backslashes": "..\\secret\\shard-000000.tar",
     "another protocol": "memory://elsewhere/shard-000000.tar",
     "another host": "http://other.example/shard-000000.tar",
+    "an fsspec chain to a file": "simplecache::file://{secret}",
 }
 
 
 @pytest.mark.parametrize("entry", list(OUTSIDE_ENTRIES.values()), ids=list(OUTSIDE_ENTRIES))
 def test_entries_outside_the_index_location_are_refused(
-    make_shards: Callable[..., Shards], elsewhere: Shards, entry: str
+    make_shards: Callable[..., Shards],
+    elsewhere: Shards,
+    entry: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     shards = make_shards([2, 2])
     path, document = saved_index(shards)
+    monkeypatch.chdir(os.path.dirname(path))  # a relative reading must not make it "inside"
     stored = entry.format(secret=elsewhere.paths[0])
     document["shards"][1]["url"] = stored
     url = save(path, document)

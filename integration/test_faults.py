@@ -435,6 +435,31 @@ def test_a_server_ignoring_range_without_a_length_is_streamed_exactly(
     assert sim.stats().ranges_ignored > 0
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("held_whole", [True, False], ids=["held", "too-large-to-hold"])
+def test_a_server_ignoring_range_is_read_with_one_object_in_memory(
+    cloudsim: Factory,
+    http_dataset: RemoteDataset,
+    unranged_hosts: set[str],
+    monkeypatch: pytest.MonkeyPatch,
+    held_whole: bool,
+) -> None:
+    """A host that answers every ranged GET with the whole object (Python's http.server does):
+    the first answer is the object, so no other part goes out (each one brought the whole
+    object again, 16 at once: 6.5 GB for a 300 MB shard); an answer too large to hold is left
+    and the object streamed with one GET. Every sample once, intact, either way."""
+    from cloudshards.source import httpobj
+
+    if not held_whole:
+        monkeypatch.setattr(httpobj, "WHOLE_BODY_MAX", 4096)
+    sim, remote = through(cloudsim, http_dataset, ignore_range=True)
+    ds = dataset_for(remote, part_bytes=PART, concurrency=8, prefetch=0)
+    assert_exactly_once(read_samples(ds), remote.local)
+    shards = len(remote.local.files())
+    # One GET a shard; the first shard one more when its answer was too large to hold.
+    assert sim.stats().gets <= shards + (0 if held_whole else 1)
+
+
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("fixture", ["http_dataset", "gcs_dataset"])
 def test_server_ignoring_range_never_corrupts(

@@ -169,12 +169,37 @@ async def _get(
         fs._raise_not_found_for_status(response, url)
         etag = _checked(response, headers, expect_etag, missing_ok=True)
         details = {"name": url, "size": _size(response), "type": "file", "ETag": etag}
-        if on_details is not None and response.status == 206:  # fsspec's HTTP info() names
-            on_details(details)  # before the body: a retry asks for the rest of this object
-        data: bytes = await response.read()
-        if on_details is not None and response.status != 206:  # the whole object: its size
-            on_details({**details, "size": len(data)})  # as read (gzip, chunked: no length)
-        return data
+        if response.status == 206:
+            if on_details is not None:  # fsspec's HTTP info() names, before the body: a
+                on_details(details)  # retry asks for the rest of this object
+            data: bytes = await response.read()
+            return data
+        # The whole object (Range ignored): no part after it asks again. Its size is its body's
+        # length (gzip, chunked: no Content-Length), or unknown when it is too large to hold.
+        whole = await _whole_body(response)
+        if on_details is not None:
+            size = None if whole is None else len(whole)
+            on_details({**details, "size": size, "range_ignored": True})
+        if whole is None:
+            raise RangeIgnoredError(b"")  # the reader streams the object instead
+        return whole
+
+
+#: A whole-object answer to a ranged GET is held in memory up to this size; a larger one (or
+#: an endless one) is left, and the object streamed with one GET.
+WHOLE_BODY_MAX = 64 << 20
+
+
+async def _whole_body(response: Any) -> bytes | None:
+    """A whole-object answer's body, or None past :data:`WHOLE_BODY_MAX` bytes."""
+    if (response.content_length or 0) > WHOLE_BODY_MAX:
+        return None
+    body = bytearray()
+    async for chunk in response.content.iter_chunked(1 << 20):
+        body += chunk
+        if len(body) > WHOLE_BODY_MAX:
+            return None
+    return bytes(body)
 
 
 async def _salvage(
@@ -190,7 +215,7 @@ async def _salvage(
         fs._raise_not_found_for_status(response, url)
         etag = _checked(response, headers, expect_etag)  # a 200 of another object too
         if response.status != 206:  # the whole object (Range ignored): never joined onto kept
-            raise RangeIgnoredError(await response.read())
+            raise RangeIgnoredError(await _whole_body(response) or b"")
         size = _size(response)
         received = bytearray()
         try:

@@ -41,15 +41,10 @@ _UNRANGED_HOSTS = adapt.UNRANGED_HOSTS
 
 
 class PartStream(ClosingStream):
-    """The bytes of one remote object, fetched as a window of ranged GETs in flight.
-
-    The object's metadata (size, ETag) comes from a lookup sent together with the first ranged
-    GET; reading starts as soon as the first part arrives, without waiting for the lookup.
-
-    Attributes:
-        size: Object size in bytes (from the store; waits for the lookup), or None if the
-            store does not say (the rest after the first part is then streamed).
-        details: The store's metadata for the object (ETag etc.).
+    """The bytes of one remote object, fetched as a window of ranged GETs in flight. The
+    object's metadata (size, ETag: :attr:`details`) comes with the first ranged GET, or from a
+    lookup sent with it; reading starts as soon as the first part arrives. :attr:`size` is
+    None when the store does not say (the rest after the first part is then streamed).
     """
 
     def __init__(
@@ -156,7 +151,8 @@ class PartStream(ClosingStream):
         future = self._details
         if not future.done() or future.cancelled() or future.exception() is not None:
             return None
-        size = future.result().get("size")
+        details = future.result()  # no parts after a whole-object answer: all are the object
+        size = None if details.get("range_ignored") else details.get("size")
         return None if size is None else int(size)
 
     def _condition(self) -> IfMatch | None:
@@ -234,8 +230,7 @@ class PartStream(ClosingStream):
         if returned is not None:
             self._fill()
 
-    def read(self, size: int = -1) -> bytes:
-        """Return up to ``size`` bytes (a whole part when ``size`` is -1); ``b""`` at the end."""
+    def read(self, size: int = -1) -> bytes:  # up to size bytes (-1: a part); b"": the end
         return bytes(self.read_view(size))
 
     def read_view(self, size: int = -1) -> bytes | memoryview:
@@ -355,9 +350,14 @@ class PartStream(ClosingStream):
 
     def _fall_back(self, body: bytes) -> bytes:
         # The server sent the whole object for a ranged GET: never splice parts from it.
-        # Serve the rest of this shard from that body and stream later shards of this host.
+        # Serve the rest of this shard from that body (too large to hold, b"": one streaming
+        # GET from here), and stream later shards of this host.
         adapt.mark_unranged(self.url)
         size = self.size
+        if not body:
+            self._fell_back, self._next_start = True, self.offset
+            self._cancel()
+            return self._start_tail() or b""
         if size is not None and len(body) != size:
             raise ShardOpenError(
                 f"server ignored Range and sent {len(body)} bytes of a {size}-byte object",

@@ -11,6 +11,7 @@ import os
 from cloudshards.cache.files import open_file
 from cloudshards.cache.layout import EntryStore
 from cloudshards.cache.lock import DownloadLock, is_locked
+from cloudshards.errors import CacheError
 
 __all__ = ["CacheBudget"]
 
@@ -56,15 +57,29 @@ class CacheBudget(EntryStore):
     def _scan(self, exclude: str = "") -> tuple[list[tuple[str, int, float]], int]:
         """Complete entries as (name, size, mtime), and bytes reserved by live downloads.
 
-        Partial files whose downloader is gone are removed on the way.
+        Partial files whose downloader is gone are removed on the way. Anything that is not
+        a regular file (a symlink, FIFO or directory planted there) is no entry of ours: it
+        is skipped with one warning naming it, never opened, followed or removed.
         """
         entries: list[tuple[str, int, float]] = []
         in_flight = 0
         with os.scandir(self._path("data")) as it:
             for item in it:
+                try:
+                    regular = item.is_file(follow_symlinks=False)
+                except OSError:
+                    regular = False
+                if not regular:
+                    # Planted by someone else (a symlink, FIFO, directory): not ours to
+                    # count, open or remove; one warning names it, and eviction carries on.
+                    self._warn_once(
+                        f"cache: skipping {item.path}: not a regular file (a symlink, "
+                        "directory, FIFO or device); never followed, evicted or removed"
+                    )
+                    continue
                 if not item.name.endswith(".partial"):
                     with contextlib.suppress(FileNotFoundError):
-                        st = item.stat()
+                        st = item.stat(follow_symlinks=False)
                         entries.append((item.name, st.st_size, st.st_mtime))
                     continue
                 name = item.name[: -len(".partial")]
@@ -84,6 +99,9 @@ class CacheBudget(EntryStore):
             fd = open_file(entry, os.O_RDONLY)
         except FileNotFoundError:
             return True
+        except CacheError as exc:  # replaced by a symlink or FIFO since the scan: skip it
+            self._warn_once(f"cache: not evicting {entry}: {exc}")
+            return False
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -17,7 +17,13 @@ import logging
 import os
 from typing import Any
 
-from cloudshards.cache.files import check_directory, open_file, replace_with
+from cloudshards.cache.files import (
+    DirectoryId,
+    check_directory,
+    open_directory,
+    open_file,
+    replace_with,
+)
 from cloudshards.cache.lock import DownloadLock, is_disk_full
 from cloudshards.cache.membertable import MemberTable, load_table, write_table
 from cloudshards.cache.stats import CacheStats, process_stats, save_stats, stats_file_name
@@ -25,7 +31,10 @@ from cloudshards.errors import CacheError, ConfigError
 from cloudshards.logs import warn_once
 from cloudshards.source import ShardStream
 
-__all__ = ["EntryStore"]
+__all__ = ["SUBDIRECTORIES", "EntryStore"]
+
+#: The subdirectories of a cache directory (see the layout above).
+SUBDIRECTORIES = ("data", "meta", "locks", "stats")
 
 logger = logging.getLogger(__name__)
 
@@ -49,10 +58,12 @@ class EntryStore:
         #: The counters this object last used (see :attr:`stats`); never pickled.
         self._stats: CacheStats | None = None
         self._ready = False
+        #: Each subdirectory's identity when this process first checked it (see _check_dirs).
+        self._dir_ids: dict[str, DirectoryId] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state.update(_stats=None, _ready=False)
+        state.update(_stats=None, _ready=False, _dir_ids={})
         return state
 
     @property
@@ -71,17 +82,55 @@ class EntryStore:
         return path
 
     def _ensure_ready(self) -> None:
+        """Create the subdirectories on first use; after that, check them again (each call):
+        another user of a shared directory may have swapped one for a symlink since."""
         if self._ready:
+            self._check_dirs(*SUBDIRECTORIES)
             return
         try:
-            for sub in ("data", "meta", "locks", "stats"):
+            for sub in SUBDIRECTORIES:
                 os.makedirs(self._path(sub), exist_ok=True)
-                check_directory(self._path(sub))
+                self._dir_ids[sub] = check_directory(self._path(sub))
         except OSError as exc:
             if is_disk_full(exc):
                 raise  # the caller streams without caching
             raise CacheError(f"cannot create cache directory {self.directory}: {exc}") from exc
         self._ready = True
+
+    def _check_dirs(self, *subs: str) -> None:
+        """Raise :class:`CacheError` naming the first of ``subs`` that is no longer the real
+        directory first checked (a symlink, or another directory, swapped in since): checked
+        right before the cache creates or renames files there. A race remains between this
+        check and the write that follows it; renames avoid it (:meth:`_rename_partial`)."""
+        for sub in subs:
+            path = self._path(sub)
+            try:
+                check_directory(path, self._dir_ids.get(sub))
+            except FileNotFoundError as exc:
+                raise CacheError(f"cache directory {path} is gone: {exc}") from exc
+
+    def _rename_partial(self, name: str) -> None:
+        """Put a download's partial file in place as its entry, both names resolved in the
+        very data directory checked at start, whatever is at its path now."""
+        fd = open_directory(self._path("data"), self._dir_ids["data"])
+        try:
+            os.replace(name + ".partial", name, src_dir_fd=fd, dst_dir_fd=fd)
+        finally:
+            os.close(fd)
+
+    def _remove_partial(self, name: str) -> None:
+        """Remove a download's partial file, never through a swapped data directory (one
+        swapped in since is left alone: the file is in the directory moved away)."""
+        try:
+            fd = open_directory(self._path("data"), self._dir_ids["data"])
+        except (OSError, KeyError) as exc:
+            logger.debug("cache: leaving %s.partial in place: %s", name, exc)
+            return
+        try:
+            with contextlib.suppress(OSError):  # gone, or a directory planted there
+                os.unlink(name + ".partial", dir_fd=fd)
+        finally:
+            os.close(fd)
 
     def _table_path(self, name: str) -> str:
         return self._path("meta", name + ".members.json")
@@ -110,6 +159,10 @@ class EntryStore:
         replace_with(self._path("meta", name + ".json"), json.dumps(meta).encode())
 
     def _save_stats(self) -> None:
+        try:
+            self._check_dirs("stats")
+        except OSError:
+            return  # best effort, as saving is; never through a replaced directory
         save_stats(self._path("stats", stats_file_name()), self.stats)
 
     def _warn_once(self, message: str) -> None:

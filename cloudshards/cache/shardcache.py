@@ -281,11 +281,11 @@ class ShardCache(CacheBudget):
         stats = self.stats
 
         def abandon() -> None:
-            with contextlib.suppress(OSError):
-                os.unlink(partial)
+            self._remove_partial(name)
             lock.release()
 
         try:
+            self._check_dirs("data", "locks")  # swapped for a symlink since the last shard?
             unlink_partial(partial)
             reserved = self._reserve(name, size, lock)
         except OSError as exc:
@@ -309,6 +309,7 @@ class ShardCache(CacheBudget):
         def commit(nbytes: int) -> bool:
             written: list[str] = []
             try:
+                self._check_dirs("data", "meta")
                 written.append(self._path("meta", name + ".json"))
                 self._write_meta(name, {**meta, "size": nbytes})
                 table = tee.member_table if tee is not None else None
@@ -319,10 +320,11 @@ class ShardCache(CacheBudget):
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(self._table_path(name))
                 _cachelock._checkpoint("before_rename")
-                os.replace(partial, self._path("data", name))
+                self._rename_partial(name)  # in the data directory checked, whatever is there
                 _cachelock._checkpoint("after_rename")
             except OSError as exc:
-                for path in (partial, *written):
+                self._remove_partial(name)
+                for path in written:
                     with contextlib.suppress(OSError):
                         os.unlink(path)
                 if is_disk_full(exc):
@@ -337,6 +339,7 @@ class ShardCache(CacheBudget):
             return True
 
         try:
+            self._check_dirs("data")  # TeeStream creates the partial file there
             tee = TeeStream(
                 remote,
                 partial,

@@ -1,0 +1,138 @@
+"""A shared cache directory that another user tampers with while a run reads through it: a
+subdirectory swapped for a symlink after the first shard, and foreign files left in ``data/``.
+
+Nothing may be written outside the cache, and a foreign file must not stop the run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import fakes
+import pytest
+
+import cloudshards as wds
+from cloudshards.cache import ShardCache, entry_name
+from cloudshards.cache import lock as cachelock
+from cloudshards.cache.keys import store_endpoint
+from cloudshards.source import OpenOptions
+
+
+@pytest.fixture
+def shards(make_shards: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Three shards, to be read as a remote store (``slowfile://``) so that they are cached."""
+    fakes.register()
+    for knob in fakes.ENV_KNOBS:
+        monkeypatch.delenv(knob, raising=False)
+    return make_shards([3, 3, 3], payload_bytes=2000)
+
+
+@pytest.fixture
+def urls(shards: Any) -> list[str]:
+    return [fakes.url_of(path) for path in shards.paths]
+
+
+def swap_for_symlink(cache_dir: Path, sub: str, outside: Path) -> None:
+    """What another user of the directory does: move ``sub`` away, put a symlink there."""
+    (cache_dir / sub).rename(cache_dir / f"{sub}.old")
+    (cache_dir / sub).symlink_to(outside)
+
+
+def dataset(urls: list[str], cache_dir: Path, **kwargs: Any) -> Any:
+    return wds.WebDataset(urls, shardshuffle=False, cache_dir=str(cache_dir), prefetch=0, **kwargs)
+
+
+@pytest.mark.parametrize("sub", ["data", "meta", "locks"])
+def test_a_subdirectory_swapped_for_a_symlink_mid_run_is_refused(
+    urls: list[str], tmp_path: Path, sub: str
+) -> None:
+    """The subdirectories were checked only when the first shard was opened: a ``data/``
+    swapped for a symlink afterwards received every later download."""
+    cache_dir, outside = tmp_path / "c", tmp_path / "outside"
+    outside.mkdir()
+    it = iter(dataset(urls, cache_dir))
+    next(it)
+    swap_for_symlink(cache_dir, sub, outside)
+    with pytest.raises(wds.CacheError, match=f"{cache_dir / sub} is a symlink"):
+        list(it)
+    assert list(outside.iterdir()) == []
+
+
+def test_a_data_directory_swapped_as_a_download_starts_gets_no_file(
+    urls: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Swapped after the shard's open checked the directories, before its partial file is
+    created: the download is refused, nothing is created outside."""
+    cache_dir, outside = tmp_path / "c", tmp_path / "outside"
+    outside.mkdir()
+    ShardCache(cache_dir)._ensure_ready()
+
+    def swap(point: str) -> None:
+        if point == "before_claim" and not (cache_dir / "data").is_symlink():
+            swap_for_symlink(cache_dir, "data", outside)
+
+    monkeypatch.setattr(cachelock, "_checkpoint", swap)
+    with pytest.raises(wds.CacheError, match=f"{cache_dir / 'data'} is a symlink"):
+        list(dataset(urls[:1], cache_dir))
+    assert list(outside.iterdir()) == []
+
+
+def test_a_data_directory_swapped_before_the_commit_receives_no_entry(
+    shards: Any,
+    urls: list[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Swapped while the shard downloads: the reader still gets every sample, the entry is
+    not cached, and nothing is renamed (or removed) through the symlink."""
+    cache_dir, outside = tmp_path / "c", tmp_path / "outside"
+    outside.mkdir()
+    planted = outside / (entry_name(urls[0], store_endpoint(urls[0], OpenOptions())) + ".partial")
+    planted.write_text("not the cache's\n")
+
+    def swap(point: str) -> None:
+        if point == "before_rename":
+            swap_for_symlink(cache_dir, "data", outside)
+
+    monkeypatch.setattr(cachelock, "_checkpoint", swap)
+    with caplog.at_level(logging.WARNING, logger="cloudshards"):
+        samples = list(dataset(urls[:1], cache_dir))
+    assert [s["__key__"] for s in samples] == shards.keys[:3]
+    assert sorted(p.name for p in outside.iterdir()) == [planted.name]
+    assert planted.read_text() == "not the cache's\n"
+    assert "cannot commit" in caplog.text
+    assert "is a symlink" in caplog.text
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo", "directory"])
+def test_a_foreign_file_in_data_is_skipped_by_eviction(
+    shards: Any, urls: list[str], tmp_path: Path, caplog: pytest.LogCaptureFixture, kind: str
+) -> None:
+    """A symlink, FIFO or directory in ``data/`` made every eviction raise, which stopped the
+    run. Eviction skips it (one warning naming it) and leaves it alone."""
+    cache_dir = tmp_path / "c"
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    (cache_dir / "data").mkdir(parents=True)
+    planted = cache_dir / "data" / "0000planted"
+    if kind == "symlink":
+        planted.symlink_to(victim)
+    elif kind == "fifo":
+        os.mkfifo(planted)
+    else:
+        planted.mkdir()
+    budget = max(path.stat().st_size for path in shards.paths) + 100  # room for one shard
+    with caplog.at_level(logging.WARNING, logger="cloudshards"):
+        ds = dataset(urls, cache_dir, cache_size=budget)
+        samples = list(ds)
+    assert [s["__key__"] for s in samples] == shards.keys
+    assert ds.cache.stats.evictions == 2  # each later shard evicted the one before
+    warnings = [r.getMessage() for r in caplog.records if "0000planted" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "not a regular file" in warnings[0]
+    assert os.path.lexists(planted)
+    assert victim.read_text() == "precious\n"

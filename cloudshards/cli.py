@@ -29,8 +29,10 @@ logger = logging.getLogger(__name__)
 
 
 def _shown(text: str) -> str:
-    """``text`` safe for a terminal: control and format characters (escape sequences, bidi
-    overrides) in a shard's member names are shown escaped, never sent to the terminal."""
+    """``text`` safe for a terminal, on one line: every character that is not printable (C0
+    and C1 controls such as ESC and U+009B CSI, DEL, newlines, bidi and isolate overrides
+    such as U+202E) is shown escaped (``\\x1b``, ``\\u202e``), never sent to the terminal.
+    Everything the CLI prints that a shard, a store or an error wrote goes through here."""
     if text.isprintable():
         return text
     return "".join(
@@ -45,7 +47,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     total_samples = 0
     for url in urls:
         size = shard_size(url)
-        line = f"{redact_url(url)}\t{size if size is not None else '?'} bytes"
+        line = f"{_shown(redact_url(url))}\t{size if size is not None else '?'} bytes"
         if args.count:
             with open_shard(url) as stream:
                 count = sum(1 for _ in group_members(iter_members(stream, url=url), url=url))
@@ -75,7 +77,7 @@ def _cmd_cat(args: argparse.Namespace) -> int:
                 print(f"{_shown(sample['__key__'])}  ({_shown(redact_url(url))})")
                 for field, value in sample.items():
                     if field[:2] != "__" and (wanted is None or field in wanted):
-                        preview = describe(field, value, args.width)
+                        preview = _shown(describe(field, value, args.width))
                         print(f"  {_shown(field):12s} {len(value):>10,d} B  {preview}")
                 shown += 1
     return 0
@@ -377,17 +379,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError) as exc:
         if args.debug:
             raise
-        print(f"cloudshards: error: {redact_text(str(exc))}", file=sys.stderr)
+        print(f"cloudshards: error: {_shown(redact_text(str(exc)))}", file=sys.stderr)
         return 1 if isinstance(exc, ShardError) else 2  # a missing shard is not a usage error
     except (CloudShardsError, OSError) as exc:
         if args.debug:
             raise
-        print(f"cloudshards: error: {redact_text(str(exc))}", file=sys.stderr)
+        print(f"cloudshards: error: {_shown(redact_text(str(exc)))}", file=sys.stderr)
         return 1
     except Exception as exc:  # a backend error we do not know: still one line, exit 1
         if args.debug:
             raise
-        print(f"cloudshards: error: {type(exc).__name__}: {redact_text(str(exc))}", file=sys.stderr)
+        message = _shown(redact_text(str(exc)))
+        print(f"cloudshards: error: {type(exc).__name__}: {message}", file=sys.stderr)
         return 1
 
 

@@ -17,6 +17,7 @@ from cloudshards.dist import derive_seed
 from cloudshards.errors import ConfigError
 from cloudshards.imagedecode import import_optional
 from cloudshards.stages.base import current_context
+from cloudshards.urls import substitute_env
 
 __all__ = ["MSSource", "MultiShardSample", "expand"]
 
@@ -24,8 +25,15 @@ logger = logging.getLogger(__name__)
 
 
 def expand(s: str) -> str:
-    """Expand ``~`` and environment variables."""
-    return os.path.expanduser(os.path.expandvars(s))
+    """Expand ``~`` and each ``${NAME}`` from ``WDS_NAME``, the rule of every shard spec.
+
+    Not every variable, as webdataset 1.0.2's ``os.path.expandvars`` does: a spec file from
+    someone else could then put ``${AWS_SECRET_ACCESS_KEY}`` into a URL it sends requests to.
+
+    Raises:
+        ConfigError: A ``${NAME}`` whose ``WDS_NAME`` is not set.
+    """
+    return os.path.expanduser(substitute_env(s))
 
 
 @dataclass
@@ -54,8 +62,8 @@ class MultiShardSample(IterableDataset):  # type: ignore[type-arg]
         fname: Path of a YAML spec (needs PyYAML) or the spec as a dict.
 
     Raises:
-        ConfigError: Unknown keys, several buckets for one dataset, or ``choose`` larger
-            than the dataset.
+        ConfigError: Unknown keys, several buckets for one dataset, ``choose`` larger than
+            the dataset, or a ``${NAME}`` whose ``WDS_NAME`` is unset (see :func:`expand`).
     """
 
     def __init__(self, fname: str | Mapping[str, Any]) -> None:

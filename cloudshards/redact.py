@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import re
+import shlex
 import threading
 import traceback
 from collections.abc import Callable
@@ -68,7 +69,7 @@ _MASKED_FIELDS = (
 # name, separator, then a quoted value (masked to its closing quote) ...
 _QUOTED_SECRET = re.compile(rf"(?i)(?<![\w-])({_MASKED_FIELDS})(['\"]?\s*[:=]\s*b?)(['\"])(.*?)\3")
 # ... or an unquoted one (masked to the end of the line, or the next field of a query string).
-_BARE_SECRET = re.compile(rf"(?i)(?<![\w-])({_MASKED_FIELDS})(\s*[:=]\s*)(?!['\"<])([^\r\n&]+)")
+_BARE_SECRET = re.compile(rf"(?i)(?<![\w-])({_MASKED_FIELDS})(\s*[:=]\s*)(?![\s'\"<])([^\r\n&]+)")
 # ... or an XML element (STS and IMDS answers, which botocore logs at DEBUG).
 _XML_SECRET = re.compile(rf"(?i)<({_COMPOUND}|token)>[^<]*</\1>")
 
@@ -107,39 +108,68 @@ def redact_url(url: str) -> str:
     return urlunsplit((parts.scheme, netloc, parts.path, query, ""))
 
 
-# A command-line option whose value is a secret (``curl -u user:pass``, ``--oauth2-bearer T``,
-# ``--api-key=K``, ``--sse-c-key K``), and a leading ``VAR=value`` (``HF_TOKEN=... curl``).
+# Long options whose value is a secret: curl's --user, --proxy-user, --cert (file:password),
+# --cookie, --oauth2-bearer; wget's --user=, --http-password=...; any named like a secret
+# (--api-key=K, --sse-c-key K); and --header, whose value keeps the header's name.
 _SECRET_OPTION = re.compile(
-    r"(?i)^(?:-u|-U|-E|--user|--proxy-user|--cert|--.*(?:token|secret|pass|key|auth|bearer"
-    r"|credential|cookie|signature).*)$"
+    r"(?i)^--(?:(?:http-|ftp-|proxy-|tls)?user|cert|(?:proxy-)?header"
+    r"|.*(?:token|secret|pass|key|auth|bearer|credential|cookie|signature).*)$"
 )
+# curl's short ones (-u, -U, -E, -b, -H), alone or last in a group, the value attached or not:
+# -u U:P, -uU:P, -sSfuU:P. Not -p: curl's and wget's take no value.
+_SHORT_SECRET_OPTION = re.compile(r"^(-[A-Za-z]*?[uUEbH])(.*)$", re.DOTALL)
 _ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
+# A shell word: unquoted text, backslash escapes and quoted strings (an unclosed quote runs on
+# to the end), so that -H 'PRIVATE-TOKEN: T' is one word.
+_SHELL_WORD = re.compile(r"""(?:[^\s'"\\]+|\\.?|'[^']*'?|"(?:[^"\\]|\\.)*"?)+""", re.DOTALL)
+_BEARER = re.compile(r"(?i)(\bbearer\s+)(?!<)[^\s'\"]+")
+
+
+def _unquote(word: str) -> str:
+    try:
+        return "".join(shlex.split(word))
+    except ValueError:  # an unclosed quote: its text runs on to the end
+        return word.replace("'", "").replace('"', "")
+
+
+def _mask_value(option: str, value: str) -> str:
+    """The value of a secret ``option``: a header (-H, --header) keeps its name, nothing else."""
+    header, colon, _ = value.partition(":")
+    is_header = option.endswith("header") or (option.endswith("H") and option[1] != "-")
+    return f"{header}: {_MASK}" if is_header and colon else _MASK
 
 
 def _redact_command(command: str) -> str:
     """A ``pipe:`` command for messages: its program and arguments (which name the shard),
-    with the values of leading variable assignments and of secret-looking options masked,
-    and every embedded URL and ``name=secret`` redacted as in :func:`redact_text`."""
-    words = re.split(r"(\s+)", command)
-    out, program_seen, mask_next = [], False, False
-    for word in words:
-        if not word or word.isspace():
-            out.append(word)
-            continue
-        name, eq, _ = word.partition("=")
-        if mask_next:
-            word, mask_next = _MASK, False
-        elif not program_seen and _ASSIGNMENT.match(word):
+    with the values of leading variable assignments, of secret options and of headers masked,
+    a command in a quoted word (``sh -c '...'``) redacted alike, and every embedded URL,
+    ``Bearer`` token and ``name=secret`` redacted as in :func:`redact_text`."""
+    out, end, program_seen, option = [], 0, False, ""
+    for match in _SHELL_WORD.finditer(command):
+        out.append(command[end : match.start()])
+        end, word = match.end(), match.group()
+        value = _unquote(word)
+        quote = next((char for char in word if char in "'\""), "")
+        name, eq, rest = value.partition("=")
+        short = None if value.startswith("--") else _SHORT_SECRET_OPTION.match(value)
+        if option:
+            word, option = quote + _mask_value(option, value) + quote, ""
+        elif not program_seen and _ASSIGNMENT.match(value):
             word = f"{name}={_MASK}"
-        elif word.startswith("-") and _SECRET_OPTION.match(name):
-            if eq:
-                word = f"{name}={_MASK}"
-            else:
-                mask_next = True
-        else:
-            program_seen = True
+        elif _SECRET_OPTION.match(name) and eq:
+            word = f"{name}={quote}{_mask_value(name, rest)}{quote}"
+        elif _SECRET_OPTION.match(value):
+            option = value
+        elif short and short.group(2):
+            word = short.group(1) + quote + _mask_value(short.group(1), short.group(2)) + quote
+        elif short:
+            option = value
+        elif value != word and any(char.isspace() for char in value):
+            word = quote + _redact_command(value) + quote
+        program_seen = program_seen or not _ASSIGNMENT.match(value)
         out.append(word)
-    return redact_text("".join(out))
+    out.append(command[end:])
+    return _BEARER.sub(lambda m: m.group(1) + _MASK, redact_text("".join(out)))
 
 
 def redact_text(text: str) -> str:

@@ -112,7 +112,7 @@ def rewrite_url(url: str) -> str:
     return url
 
 
-def _substitute_env(url: str) -> str:
+def substitute_env(url: str) -> str:
     # webdataset 1.0.2 semantics: ${name} is replaced by the environment variable WDS_name.
     def lookup(match: re.Match[str]) -> str:
         name = "WDS_" + match.group(1)
@@ -199,7 +199,7 @@ def expand_urls(
             raise ConfigError("shard URLs must be strings")
     result: list[str] = []
     for spec in specs:
-        spec = _substitute_env(spec)
+        spec = substitute_env(spec)
         _refuse_userinfo(spec)
         if not (glob and _has_glob(spec)):
             # Brace expansion only rearranges the spec's text: no glob in it, none in its URLs

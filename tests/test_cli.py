@@ -128,6 +128,71 @@ def test_cat_shows_decoded_previews(tmp_path: Any, capsys: pytest.CaptureFixture
     assert [line.split()[0] for line in out] == ["img/0001", "cls", "jpg"]
 
 
+#: What a hostile shard can hide in a field: an OSC title change and a screen clear (C0), a CSI
+#: in its one-character C1 form, and a right-to-left override that makes "exe.txt" read "txt.exe".
+ESCAPES = "\x1b]0;PWNED\x07\x1b[2J \x9b31m \u202etxt.exe \u2066x\u2069 \x7f"
+ESCAPED = "\\x1b]0;PWNED\\x07\\x1b[2J \\x9b31m \\u202etxt.exe \\u2066x\\u2069 \\x7f"
+
+
+def test_cat_sends_no_escape_sequence_from_a_shard_to_the_terminal(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Zip member names inside an .npz and JSON previews are shown escaped: a shard cannot
+    retitle, clear or reorder the user's terminal."""
+    import io
+    import json
+    import tarfile
+    import zipfile
+
+    import numpy as np
+
+    npy, npz = io.BytesIO(), io.BytesIO()
+    np.save(npy, np.zeros(2))
+    with zipfile.ZipFile(npz, "w") as archive:
+        archive.writestr(f"{ESCAPES}.npy", npy.getvalue())
+    fields = {
+        "k.npz": npz.getvalue(),
+        "json": json.dumps({"caption": ESCAPES}, ensure_ascii=False).encode(),
+    }
+    shard = tmp_path / "esc.tar"
+    with tarfile.open(shard, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for field, data in fields.items():
+            info = tarfile.TarInfo(f"s1.{field}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    assert main(["cat", str(shard), "--width", "200"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert len(lines) == 3  # the key, then one line per field
+    assert not [char for char in out if not char.isprintable() and char != "\n"]
+    shown = {line.split()[0]: line for line in lines[1:]}
+    assert shown["k.npz"].endswith(f"npz: {ESCAPED}")
+    # json.dumps escapes C0 controls itself (\\u001b), but not C1 controls or overrides.
+    assert '"\\u001b]0;PWNED\\u0007\\u001b[2J \\x9b31m \\u202etxt.exe' in shown["json"]
+
+
+def test_ls_and_errors_send_no_escape_sequence_to_the_terminal(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Object names a listing returns and the text of a store's errors are shown escaped, and
+    an error stays on one line."""
+    import cloudshards.cli
+
+    (tmp_path / f"{ESCAPES}.tar").write_bytes(b"")
+    assert main(["ls", f"{tmp_path}/*.tar"]) == 0
+    out = capsys.readouterr().out
+    assert ESCAPED in out
+    assert not [char for char in out if not char.isprintable() and char not in "\t\n"]
+
+    def failing_open(url: str) -> Any:
+        raise OSError(f"503 from the store:\n{ESCAPES}")
+
+    monkeypatch.setattr(cloudshards.cli, "open_shard", failing_open)
+    assert main(["cat", str(tmp_path / "x.tar")]) == 1
+    err = capsys.readouterr().err
+    assert err == f"cloudshards: error: 503 from the store:\\n{ESCAPED}\n"
+
+
 def test_head_defaults_to_three_samples(
     make_shards: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:

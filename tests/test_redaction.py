@@ -522,6 +522,69 @@ def test_pipe_commands_keep_the_shard_and_lose_their_secrets(command: str, kept:
 
 
 @pytest.mark.parametrize(
+    ("command", "shown"),
+    [
+        (f"curl -ualice:{SECRET} http://h/a.tar", "curl -u<redacted> http://h/a.tar"),
+        (f"curl -sSfualice:{SECRET} http://h/a.tar", "curl -sSfu<redacted> http://h/a.tar"),
+        (f"curl -sSfu alice:{SECRET} http://h/a.tar", "curl -sSfu <redacted> http://h/a.tar"),
+        (f"curl --user alice:{SECRET} http://h/a.tar", "curl --user <redacted> http://h/a.tar"),
+        (
+            f"wget --user=alice --password={SECRET} --http-password={SECRET} http://h/a.tar",
+            "wget --user=<redacted> --password=<redacted> --http-password=<redacted> http://h/a.tar",
+        ),
+        (
+            f"curl -H 'PRIVATE-TOKEN: {SECRET}' http://h/a.tar",
+            "curl -H 'PRIVATE-TOKEN: <redacted>' http://h/a.tar",
+        ),
+        (
+            f'curl --header "Cookie: session={SECRET}" http://h/a.tar',
+            'curl --header "Cookie: <redacted>" http://h/a.tar',
+        ),
+        (
+            f"wget --header='X-Api: {SECRET}' http://h/a.tar",
+            "wget --header='X-Api: <redacted>' http://h/a.tar",
+        ),
+        (f"curl -HX-Api:{SECRET} http://h/a.tar", "curl -HX-Api: <redacted> http://h/a.tar"),
+        (f"curl -b session={SECRET} http://h/a.tar", "curl -b <redacted> http://h/a.tar"),
+        (f"curl --cookie 's={SECRET}' http://h/a.tar", "curl --cookie '<redacted>' http://h/a.tar"),
+        (
+            f'curl -H "Authorization: Bearer {SECRET}" http://h/a.tar',
+            'curl -H "Authorization: <redacted>" http://h/a.tar',
+        ),
+        (f"get --bearer={SECRET} http://h/a.tar", "get --bearer=<redacted> http://h/a.tar"),
+        (f"echo Bearer {SECRET}", "echo Bearer <redacted>"),
+        (
+            f"sh -c 'curl -u a:{SECRET} http://h/a.tar | zcat'",
+            "sh -c 'curl -u <redacted> http://h/a.tar | zcat'",
+        ),
+        # Nothing secret: -p (curl's --proxytunnel, wget's --page-requisites) takes no value.
+        ("curl -p -A 'agent 1.0' --user-agent x http://h/a.tar", None),
+    ],
+)
+def test_pipe_commands_mask_curl_and_wget_credentials(command: str, shown: str | None) -> None:
+    """Every form curl and wget take credentials in: -u attached or not, --user=, headers
+    (their name stays), cookies, bearer tokens, and commands inside sh -c '...'."""
+    assert redact_url(f"pipe:{command}") == f"pipe:{shown or command}"
+
+
+def test_a_failing_pipe_command_shows_no_header_or_password(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import cloudshards as wds
+
+    command = f"false -uALICE:{SECRET} -H 'PRIVATE-TOKEN: {SECRET}' https://h/a.tar"
+    dataset = wds.WebDataset(f"pipe:{command}", shardshuffle=False, allow_pipe=True)
+    with (
+        caplog.at_level(logging.DEBUG, logger="cloudshards"),
+        pytest.raises(ShardOpenError) as info,
+    ):
+        list(dataset)
+    assert "opened pipe:false" in caplog.text
+    assert "false -u<redacted> -H 'PRIVATE-TOKEN: <redacted>' https://h/a.tar" in str(info.value)
+    assert SECRET not in "".join(traceback.format_exception(info.value)) + caplog.text
+
+
+@pytest.mark.parametrize(
     "text",
     [
         f"HF_TOKEN={SECRET}",

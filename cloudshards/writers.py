@@ -10,122 +10,21 @@ from __future__ import annotations
 import io
 import logging
 import os
-import secrets
 import tarfile
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, BinaryIO, Literal, cast
 
 from cloudshards.encoders import make_encoder
-from cloudshards.errors import CloudShardsError, ConfigError
-from cloudshards.redact import raise_redacted, redact_url
-from cloudshards.source import map_backend_error, open_output, user_output
+from cloudshards.errors import ConfigError
+from cloudshards.output import AtomicOutput, discard_upload
+from cloudshards.redact import redact_url
+from cloudshards.source import user_output
 from cloudshards.types import Sample
-from cloudshards.urls import protocol_of, resolve
 
 __all__ = ["ShardWriter", "TarWriter"]
 
 logger = logging.getLogger(__name__)
-
-# ------------------------------------------------------------------------------ atomic output
-
-#: Protocols whose files commit on close (multipart or resumable uploads) and can be discarded.
-_UPLOADS = frozenset({"s3", "s3a", "gs", "gcs"})
-
-
-class _AtomicOutput:
-    """A write-only stream that makes ``url`` appear only on :meth:`commit`.
-
-    Local files: a hidden ``.NAME.RANDOM.partial`` sibling, renamed over ``url`` on commit. S3
-    and GCS: the upload itself, which fsspec completes on close, discarded on abort. Other
-    fsspec filesystems: a sibling temporary name, moved into place on commit.
-    """
-
-    def __init__(self, url: str, storage_options: Mapping[str, Any] | None) -> None:
-        self.url = url
-        self.done = True  # nothing to clean up until the stream exists
-        self._fs, self._path = resolve(url, storage_options)
-        self._protocol = protocol_of(url)
-        directory, _, base = self._path.rpartition("/")
-        self._temp: str | None = f"{directory}/.{base}.{secrets.token_hex(6)}.partial"
-        if self._protocol == "file":
-            os.makedirs(directory or ".", exist_ok=True)
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
-            try:
-                fd = os.open(self._temp, flags, 0o666)
-            except OSError as exc:
-                raise_redacted(map_backend_error(exc, url, action="cannot write"), exc)
-            self._file: Any = os.fdopen(fd, "wb", buffering=1 << 20)
-        elif self._protocol in _UPLOADS:
-            self._temp = None
-            self._file = open_output(url, self._path, storage_options)
-        else:
-            self._file = open_output(url, self._temp, storage_options)
-        self.done = False
-
-    def write(self, data: bytes | bytearray | memoryview) -> int:
-        try:
-            return int(self._file.write(data))
-        except Exception as exc:
-            raise_redacted(map_backend_error(exc, self.url, action="write failed"), exc)
-
-    def flush(self) -> None:
-        """Nothing to do: data reaches the store as the buffers fill, and on commit."""
-
-    def commit(self) -> None:
-        """Close the stream and publish it under its final name."""
-        if self.done:
-            return
-        try:
-            self._file.close()
-            if self._temp is not None and self._protocol == "file":
-                os.replace(self._temp, self._path)
-            elif self._temp is not None:
-                self._fs.mv(self._temp, self._path)
-        except BaseException as exc:
-            self.abort()
-            if isinstance(exc, Exception) and not isinstance(exc, CloudShardsError):
-                raise_redacted(map_backend_error(exc, self.url, action="cannot commit"), exc)
-            raise
-        self.done = True
-        logger.debug("committed %s", redact_url(self.url))
-
-    def abort(self) -> None:
-        """Throw the partial output away; the final name is never created. Idempotent."""
-        if self.done:
-            return
-        self.done = True
-        try:
-            if self._temp is None:
-                _discard_upload(self._file)
-            else:
-                self._file.close()
-                if self._protocol == "file":
-                    os.unlink(self._temp)
-                else:
-                    self._fs.rm(self._temp)
-        except Exception as exc:
-            logger.warning("could not clean up %s: %s", redact_url(self.url), exc)
-        logger.debug("aborted %s", redact_url(self.url))
-
-    def __del__(self) -> None:
-        # An unclosed writer dropped by the garbage collector must not publish: fsspec's own
-        # __del__ would commit the partial upload (fsspec/s3fs#154).
-        if not getattr(self, "done", True):
-            self.abort()
-
-
-def _discard_upload(file: Any) -> None:
-    """Abandon an fsspec upload without committing it, even later from ``__del__``."""
-    try:
-        discard = getattr(file, "discard", None)
-        if callable(discard):
-            discard()  # s3fs aborts its multipart upload; gcsfs cancels its resumable one
-    finally:
-        # closed=True stops close()/__del__ from committing what is buffered.
-        file.closed = True
-        file.buffer = None
-
 
 # ---------------------------------------------------------------------------------- writers
 
@@ -201,7 +100,7 @@ class TarWriter:
         self.encoder = make_encoder(encoder)
         url = fileobj if isinstance(fileobj, str) else None  # an opener in gopen_schemes wins
         self.own_fileobj: Any = (
-            (user_output(url) or _AtomicOutput(url, storage_options)) if url else None
+            (user_output(url) or AtomicOutput(url, storage_options)) if url else None
         )
         self.stream: Any = self.own_fileobj if self.own_fileobj is not None else fileobj
         # Streaming mode ("w|"): never seeks, so any upload stream works. Closed by close/abort.
@@ -393,6 +292,6 @@ class ShardWriter:
 def _abandon(stream: Any) -> None:
     """Drop an opener's stream without committing it where the stream allows that."""
     if callable(getattr(stream, "discard", None)):
-        _discard_upload(stream)
+        discard_upload(stream)
     else:
         stream.close()

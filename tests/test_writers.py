@@ -499,3 +499,62 @@ def test_json_encoder_output_is_plain_json(tmp_path: Path) -> None:
         cls = tar.extractfile("k.cls")
         assert cls is not None
         assert cls.read() == b"7"
+
+
+def _members(data: bytes) -> dict[str, bytes]:
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        return {m.name: tar.extractfile(m).read() for m in tar if m.isfile()}  # type: ignore[union-attr]
+
+
+def test_a_dash_writes_the_shard_to_standard_output(tmp_path: Path) -> None:
+    """``TarWriter("-")`` streams to stdout (``make_shards.py | aws s3 cp - s3://...``), as
+    webdataset's does: no file named ``-`` appears, and stdout is not closed."""
+    code = textwrap.dedent(
+        """
+        import sys, cloudshards as wds
+        with wds.TarWriter("-") as w:
+            w.write({"__key__": "a", "txt": "hello"})
+        sys.stdout.buffer.write(b"")  # still open
+        """
+    )
+    root = str(Path(cloudshards.__file__).parents[1])  # this checkout's, from another cwd
+    env = {**os.environ, "PYTHONPATH": root}
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr.decode()
+    assert _members(result.stdout) == {"a.txt": b"hello"}
+    assert not (tmp_path / "-").exists()
+
+
+def test_a_fifo_is_written_into_not_replaced(tmp_path: Path) -> None:
+    """A FIFO's reader gets the shard, and the FIFO stays one (a rename replaced it with a
+    regular file and its reader got nothing)."""
+    import threading
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()), name="test-reader")
+    reader.start()
+    try:
+        with TarWriter(str(fifo)) as writer:
+            writer.write({"__key__": "a", "txt": "hello"})
+    finally:
+        reader.join(timeout=30)
+    assert _members(got[0]) == {"a.txt": b"hello"}
+    assert fifo.is_fifo()
+
+
+def test_a_symlink_is_written_through_and_stays_a_link(tmp_path: Path) -> None:
+    """A shard path that is a symlink: its target gets the shard (atomically), the link stays."""
+    target = tmp_path / "store" / "target.tar"
+    target.parent.mkdir()
+    target.write_bytes(b"old")
+    link = tmp_path / "link.tar"
+    link.symlink_to(target)
+    with TarWriter(str(link)) as writer:
+        writer.write({"__key__": "a", "txt": "hello"})
+    assert link.is_symlink()
+    assert _members(target.read_bytes()) == {"a.txt": b"hello"}
+    assert sorted(os.listdir(target.parent)) == ["target.tar"]  # no temporary left

@@ -199,7 +199,7 @@ def expand_urls(
             raise ConfigError("shard URLs must be strings")
     result: list[str] = []
     for spec in specs:
-        spec = substitute_env(spec)
+        spec = substitute_env(_clean(spec))
         _refuse_userinfo(spec)
         if not (glob and _has_glob(spec)):
             # Brace expansion only rearranges the spec's text: no glob in it, none in its URLs
@@ -234,6 +234,16 @@ def _expanded(spec: str, before: int) -> list[str]:
             "(CLOUDSHARDS_MAX_SHARDS raises the limit)"
         )
     return urls
+
+
+#: What Python's URL parser drops, as webdataset opened its shards through it: C0 controls
+#: and spaces before a URL, tabs and line breaks anywhere (a list read with readlines()).
+_LEADING = "".join(map(chr, range(0x21)))
+_DROPPED = str.maketrans("", "", "\t\r\n")
+
+
+def _clean(spec: str) -> str:
+    return spec.lstrip(_LEADING).translate(_DROPPED)
 
 
 def _is_fsspec_chain(url: str) -> bool:

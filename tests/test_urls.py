@@ -42,6 +42,18 @@ def test_fsspec_chained_url_is_not_split() -> None:
     assert expand_urls("simplecache::s3://b/x.tar") == ["simplecache::s3://b/x.tar"]
 
 
+def test_line_breaks_and_leading_blanks_are_dropped_as_webdataset_did() -> None:
+    """A shard list read with ``readlines()`` ends each URL in a line break: webdataset opened
+    them through Python's URL parser, which drops those (and leading blanks)."""
+    assert expand_urls(["data/a.tar\n", " data/b.tar\r\n", "\tdata/c.tar", "s3://b/d.tar\n"]) == [
+        "data/a.tar",
+        "data/b.tar",
+        "data/c.tar",
+        "s3://b/d.tar",
+    ]
+    assert expand_urls("data/e-{0..1}.tar\n") == ["data/e-0.tar", "data/e-1.tar"]
+
+
 def test_an_ipv6_host_is_not_a_list_separator() -> None:
     """``::`` inside ``[...]`` is an IPv6 address, not webdataset's list syntax."""
     assert expand_urls("http://[::1]:8000/a-{0..1}.tar") == [

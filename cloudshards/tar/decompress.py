@@ -11,14 +11,18 @@ Used by :mod:`cloudshards.tar.blocks` only.
 from __future__ import annotations
 
 import bz2
+import logging
 import lzma
 import zlib
 from typing import Any
 
 from cloudshards.errors import ShardFormatError
+from cloudshards.redact import redact_url
 from cloudshards.tar.headers import BLOCK
 
 __all__ = ["GZIP_MAGIC", "DecompressReader", "compression_of"]
+
+logger = logging.getLogger("cloudshards.tar")
 
 #: The first two bytes of every gzip stream (exported by :mod:`cloudshards.tar`).
 GZIP_MAGIC = b"\x1f\x8b"
@@ -112,11 +116,13 @@ class DecompressReader:
             if decompressor.eof:
                 # Another stream may follow (cat a.gz b.gz); zero padding is ignored.
                 rest = self._input.lstrip(b"\0")
-                while not rest:
+                while len(rest) < MAGIC_BYTES:
                     chunk = self._read_compressed()
                     if not chunk:
-                        return b""
-                    rest = chunk.lstrip(b"\0")
+                        break
+                    rest = (rest + chunk).lstrip(b"\0")
+                if compression_of(rest) != self.kind:
+                    return self._trailing(rest)
                 self._input = rest
                 decompressor = self._decompressor = _decompressor(self.kind)
             wants_input = self._zlib or decompressor.needs_input
@@ -156,6 +162,18 @@ class DecompressReader:
             self._input = rest
             if out:
                 return out
+
+    def _trailing(self, rest: bytes) -> bytes:
+        """The end, after a whole stream that checked out: what follows it is no stream of its
+        kind, so it is ignored with a warning, as gzip(1) does (an upload tool's padding, a
+        signature appended), rather than failing a shard whose every byte was verified."""
+        self._input = b""
+        if rest:
+            where = redact_url(self._url) if self._url else "a shard"
+            logger.warning(
+                "%s: what follows its %s stream is not %s data: ignored", where, *[self.kind] * 2
+            )
+        return b""
 
     def _salvage(self, saved: Any, feed: bytes, failure: str) -> bytes:
         """What ``feed`` decodes to before the byte zlib fails at, replayed from ``saved``

@@ -617,10 +617,13 @@ def test_gzip_bad_crc_raises() -> None:
         read(bytes(compressed))
 
 
-def test_gzip_trailing_garbage_raises() -> None:
+def test_gzip_trailing_garbage_is_ignored_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """After the archive's verified gzip stream, bytes that start no stream are ignored, as
+    gzip(1) does; every member is read (the last sample used to be lost with an error)."""
     compressed = gzip.compress(write_tar(SAMPLE_MEMBERS)) + b"garbage"
-    with pytest.raises(ShardFormatError, match="gzip"):
-        read(compressed)
+    with caplog.at_level("WARNING", logger="cloudshards"):
+        assert read(compressed) == SAMPLE_MEMBERS
+    assert "is not gzip data: ignored" in caplog.text
 
 
 def test_plain_tar_never_touches_zlib(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -1219,10 +1222,13 @@ def test_a_short_second_zero_block_is_logged(caplog: pytest.LogCaptureFixture) -
         assert ("ends inside its second zero block" in caplog.text) is logged
 
 
-def test_gzip_followed_by_a_zlib_stream_raises() -> None:
+def test_gzip_followed_by_a_zlib_stream_reads_the_archive_and_warns(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     compressed = gzip.compress(write_tar(SAMPLE_MEMBERS)) + zlib.compress(b"not gzip")
-    with pytest.raises(ShardFormatError, match="gzip"):
-        read(compressed)
+    with caplog.at_level("WARNING", logger="cloudshards"):
+        assert read(compressed) == SAMPLE_MEMBERS
+    assert "is not gzip data: ignored" in caplog.text
 
 
 class PartsStream:

@@ -16,6 +16,7 @@ import lzma
 import zlib
 from typing import Any
 
+from cloudshards import config
 from cloudshards.errors import ShardFormatError
 from cloudshards.redact import redact_url
 from cloudshards.tar.headers import BLOCK
@@ -36,6 +37,11 @@ MAGIC_BYTES = 10
 
 #: Compressed bytes fed to the decompressor per call: small, so leftover input is cheap.
 _INPUT_BYTES = 256 << 10
+
+#: Decompressed bytes past which a stream may be :data:`MAX_INFLATION` times its compressed
+#: size at most (gzip cannot pass 1,032x; bzip2 and xz of zeros can pass a million).
+INFLATION_FLOOR = 1 << 30
+MAX_INFLATION = 10_000
 
 #: Most memory an xz stream may make lzma use (its dictionary): xz -9 needs 65 MiB. A hostile
 #: stream can ask for gigabytes; it gets a ShardFormatError instead.
@@ -96,6 +102,7 @@ class DecompressReader:
         self._out = b""
         self._out_pos = 0
         self._failed: str | None = None  # a corrupt gzip stream, raised at the next read
+        self._max_inflation = config.env_int("MAX_INFLATION", MAX_INFLATION)
 
     def read(self, size: int) -> bytes:
         """Return up to ``size`` decompressed bytes; ``b""`` only at a clean end of stream."""
@@ -161,6 +168,7 @@ class DecompressReader:
                 rest = decompressor.unused_data + rest
             self._input = rest
             if out:
+                self._check_inflation(self._offset + len(out))
                 return out
 
     def _trailing(self, rest: bytes) -> bytes:
@@ -200,6 +208,16 @@ class DecompressReader:
         if failed:  # nothing after the failing byte is handed on
             self._failed = failure
         return bytes(out)
+
+    def _check_inflation(self, total: int) -> None:
+        """Refuse a stream that inflated past :data:`INFLATION_FLOOR` at over ``max_inflation``
+        times its compressed size: 785 bytes of bzip2 are 1 GiB of zeros, and a small shard
+        of them kept a worker busy for an hour, for members its filter skips too."""
+        if total > INFLATION_FLOOR and total > self._max_inflation * self._compressed_read:
+            raise self._error(
+                f"refused: the {self.kind} stream inflates over {self._max_inflation:,} times "
+                f"its size (a decompression bomb? CLOUDSHARDS_MAX_INFLATION raises the limit)"
+            )
 
     def _read_compressed(self) -> bytes:
         chunk: bytes = self._stream.read(self._block_bytes)

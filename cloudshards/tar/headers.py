@@ -119,6 +119,11 @@ def member_name(header: bytes) -> str:
     return name.decode("utf-8", "surrogateescape")
 
 
+#: Records one PAX header may hold: writers set a dozen at most (path, size, times, ids,
+#: extended attributes); a megabyte of 6-byte records took seconds to parse, each.
+MAX_PAX_RECORDS = 4096
+
+
 def parse_pax(data: bytes) -> dict[str, bytes]:
     """Parse PAX extended-header records (``"<length> <keyword>=<value>\\n"``).
 
@@ -134,7 +139,11 @@ def parse_pax(data: bytes) -> dict[str, bytes]:
     records: dict[str, bytes] = {}
     pos = 0
     end = len(data)
+    count = 0
     while pos < end:
+        count += 1
+        if count > MAX_PAX_RECORDS:  # a writer sets a dozen; a hostile header, a million
+            raise ValueError(f"PAX header with over {MAX_PAX_RECORDS} records")
         space = data.find(b" ", pos, pos + 21)
         length_text = data[pos:space] if space > pos else b""
         if not length_text.isdigit():

@@ -229,6 +229,22 @@ def test_pax_path_and_size_override_header_fields() -> None:
     assert read(data) == [("pax/named.bin", payload), ("plain.txt", b"after")]
 
 
+def test_a_pax_header_of_a_million_records_is_refused_at_once() -> None:
+    """A hostile header of tiny records (1 MiB of "6 a=b\n") took seconds of Python to parse,
+    and a compressed shard can hold thousands; past MAX_PAX_RECORDS it is a ShardFormatError
+    naming the header, and what a writer sets (a dozen records) reads as before."""
+    many = b"6 a=b\n" * (headers.MAX_PAX_RECORDS + 1)
+    data = member(b"././@PaxHeader", many, b"x") + member(b"k.txt", b"v") + END
+    got, error = read_until_error(data)
+    assert got == []
+    assert error is not None
+    assert f"over {headers.MAX_PAX_RECORDS} records" in str(error)
+    fine = b"6 a=b\n" * headers.MAX_PAX_RECORDS
+    assert read(member(b"././@PaxHeader", fine, b"x") + member(b"k.txt", b"v") + END) == [
+        ("k.txt", b"v")
+    ]
+
+
 def test_pax_wins_over_gnu_long_name() -> None:
     data = (
         member(b"././@PaxHeader", pax_records(path="from-pax.txt"), b"x")

@@ -163,3 +163,21 @@ def test_webdataset_reads_what_its_tarwriter_writes(tmp_path: Path, suffix: str)
     assert path.read_bytes()[:3] in (b"BZh", b"\xfd7z")
     got = [(s["__key__"], s["txt"], s["cls"]) for s in wds.WebDataset(str(path)).decode()]
     assert got == [(f"{i:03d}", f"sample {i}", i) for i in range(5)]
+
+
+def test_a_stream_inflating_past_the_limit_is_refused(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A few hundred bytes that inflate to gigabytes (of members a filter skips, even) kept a
+    worker busy for an hour: past the floor, more than MAX_INFLATION times the compressed
+    size is a ShardFormatError naming the shard; CLOUDSHARDS_MAX_INFLATION raises it."""
+    monkeypatch.setattr(decompress, "INFLATION_FLOOR", 1 << 20)
+    zeros = tar_of([("__meta__.bin", bytes(8 << 20)), ("k.txt", b"v")])
+    packed = COMPRESSORS[kind](zeros)
+    ratio = len(zeros) // len(packed)
+    monkeypatch.setenv("CLOUDSHARDS_MAX_INFLATION", str(ratio // 2))
+    with pytest.raises(ShardFormatError, match="inflates over") as info:
+        read(packed)
+    assert info.value.url == "s3://b/s.tar.x"
+    monkeypatch.setenv("CLOUDSHARDS_MAX_INFLATION", str(ratio * 2))
+    assert [name for name, _ in read(packed)] == ["__meta__.bin", "k.txt"]

@@ -28,6 +28,11 @@ logger = logging.getLogger(__name__)
 _KEY_RE = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
 _META_RE = re.compile(r"__[^/]*__($|/)")
 
+# What a sample's limit counts for each field beyond its name and data: roughly the memory of
+# the field's string, bytes object and dict slot. Without it, a .tar.gz of many empty members
+# (a 512-byte header each, which compresses ~100x) could still hold millions of fields at no cost.
+_FIELD_OVERHEAD_BYTES = 128
+
 
 def split_key(name: str) -> tuple[str, str] | None:
     """Split a member name into (key, field) by webdataset's ``base_plus_ext`` rule.
@@ -136,9 +141,11 @@ def group_members(
             the member would have been skipped, so it proves nothing).
         on_duplicate: The pipeline's error handler, asked about a field that appears twice
             (see :func:`skip_duplicate`); None raises.
-        max_sample_bytes: Most bytes one sample's fields may hold together (None: no
-            limit): each member is bounded by its reader, but a compressed shard could
-            otherwise inflate many fields of one sample (16 fields of 1 GiB from 16 MB).
+        max_sample_bytes: Most bytes one sample may hold (None: no limit): its key, and for
+            each field its name, its data and 128 bytes for the objects that hold them. Each
+            member is bounded by its reader, but a compressed shard could otherwise inflate
+            many fields of one sample (16 fields of 1 GiB from 16 MB), or many empty members
+            with long names (1,500 names of 1 MiB from a 1.5 MB .tar.gz).
         local_path: A local shard's path, stored as each sample's ``__local_path__`` where
             webdataset 1.0.2 puts it: after the sample's first field.
 
@@ -152,7 +159,7 @@ def group_members(
     """
     sample: Sample | None = None
     key = ""
-    held = 0  # bytes of the sample being built
+    held = 0  # bytes of the sample being built: its key, and its fields' names and data
     try:
         for name, data, offset in members:
             parts = split_key(name)
@@ -166,7 +173,7 @@ def group_members(
                     yield sample
                 key = member_key
                 sample = {"__key__": key, "__url__": url}
-                held = 0
+                held = len(key)
             if field in sample:
                 error = duplicate_field(field, key, url, shard_index, offset, name)
                 if skip_duplicate(error, on_duplicate):
@@ -174,11 +181,12 @@ def group_members(
                 failure = error  # raised below, outside the handler for errors of ``members``
                 break
             if max_sample_bytes is not None:
-                held += len(data)
+                # The name is held too: empty members with long names are not free.
+                held += len(data) + len(field) + _FIELD_OVERHEAD_BYTES
                 if held > max_sample_bytes:
                     failure = ShardFormatError(
-                        f"sample {key!r} holds more than {max_sample_bytes} bytes (its fields "
-                        "together may hold twice max_member_bytes)",
+                        f"sample {key!r} holds more than {max_sample_bytes} bytes in its "
+                        "fields' names and data (a sample may hold twice max_member_bytes)",
                         url=url,
                         shard_index=shard_index,
                         offset=offset,

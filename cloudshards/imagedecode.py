@@ -22,10 +22,12 @@ if TYPE_CHECKING:
 __all__ = [
     "AUDIO_EXTENSIONS",
     "IMAGE_EXTENSIONS",
+    "IMAGE_FORMATS",
     "IMAGE_SPECS",
     "VIDEO_EXTENSIONS",
     "ImageHandler",
     "decode_image",
+    "image_formats",
     "imagehandler",
     "import_optional",
     "open_image",
@@ -90,48 +92,117 @@ def import_optional(name: str, what: str) -> ModuleType:
         raise ImportError(f"{what} needs the {name} package: {install}") from exc
 
 
+#: Pillow formats decoded by default, in the order they are tried: those whose header gives the
+#: size decoding makes, so ``PIL.Image.MAX_IMAGE_PIXELS`` is checked before any decoding.
+#: Containers are left out: an ICNS or ICO header names one size and embeds a PNG of another
+#: (a 660 KB ``.icns`` reporting 256x256 decoded a 13,000^2 PNG), and Pillow picks the format
+#: from the content, whatever the field's extension. Widen it per handler with ``formats=``.
+IMAGE_FORMATS: tuple[str, ...] = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF", "PPM", "TGA")
+
 #: Pillow formats that run another program on the image's bytes: EPS is rendered by Ghostscript
 #: (``gs``), a PostScript interpreter with a history of ``-dSAFER`` escapes. A field is never
-#: opened as one of these unless unsafe decoders are allowed (:mod:`cloudshards.unsafe`).
-_RUNS_PROGRAMS = frozenset({"EPS"})
+#: opened as one of these unless unsafe decoders are allowed (:mod:`cloudshards.unsafe`), which
+#: also adds them to the default formats.
+_RUNS_PROGRAMS = ("EPS",)
 #: How PostScript starts: text, or the binary DOS EPS header.
 _POSTSCRIPT_MAGIC = (b"%!PS", b"\xc5\xd0\xd3\xc6")
 
 
-def open_image(data: bytes) -> Any:
-    """``PIL.Image.open`` on in-memory bytes, limited to the formats that run no program
-    unless unsafe decoders are allowed: Pillow otherwise picks the format from the content,
-    so a ``.jpg`` field holding PostScript would run Ghostscript on it.
+def image_formats(formats: Iterable[str] | None) -> tuple[str, ...]:
+    """The Pillow format names ``formats`` stands for, upper-case and checked.
+
+    Args:
+        formats: Pillow format names (``"ICO"``), or None for :data:`IMAGE_FORMATS`.
 
     Raises:
-        DecodeError: The bytes are PostScript and unsafe decoders are not allowed.
-        PIL.UnidentifiedImageError: Another format Pillow cannot open.
+        ConfigError: A name is not a format Pillow opens; the message lists the valid ones.
+    """
+    if formats is None:
+        return IMAGE_FORMATS
+    chosen = tuple(dict.fromkeys(name.upper() for name in formats))
+    try:
+        import PIL.Image
+    except ImportError:
+        return chosen  # decoding says what to install
+    PIL.Image.init()
+    unknown = [name for name in chosen if name not in PIL.Image.OPEN]
+    if unknown:
+        valid = " ".join(sorted(PIL.Image.OPEN))
+        raise ConfigError(f"unknown image formats {unknown}; Pillow opens: {valid}")
+    return chosen
+
+
+def open_image(data: bytes, formats: Iterable[str] | None = None) -> Any:
+    """``PIL.Image.open`` on in-memory bytes, limited to ``formats``.
+
+    Pillow picks the format from the content, whatever the field's extension, so the limit is
+    what stops a ``.jpg`` field holding PostScript from running Ghostscript, or one holding an
+    ICNS from decoding an embedded PNG larger than its header says.
+
+    Args:
+        data: Encoded image.
+        formats: Pillow format names to accept; None: :data:`IMAGE_FORMATS`. Formats that run
+            a program (EPS) are accepted only when unsafe decoders are allowed, and then by
+            default.
+
+    Raises:
+        DecodeError: The bytes are in a format Pillow knows but ``formats`` leaves out (the
+            message names it), or PostScript while unsafe decoders are not allowed.
+        PIL.UnidentifiedImageError: Bytes that no format Pillow knows accepts.
     """
     import PIL.Image
 
     from cloudshards.unsafe import opt_in_advice, unsafe_allowed  # unsafe imports this module
 
-    formats = None
+    chosen = image_formats(formats)
     if not unsafe_allowed():
-        PIL.Image.init()
-        formats = [name for name in PIL.Image.ID if name not in _RUNS_PROGRAMS]
+        chosen = tuple(name for name in chosen if name not in _RUNS_PROGRAMS)
+    elif formats is None:
+        chosen += _RUNS_PROGRAMS
     try:
-        return PIL.Image.open(io.BytesIO(data), formats=formats)
+        return PIL.Image.open(io.BytesIO(data), formats=chosen)
     except PIL.UnidentifiedImageError:
-        if formats is not None and data.lstrip()[:4] in _POSTSCRIPT_MAGIC:
+        found = _identify(data, chosen)
+        if found is None:
+            raise
+        if found in _RUNS_PROGRAMS and not unsafe_allowed():
             raise DecodeError(
                 "the image is PostScript (EPS), which Pillow renders by running Ghostscript on "
                 f"its bytes: refused; {opt_in_advice()}"
             ) from None
-        raise
+        raise DecodeError(
+            f"the image is {found}, which is not among the formats decoded "
+            f"({', '.join(chosen)}): refused before decoding, since its header need not give "
+            "the size decoding makes (ICNS and ICO embed PNGs of any size); if such images are "
+            f"expected, add {found!r} to ImageHandler's formats="
+        ) from None
 
 
-def decode_image(data: bytes, imagespec: str) -> Any:
+def _identify(data: bytes, tried: tuple[str, ...]) -> str | None:
+    """The format another Pillow plugin would take ``data`` for, by its magic bytes alone
+    (the plugins' ``accept`` checks: nothing is parsed), or None."""
+    import PIL.Image
+
+    if data.lstrip()[:4] in _POSTSCRIPT_MAGIC:
+        return "EPS"
+    prefix = data[:16]  # what Image.open hands the checks
+    for name, (_, accept) in PIL.Image.OPEN.items():
+        if name in tried or accept is None:
+            continue
+        result = accept(prefix)
+        if result and not isinstance(result, str):  # a string: "maybe", with a warning
+            return str(name)
+    return None
+
+
+def decode_image(data: bytes, imagespec: str, formats: Iterable[str] | None = None) -> Any:
     """Decode encoded image bytes the way webdataset's ``ImageHandler(imagespec)`` does.
 
     Args:
-        data: Encoded image (any format Pillow opens).
+        data: Encoded image.
         imagespec: One of :data:`IMAGE_SPECS`.
+        formats: Pillow formats to decode (see :func:`open_image`); None:
+            :data:`IMAGE_FORMATS`.
 
     Returns:
         A ``PIL.Image.Image``, an HWC (or HW) numpy array, or a CHW (or HW) torch tensor;
@@ -140,7 +211,8 @@ def decode_image(data: bytes, imagespec: str) -> Any:
     Raises:
         DecodeError: The image has more than ``PIL.Image.MAX_IMAGE_PIXELS`` pixels (read
             from its header, before any decoding; Pillow itself only warns below twice that).
-            Setting it to None turns the check off.
+            Setting it to None turns the check off. Or the image is in a format that
+            ``formats`` leaves out (see :func:`open_image`).
         ImportError: Pillow is not installed.
         KeyError: ``imagespec`` is unknown (:class:`ImageHandler` validates it up front).
     """
@@ -156,7 +228,7 @@ def decode_image(data: bytes, imagespec: str) -> Any:
         "images are expected)"
     )
     try:
-        opened = open_image(data)
+        opened = open_image(data, formats)
         width, height = opened.size
         if limit is not None and width * height > limit:
             # Pillow only warns up to twice the limit, and decodes: a 21 KB PNG of 13,000^2
@@ -204,18 +276,31 @@ class ImageHandler:
     Args:
         imagespec: One of :data:`IMAGE_SPECS`.
         extensions: Extensions to decode (case-insensitive); default :data:`IMAGE_EXTENSIONS`.
+        formats: Pillow formats to decode, whatever the extension says (Pillow reads the
+            format from the content); default :data:`IMAGE_FORMATS`. A field in another
+            format is a :class:`DecodeError` naming it. Widen it only for formats whose
+            decoded size the header gives, or for data you trust:
+            ``formats=(*IMAGE_FORMATS, "ICO")``.
 
     Raises:
-        ConfigError: ``imagespec`` is unknown; the message lists the valid ones.
+        ConfigError: ``imagespec`` is unknown, or a format is not one Pillow opens; the
+            message lists the valid ones.
     """
 
-    def __init__(self, imagespec: str, extensions: Iterable[str] | None = None) -> None:
+    def __init__(
+        self,
+        imagespec: str,
+        extensions: Iterable[str] | None = None,
+        *,
+        formats: Iterable[str] | None = None,
+    ) -> None:
         if imagespec not in IMAGE_SPECS:
             valid = " ".join(IMAGE_SPECS)
             raise ConfigError(f"unknown imagespec {imagespec!r}; valid imagespecs: {valid}")
         self.imagespec = imagespec
         chosen = IMAGE_EXTENSIONS if extensions is None else extensions
         self.extensions = frozenset(extension.lower() for extension in chosen)
+        self.formats = None if formats is None else image_formats(formats)
 
     def __call__(self, key: str, data: bytes) -> Any:
         """Decode ``data`` if the last extension of ``key`` is an image extension, else None.
@@ -229,20 +314,26 @@ class ImageHandler:
         """
         if key.rpartition(".")[2].lower() not in self.extensions:
             return None
-        return decode_image(data, self.imagespec)
+        return decode_image(data, self.imagespec, self.formats)
 
     def __repr__(self) -> str:
         return f"ImageHandler({self.imagespec!r})"
 
 
-def imagehandler(imagespec: str, extensions: Iterable[str] | None = None) -> ImageHandler:
+def imagehandler(
+    imagespec: str,
+    extensions: Iterable[str] | None = None,
+    *,
+    formats: Iterable[str] | None = None,
+) -> ImageHandler:
     """Create an :class:`ImageHandler` (webdataset's lower-case alias).
 
     Args:
         imagespec: One of :data:`IMAGE_SPECS`.
         extensions: Extensions to decode; default :data:`IMAGE_EXTENSIONS`.
+        formats: Pillow formats to decode; default :data:`IMAGE_FORMATS`.
 
     Returns:
         The handler.
     """
-    return ImageHandler(imagespec, extensions)
+    return ImageHandler(imagespec, extensions, formats=formats)

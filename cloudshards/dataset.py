@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from types import SimpleNamespace
 from typing import Any, cast
 
 from torch.utils.data import DataLoader, default_convert
@@ -161,25 +162,27 @@ class WebDataset(DataPipeline, FluidInterface):
             raise ConfigError(f"mode={mode!r} is not supported; use resampled=True or None")
         resampled = resampled or mode == "resampled"
         _check_urls(urls)
-        # The environment fills in only what the arguments leave out (-1: webdataset's "unset").
-        if cache_dir is None:
-            cache_dir = config.cache_dir_default()
-        if cache_size == -1:
-            env_size = config.cache_size_default()
-            cache_size = cache_size if env_size is None else env_size
+        # webdataset's hooks see the arguments as it passes them (a subclass may override them).
+        args = SimpleNamespace(
+            urls=urls, handler=handler, mode="resampled" if resampled else None,
+            resampled=resampled, repeat=repeat, shardshuffle=shardshuffle,
+            cache_size=cache_size, cache_dir=cache_dir, url_to_name=url_to_name,
+            detshuffle=detshuffle, nodesplitter=nodesplitter, workersplitter=workersplitter,
+            select_files=select_files, rename_files=rename_files, empty_check=empty_check,
+            verbose=verbose, seed=seed, storage_options=storage_options,
+        )  # fmt: skip
+        self.update_cache_info(args)
+        cache_dir, cache_size = args.cache_dir, args.cache_size
         self.cache = ShardCache(cache_dir, max_bytes=cache_size) if cache_dir is not None else None
-        multi = _is_multi_spec(urls)
-        if multi:
-            # webdataset's dataset specs (YAML file or dict): several datasets mixed per epoch.
-            source: Any = MultiShardSample(cast("str | Mapping[str, Any]", urls))
-            shuffled = False
-        elif resampled:
-            source = ResampledShards(urls, seed=self.seed)
-            shuffled = False
-        else:
-            source = ShardList(urls, shuffle=bool(shardshuffle), storage_options=storage_options)
-            shuffled = bool(shardshuffle)
-        self.append(source)
+        first = len(self.pipeline)
+        self.create_url_iterator(args)
+        added = self.pipeline[first:]
+        source: Any = added[0] if len(added) == 1 else None
+        # A shard list that this class made is split and balanced by sample counts below;
+        # any other URL source (a dataset spec, a subclass's own) gets the splitters appended.
+        resampled = isinstance(source, ResampledShards)
+        multi = not resampled and not isinstance(source, ShardList)
+        shuffled = isinstance(source, ShardList) and source.shuffle
         self.num_shards = len(source.urls) if hasattr(source, "urls") else -1
         if balance not in (None, "auto", *BALANCE_MODES):
             raise ConfigError(f"balance={balance!r}; use 'drop', 'pad', 'auto' or None")
@@ -194,13 +197,15 @@ class WebDataset(DataPipeline, FluidInterface):
         if subsets and (resampled or custom_split or multi or balance is None):
             raise ConfigError(
                 "subsample/limit take a run of the epoch's samples, split as balanced epochs "
-                "are: not with resampled=True (use with_epoch), a dataset spec, a custom "
-                "nodesplitter/workersplitter or balance=None"
+                "are: not with resampled=True (use with_epoch), a dataset spec, another URL "
+                "source (create_url_iterator), a custom nodesplitter/workersplitter or "
+                "balance=None"
             )
         if balance in BALANCE_MODES and (resampled or custom_split or multi):
             raise ConfigError(
                 f"balance={balance!r} splits the epoch's samples itself: it cannot be combined "
-                "with resampled=True, a dataset spec, or a custom nodesplitter/workersplitter"
+                "with resampled=True, a dataset spec, another URL source (create_url_iterator), "
+                "or a custom nodesplitter/workersplitter"
             )
         if resampled and not multi:
             for splitter in (nodesplitter, workersplitter):
@@ -249,6 +254,31 @@ class WebDataset(DataPipeline, FluidInterface):
             self.seed,
             self.cache.directory if self.cache is not None else None,
         )
+
+    def update_cache_info(self, args: SimpleNamespace) -> None:
+        """Fill in ``args.cache_dir`` and ``args.cache_size`` (what the arguments leave out)
+        from ``CLOUDSHARDS_CACHE_DIR``/``WDS_CACHE`` and ``CLOUDSHARDS_CACHE_SIZE``/
+        ``WDS_CACHE_SIZE``: webdataset's hook, called once by ``__init__`` before the node
+        cache is made from them. A subclass may override it to choose the cache."""
+        if args.cache_dir is None:
+            args.cache_dir = config.cache_dir_default()
+        if args.cache_size == -1:  # webdataset's "unset"
+            env_size = config.cache_size_default()
+            args.cache_size = args.cache_size if env_size is None else env_size
+
+    def create_url_iterator(self, args: SimpleNamespace) -> None:
+        """Append the stage that yields the shard URLs (``{"url": ...}`` dicts): webdataset's
+        hook, called once by ``__init__``. A subclass may override it to append its own
+        source; the node and worker splitters given are then appended after it, as in
+        webdataset, and ``balance``, ``subsample`` and ``limit`` are not available."""
+        if _is_multi_spec(args.urls):
+            # webdataset's dataset specs (YAML file or dict): several datasets mixed per epoch.
+            self.append(MultiShardSample(cast("str | Mapping[str, Any]", args.urls)))
+        elif args.mode == "resampled":
+            self.append(ResampledShards(args.urls, seed=self.seed))
+        else:
+            shuffle = bool(args.shardshuffle)
+            self.append(ShardList(args.urls, shuffle=shuffle, storage_options=args.storage_options))
 
     def stats(self) -> dict[str, dict[str, float]]:
         """This process's counters: ``io`` (shards, requests, retries, bytes, wait_s,

@@ -2,12 +2,12 @@
 
 Safe by default: pickle and unrestricted ``torch.load`` run only after
 :func:`allow_unsafe_decoders` or with ``CLOUDSHARDS_ALLOW_PICKLE=1``; gzip, ``.npz``, ``.npy``
-and ``.pth`` inflate at most to the decode limit (see :class:`Decoder`).
+and ``.pth`` inflate at most to the decode limit, and JSON makes objects up to it (see
+:class:`Decoder`).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -18,6 +18,7 @@ from cloudshards.errors import ConfigError, DecodeError, ShardError
 from cloudshards.imagedecode import (
     AUDIO_EXTENSIONS,
     IMAGE_EXTENSIONS,
+    IMAGE_FORMATS,
     IMAGE_SPECS,
     VIDEO_EXTENSIONS,
     ImageHandler,
@@ -38,6 +39,7 @@ from cloudshards.wholemedia import torch_audio, torch_video
 __all__ = [
     "AUDIO_EXTENSIONS",
     "IMAGE_EXTENSIONS",
+    "IMAGE_FORMATS",
     "IMAGE_SPECS",
     "UNSAFE",
     "VIDEO_EXTENSIONS",
@@ -90,7 +92,7 @@ def _decode_int(data: bytes) -> int:
 _registry: dict[str, DecodeFn] = {
     **dict.fromkeys(["txt", "text", "transcript"], _decode_text),
     **dict.fromkeys(["cls", "cls2", "index", "inx", "id"], _decode_int),
-    **dict.fromkeys(["json", "jsn"], json.loads),
+    **dict.fromkeys(["json", "jsn"], inflate.json_loads),
     **dict.fromkeys(sorted(UNSAFE), unpickle_loads),
     "pth": torch_loads,
     **dict.fromkeys(["ten", "tb"], tenbin_loads),
@@ -201,8 +203,9 @@ class Decoder:
         post: Handlers tried last; default ``[basichandlers]``.
         only: Fields to decode (a list or a space-separated string); the rest pass through.
         partial: Pass fields that are not bytes through instead of raising.
-        max_bytes: Most bytes a gzip, ``.npz``, ``.npy`` or ``.pth`` field may inflate to (a
-            decompression-bomb guard; a pipeline's ``.decode()`` passes its ``max_member_bytes``);
+        max_bytes: Most bytes a gzip, ``.npz``, ``.npy`` or ``.pth`` field may inflate to, and
+            a JSON field's objects may take (see :func:`cloudshards.inflate.json_loads`): a
+            decompression-bomb guard; a pipeline's ``.decode()`` passes its ``max_member_bytes``;
             None: :func:`cloudshards.config.max_decoded_bytes`. Images: Pillow's own limit.
 
     Raises:
@@ -303,6 +306,7 @@ def _error(sample: Sample, field: str, reason: str) -> DecodeError:
         url=url if isinstance(url, str) else None,
         key=key if isinstance(key, str) else None,
         field=field,
+        sample=sample,  # the undecoded sample, as webdataset's DecodingError.sample
     )
 
 

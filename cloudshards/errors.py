@@ -10,7 +10,7 @@
     │   │   └── ShardNotFoundError(ShardOpenError, FileNotFoundError)   missing object
     │   ├── ShardFormatError(ShardError, ReadError, OSError, ValueError)
     │   │                                           truncated tar, bad header, duplicate field
-    │   └── DecodeError(ShardError, ValueError)     .key, .field
+    │   └── DecodeError(ShardError, ValueError)     .key, .field (.k), .sample
     ├── CacheError(CloudShardsError, OSError)
     └── StateMismatchError(CloudShardsError, ValueError)
 
@@ -167,30 +167,63 @@ class ShardFormatError(ShardError, tarfile.ReadError, OSError, ValueError):
 
 
 class DecodeError(ShardError, ValueError):
-    """A field of a sample could not be decoded.
+    """A field of a sample could not be decoded. Also webdataset's ``DecodingError``.
+
+    Built as cloudshards builds it, ``DecodeError(message, url=, key=, field=)``, or as
+    webdataset builds ``DecodingError``: ``(url, key, k, sample)``, positionally or by keyword.
+    A lone positional argument is the message unless ``k=`` is given too (then it is the URL).
 
     Attributes:
         key: The sample's ``__key__``.
-        field: The field (extension) that failed, e.g. ``"jpg"``.
+        field: The field (extension) that failed, e.g. ``"jpg"``; also named ``k``.
+        sample: The sample as the decoder received it (undecoded), when the decoder raised
+            this error; else None.
     """
 
     def __init__(
         self,
-        message: str = "decoding failed",
-        *,
+        *args: Any,
         url: str | None = None,
         key: str | None = None,
         field: str | None = None,
+        k: str | None = None,
+        sample: Any = None,
         shard_index: int | None = None,
     ) -> None:
+        if len(args) >= 2 or (args and k is not None):
+            # webdataset's positional form: DecodingError(url, key, k, sample).
+            url, key, k, sample = _webdataset_args(args, url=url, key=key, k=k, sample=sample)
+            args = ()
+        if k is not None:
+            if field is not None and field != k:
+                raise TypeError(f"field={field!r} and k={k!r} name different fields")
+            field = k
+        if args:
+            message = args[0]
+        else:
+            message = "decoding failed" if field is None else f"cannot decode field {field!r}"
         self.key = key
         self.field = field
+        self.sample = sample
         super().__init__(message, url=url, shard_index=shard_index, member=_member(key, field))
 
     @property
     def k(self) -> str | None:
         """The failing field, under webdataset's ``DecodingError.k`` name."""
         return self.field
+
+
+def _webdataset_args(args: tuple[Any, ...], **given: Any) -> tuple[Any, ...]:
+    """Match webdataset's ``(url, key, k, sample)`` to positional and keyword arguments,
+    raising TypeError where Python would."""
+    names = ("url", "key", "k", "sample")
+    if len(args) > len(names):
+        raise TypeError(f"DecodingError takes at most 4 positional arguments ({len(args)} given)")
+    for name, value in zip(names, args, strict=False):
+        if given[name] is not None:
+            raise TypeError(f"DecodingError got multiple values for argument {name!r}")
+        given[name] = value
+    return tuple(given[name] for name in names)
 
 
 def _member(key: str | None, field: str | None) -> str | None:

@@ -32,19 +32,6 @@ logger = logging.getLogger(__name__)
 _TarMode = Literal["w|", "w|gz", "w|bz2", "w|xz"]
 
 
-def _tar_mode(target: Any, compress: bool | str | None) -> _TarMode:
-    name = target if isinstance(target, str) else ""
-    if compress is False:
-        return "w|"
-    if compress is True or compress == "gz" or name.endswith("gz"):
-        return "w|gz"
-    if compress == "bz2" or name.endswith("bz2"):
-        return "w|bz2"
-    if compress == "xz" or name.endswith("xz"):
-        return "w|xz"
-    return "w|"
-
-
 class TarWriter:
     """Write samples (dicts) into one tar file, one member per field: ``KEY.FIELD``.
 
@@ -96,7 +83,7 @@ class TarWriter:
         tar_format = getattr(tarfile, format, format) if format else tarfile.PAX_FORMAT
         if tar_format not in (tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT):
             raise ConfigError(f"unknown tar format {format!r}")
-        tarmode = _tar_mode(fileobj, compress)
+        tarmode = self.tarmode(fileobj, compress)  # a subclass may override it, as in webdataset
         self.encoder = make_encoder(encoder)
         url = fileobj if isinstance(fileobj, str) else None  # an opener in gopen_schemes wins
         self.own_fileobj: Any = (
@@ -109,6 +96,22 @@ class TarWriter:
         )
         self.user, self.group, self.mode = user, group, mode
         self.keep_meta, self.mtime, self.compress = keep_meta, mtime, compress
+
+    @staticmethod
+    def tarmode(fileobj: Any, compress: bool | str | None = None) -> _TarMode:
+        """webdataset's ``TarWriter.tarmode``: the streaming ``tarfile`` mode for writing to
+        ``fileobj``: ``compress`` (True or ``"gz"``, ``"bz2"``, ``"xz"``; False for none), else
+        from the ending of ``fileobj`` when it is a name (``.tgz``, ``.tar.gz``: ``"w|gz"``)."""
+        name = fileobj if isinstance(fileobj, str) else ""
+        if compress is False:
+            return "w|"
+        if compress is True or compress == "gz" or name.endswith("gz"):
+            return "w|gz"
+        if compress == "bz2" or name.endswith("bz2"):
+            return "w|bz2"
+        if compress == "xz" or name.endswith("xz"):
+            return "w|xz"
+        return "w|"
 
     def write(self, obj: Sample) -> int:
         """Encode and write one sample; fields are written in sorted order.

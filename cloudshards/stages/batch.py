@@ -65,25 +65,33 @@ def combine_values(
 def default_collation_fn(
     samples: Sequence[Any], combine_tensors: bool = True, combine_scalars: bool = True
 ) -> Any:
-    """Collate a list of tuples (or dicts) into one tuple (or dict) of columns."""
+    """Collate a list of tuples (or dicts) into one tuple (or dict) of columns.
+
+    Other samples (a bare tensor, array or string) are collated as webdataset collates them:
+    as sequences, into a dict of columns keyed by position, ``{0: ..., 1: ...}``. A batch of
+    1-D tensors ``[a, b]`` becomes ``{0: stack([a[0], b[0]]), 1: ...}``.
+    """
     first = samples[0]
     if isinstance(first, dict):
-        keys = first.keys()
+        rows: Sequence[Mapping[Any, Any]] = samples
+    elif isinstance(first, (list, tuple)):
+        width = len(first)
         for row in samples[1:]:
-            if row.keys() != keys:
+            if len(row) != width:
                 raise ValueError("keys don't match in different samples")
-        return {
-            k: combine_values([row[k] for row in samples], combine_tensors, combine_scalars)
-            for k in keys
-        }
-    width = len(first)
-    for row in samples[1:]:
-        if len(row) != width:
+        return tuple(
+            combine_values([row[i] for row in samples], combine_tensors, combine_scalars)
+            for i in range(width)
+        )
+    else:
+        rows = [dict(enumerate(sample)) for sample in samples]
+    keys = rows[0].keys()
+    for row in rows[1:]:
+        if row.keys() != keys:
             raise ValueError("keys don't match in different samples")
-    return tuple(
-        combine_values([row[i] for row in samples], combine_tensors, combine_scalars)
-        for i in range(width)
-    )
+    return {
+        k: combine_values([row[k] for row in rows], combine_tensors, combine_scalars) for k in keys
+    }
 
 
 def _batched(

@@ -122,7 +122,7 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
 
 #: Callables whose parameters differ from webdataset's, and why that is acceptable.
 SIGNATURE_DIFFERS = {
-    ("", "DecodingError"): "cloudshards' DecodeError: code catches it; built with url=, key=",
+    ("", "DecodingError"): "cloudshards' DecodeError: also takes (message, url=, key=, field=)",
     ("autodecode", "DecodingError"): "cloudshards' DecodeError: code catches it",
     ("", "slice"): "webdataset's is itertools.islice curried; it has no signature",
     ("filters", "slice"): "webdataset's is itertools.islice curried; it has no signature",

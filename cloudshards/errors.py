@@ -91,7 +91,7 @@ class ShardError(CloudShardsError):
         if self.url is not None:
             where.append(f"shard {self.url}")
         if self.member is not None:
-            where.append(f"member {self.member!r}")
+            where.append(f"member {shown_name(self.member)}")
         if self.offset is not None:
             where.append(f"byte offset {self.offset}")
         if where:
@@ -224,6 +224,19 @@ def _webdataset_args(args: tuple[Any, ...], **given: Any) -> tuple[Any, ...]:
             raise TypeError(f"DecodingError got multiple values for argument {name!r}")
         given[name] = value
     return tuple(given[name] for name in names)
+
+
+#: Characters of a member's name an error message shows (a tar name may be 1 MiB long).
+NAME_SHOWN = 200
+
+
+def shown_name(name: str) -> str:
+    """``repr(name)``, its middle cut out past :data:`NAME_SHOWN` characters (the whole name
+    stays in ``.member``)."""
+    if len(name) <= NAME_SHOWN:
+        return repr(name)
+    half = NAME_SHOWN // 2
+    return f"{name[:half]!r}...({len(name) - 2 * half:,} characters)...{name[-half:]!r}"
 
 
 def _member(key: str | None, field: str | None) -> str | None:

@@ -9,7 +9,7 @@ import logging
 import re
 from collections.abc import Callable, Iterable, Iterator
 
-from cloudshards.errors import ShardFormatError, ShardOpenError
+from cloudshards.errors import ShardFormatError, ShardOpenError, shown_name
 from cloudshards.types import Member, NameFilter, Sample
 
 __all__ = [
@@ -185,7 +185,7 @@ def group_members(
                 held += len(data) + len(field) + _FIELD_OVERHEAD_BYTES
                 if held > max_sample_bytes:
                     failure = ShardFormatError(
-                        f"sample {key!r} holds more than {max_sample_bytes} bytes in its "
+                        f"sample {shown_name(key)} holds more than {max_sample_bytes} bytes in its "
                         "fields' names and data (a sample may hold twice max_member_bytes)",
                         url=url,
                         shard_index=shard_index,
@@ -212,7 +212,7 @@ def duplicate_field(
 ) -> ShardFormatError:
     """The error for a field that appears twice in one sample."""
     return ShardFormatError(
-        f"duplicate field {field!r} in sample {key!r}",
+        f"duplicate field {shown_name(field)} in sample {shown_name(key)}",
         url=url,
         shard_index=shard_index,
         offset=offset,

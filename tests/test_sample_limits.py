@@ -53,6 +53,9 @@ def test_empty_members_with_long_names_are_refused_past_the_sample_limit(
     assert info.value.url.endswith("names.tar.gz")
     assert info.value.member is not None
     assert info.value.member.startswith("k.fff")
+    assert len(info.value.member) > 20_000  # the whole name, for whoever needs it...
+    assert len(str(info.value)) < 1_000  # ...but a message shows only its two ends
+    assert "characters)" in str(info.value)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         # The sample before it is delivered; the one over the limit never is.

@@ -20,11 +20,14 @@ def cache_info(directory: str | os.PathLike[str]) -> dict[str, Any]:
     result: dict[str, Any] = {"directory": directory, "entries": 0, "bytes": 0, "partial": 0}
     if os.path.isdir(data):
         for item in os.scandir(data):
+            if not item.is_file(follow_symlinks=False):
+                continue  # planted there (a symlink, FIFO, directory): no entry, never followed
             if item.name.endswith(".partial"):
                 result["partial"] += 1
             else:
-                result["entries"] += 1
-                result["bytes"] += item.stat().st_size
+                with contextlib.suppress(FileNotFoundError):  # evicted meanwhile
+                    result["bytes"] += item.stat(follow_symlinks=False).st_size
+                    result["entries"] += 1
     totals: dict[str, int] = {}
     stats_dir = os.path.join(directory, "stats")
     if os.path.isdir(stats_dir):

@@ -136,3 +136,20 @@ def test_a_foreign_file_in_data_is_skipped_by_eviction(
     assert "not a regular file" in warnings[0]
     assert os.path.lexists(planted)
     assert victim.read_text() == "precious\n"
+
+
+def test_cache_info_counts_entries_and_never_follows_what_is_planted(tmp_path: Path) -> None:
+    """``cache_info`` (and ``cloudshards cache``) count the entries; a symlink, FIFO or
+    directory planted in ``data/`` is neither counted nor followed (a dangling link raised)."""
+    from cloudshards.cache import cache_info
+
+    data = tmp_path / "cache" / "data"
+    data.mkdir(parents=True)
+    (data / "0123-shard.tar").write_bytes(b"x" * 100)
+    (data / "4567-shard.tar.partial").write_bytes(b"y")
+    (data / "dangling").symlink_to(tmp_path / "nowhere")
+    (data / "big-link").symlink_to("/proc/kcore")
+    os.mkfifo(data / "fifo")
+    (data / "directory").mkdir()
+    info = cache_info(tmp_path / "cache")
+    assert (info["entries"], info["bytes"], info["partial"]) == (1, 100, 1)

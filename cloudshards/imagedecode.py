@@ -97,7 +97,21 @@ def import_optional(name: str, what: str) -> ModuleType:
 #: Containers are left out: an ICNS or ICO header names one size and embeds a PNG of another
 #: (a 660 KB ``.icns`` reporting 256x256 decoded a 13,000^2 PNG), and Pillow picks the format
 #: from the content, whatever the field's extension. Widen it per handler with ``formats=``.
-IMAGE_FORMATS: tuple[str, ...] = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF", "PPM", "TGA")
+IMAGE_FORMATS: tuple[str, ...] = (
+    "JPEG",
+    "PNG",
+    "WEBP",
+    "GIF",
+    "BMP",
+    "TIFF",
+    "PPM",
+    "TGA",
+    "AVIF",
+    "JPEG2000",
+    "QOI",
+    "SGI",
+    "PCX",
+)
 
 #: Pillow formats that run another program on the image's bytes: EPS is rendered by Ghostscript
 #: (``gs``), a PostScript interpreter with a history of ``-dSAFER`` escapes. A field is never

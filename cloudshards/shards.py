@@ -15,7 +15,6 @@ import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
-from cloudshards import config
 from cloudshards.dist import WorkerInfo, derive_seed, pytorch_worker_seed
 from cloudshards.errors import ConfigError
 from cloudshards.stages.base import current_context, make_rng, pipelinefilter
@@ -123,9 +122,6 @@ class ResampledShards:
 
     The seed of each pass derives from (seed, epoch, rank, worker), so a rerun draws the same
     shards; pass ``deterministic=False`` to mix in OS entropy as webdataset does by default.
-    The derivation is webdataset's (``make_seed(worker_seed(), epoch, seed)``), so the draws
-    are those of webdataset's ``ResampledShards(deterministic=True)`` with the same seed and
-    epoch; a pass repeated within a ``with_epoch`` epoch, or another pipeline seed, mixes in more.
 
     Args:
         urls: A brace spec or a list of URLs.
@@ -177,17 +173,13 @@ class ResampledShards:
             worker = self.worker_seed() if self.worker_seed is not None else pytorch_worker_seed()
             epoch = context.epoch if context is not None else self.epoch
             repetition = context.repetition if context is not None else 0
-            # The pipeline's seed of this epoch counts when it is neither this list's seed nor
-            # the default: another seed given to the pipeline, or (one rank, no set_epoch, no
-            # seed given) the DataLoader's per-epoch seed mixed in, so that fresh workers draw
-            # new shards each epoch as the shuffles reshuffle.
-            pipeline_seed = context.seed if context is not None else self.seed
-            if repetition == 0 and pipeline_seed in (self.seed, config.env_seed() or 0):
-                # webdataset's seed, so that the draws are webdataset's draw for draw.
-                rng = random.Random(_webdataset_seed(worker, epoch, self.seed))
-            else:
-                parts = ("resampled", self.seed, epoch, repetition, worker, pipeline_seed)
-                rng = random.Random(derive_seed(*parts))
+            parts: tuple[object, ...] = ("resampled", self.seed, epoch, repetition, worker)
+            if context is not None and context.seed != self.seed:
+                # The pipeline's seed of this epoch: another pipeline seed, or (one rank, no
+                # set_epoch, no seed given) the DataLoader's per-epoch seed mixed in, so that
+                # fresh workers draw new shards each epoch as the shuffles reshuffle.
+                parts += (context.seed,)
+            rng = random.Random(derive_seed(*parts))
         else:
             rng = make_rng("resampled")  # drawn as the chain is built (see _resampled)
         return self._draws(rng)
@@ -199,17 +191,6 @@ class ResampledShards:
 
 
 ResampledShardList = ResampledShards
-
-
-def _webdataset_seed(*parts: object) -> int:
-    """webdataset's ``make_seed``: 31 bits from ``hash`` of each part. Integers hash the same
-    in every process; other parts (a custom ``worker_seed``'s) go through :func:`derive_seed`,
-    as ``hash`` of a string changes from process to process."""
-    seed = 0
-    for part in parts:
-        value = hash(part) if isinstance(part, int) else derive_seed(part)
-        seed = (seed * 31 + value) & 0x7FFFFFFF
-    return seed
 
 
 def split_by_node(src: Iterable[Any], group: Any = None) -> Iterator[Any]:

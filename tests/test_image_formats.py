@@ -53,6 +53,11 @@ def icns(png: bytes) -> bytes:
         ("TIFF", "tiff"),
         ("PPM", "ppm"),
         ("TGA", "tga"),
+        ("AVIF", "jpg"),  # not an image extension of its own: the content decides
+        ("JPEG2000", "jp2"),
+        ("QOI", "png"),
+        ("SGI", "sgi"),
+        ("PCX", "pcx"),
     ],
 )
 def test_the_usual_formats_decode(fmt: str, field: str) -> None:

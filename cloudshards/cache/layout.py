@@ -98,16 +98,22 @@ class EntryStore:
         self._ready = True
 
     def _check_dirs(self, *subs: str) -> None:
-        """Raise :class:`CacheError` naming the first of ``subs`` that is no longer the real
-        directory first checked (a symlink, or another directory, swapped in since): checked
-        right before the cache creates or renames files there. A race remains between this
-        check and the write that follows it; renames avoid it (:meth:`_rename_partial`)."""
+        """Raise :class:`CacheError` naming the first of ``subs`` that is no longer a real
+        directory (a symlink swapped in since): checked right before the cache creates or
+        renames files there. One removed (``rm -rf`` of the cache while a job runs) is made
+        again, and one replaced by another real directory is taken as it is: both stay inside
+        the cache. The identity found is what renames then hold to (:meth:`_rename_partial`),
+        so a swap between this check and a rename is refused."""
         for sub in subs:
             path = self._path(sub)
             try:
-                check_directory(path, self._dir_ids.get(sub))
-            except FileNotFoundError as exc:
-                raise CacheError(f"cache directory {path} is gone: {exc}") from exc
+                self._dir_ids[sub] = check_directory(path)
+            except FileNotFoundError:
+                try:
+                    os.makedirs(path, exist_ok=True)
+                    self._dir_ids[sub] = check_directory(path)
+                except FileNotFoundError as exc:
+                    raise CacheError(f"cache directory {path} is gone: {exc}") from exc
 
     def _rename_partial(self, name: str) -> None:
         """Put a download's partial file in place as its entry, both names resolved in the

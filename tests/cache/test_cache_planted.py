@@ -61,6 +61,32 @@ def test_a_subdirectory_swapped_for_a_symlink_mid_run_is_refused(
     assert list(outside.iterdir()) == []
 
 
+@pytest.mark.parametrize("how", ["removed", "replaced by a directory"])
+def test_a_cache_emptied_mid_run_is_made_again_and_the_run_goes_on(
+    urls: list[str], shards: Any, tmp_path: Path, how: str
+) -> None:
+    """``rm -rf`` of the cache (or a new directory in its place) while a job reads it: the
+    job reads on, and caches into the cache as it is now. Only a symlink is refused."""
+    import shutil
+
+    cache_dir = tmp_path / "c"
+    it = iter(dataset(urls, cache_dir))
+    keys = [next(it)["__key__"]]
+    for _ in range(100):  # a download ahead may be writing in it meanwhile
+        shutil.rmtree(cache_dir, ignore_errors=True)
+        if not cache_dir.exists():
+            break
+    assert not cache_dir.exists()
+    if how != "removed":
+        for sub in ("data", "meta", "locks", "stats"):
+            (cache_dir / sub).mkdir(parents=True)
+    keys += [sample["__key__"] for sample in it]
+    assert len(keys) == 9
+    assert len(set(keys)) == 9
+    entries = [p for p in (cache_dir / "data").iterdir() if not p.name.endswith(".partial")]
+    assert len(entries) >= 2  # the shards after the first were cached again
+
+
 def test_a_data_directory_swapped_as_a_download_starts_gets_no_file(
     urls: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

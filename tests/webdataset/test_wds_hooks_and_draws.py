@@ -1,7 +1,7 @@
 """webdataset 1.0.2 as the oracle for names that webdataset code builds, overrides or seeds:
 ``DecodingError``'s constructions and attributes, batching of bare samples, ``TarWriter.tarmode``,
-``WebDataset``'s ``update_cache_info``/``create_url_iterator`` hooks, and the draws of
-``ResampledShards(deterministic=True)``."""
+``WebDataset``'s ``update_cache_info``/``create_url_iterator`` hooks; and where the draws of
+``ResampledShards(deterministic=True)`` differ from webdataset's on purpose."""
 
 from __future__ import annotations
 
@@ -227,22 +227,26 @@ def test_the_hooks_can_be_called(make_shards: MakeShards, monkeypatch: pytest.Mo
 URLS = [f"{i:02d}" for i in range(3)]
 
 
-@pytest.mark.parametrize("seed", [0, 1, 7, 12345])
-def test_deterministic_resampled_draws_match(seed: int) -> None:
-    def draws(module: Any, **kw: Any) -> list[list[str]]:
-        shards = module.ResampledShards(URLS, nshards=6, seed=seed, deterministic=True, **kw)
-        return [[s["url"] for s in shards] for _ in range(3)]  # three passes: epochs 0, 1, 2
-
-    assert draws(cloudshards) == draws(webdataset)
-    assert draws(cloudshards, worker_seed=lambda: 3) == draws(webdataset, worker_seed=lambda: 3)
-
-    def in_pipeline(module: Any) -> list[str]:
-        shards = module.ResampledShards(URLS, nshards=6, seed=seed, deterministic=True)
-        return [s["url"] for s in module.DataPipeline(shards)]
-
-    assert in_pipeline(cloudshards) == in_pipeline(webdataset)
+def _draws(seed: int, epoch: int, worker: int) -> list[str]:
+    shards = cloudshards.ResampledShards(
+        URLS * 10, nshards=20, seed=seed, deterministic=True, worker_seed=lambda: worker
+    )
+    shards.epoch = epoch - 1  # each pass counts one epoch up
+    return [s["url"] for s in shards]
 
 
-def test_the_reported_resampled_sequence() -> None:
-    shards = cloudshards.ResampledShards(URLS, nshards=6, seed=1, deterministic=True)
-    assert [s["url"] for s in shards] == ["00", "02", "00", "01", "00", "01"]
+def test_deterministic_resampled_draws_repeat_and_never_collide() -> None:
+    """Deliberately not webdataset's seeds: its ``961 * worker + 31 * epoch + seed`` makes
+    worker 1 draw at epoch 0 what worker 0 draws at epoch 31, and seed 31 what seed 0 draws an
+    epoch later. Here a rerun draws the same shards, and none of those pairs coincide."""
+    assert _draws(0, 0, 0) == _draws(0, 0, 0)
+    assert _draws(0, 31, 0) != _draws(0, 0, 1)
+    assert _draws(31, 0, 0) != _draws(0, 1, 0)
+    webdataset_draws = webdataset.ResampledShards(
+        URLS * 10, nshards=20, seed=0, deterministic=True, worker_seed=lambda: 1
+    )
+    later = webdataset.ResampledShards(
+        URLS * 10, nshards=20, seed=0, deterministic=True, worker_seed=lambda: 0
+    )
+    later.epoch = 30
+    assert [s["url"] for s in webdataset_draws] == [s["url"] for s in later]  # its collision

@@ -42,9 +42,10 @@ DirectoryId = tuple[int, int]
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
-def open_file(path: str, flags: int, mode: int = 0o644) -> int:
+def open_file(path: str, flags: int, mode: int = 0o644, *, dir_fd: int | None = None) -> int:
     """``os.open`` of a regular file only: a symlink at ``path`` is refused, and so is a
     directory, FIFO or device planted there (a FIFO would hold the open, or a read, forever).
+    With ``dir_fd``, only the base name of ``path`` is opened, in that directory.
 
     Raises:
         CacheError: ``path`` is a symlink or not a regular file (an ``OSError``).
@@ -53,7 +54,10 @@ def open_file(path: str, flags: int, mode: int = 0o644) -> int:
     # O_NONBLOCK: opening a FIFO returns at once (a regular file's reads ignore the flag).
     extra = _NOFOLLOW | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
     try:
-        fd = os.open(path, flags | extra, mode)
+        if dir_fd is None:
+            fd = os.open(path, flags | extra, mode)
+        else:
+            fd = os.open(os.path.basename(path), flags | extra, mode, dir_fd=dir_fd)
     except OSError as exc:
         # A symlink; a FIFO no one reads; a directory opened for writing.
         if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):

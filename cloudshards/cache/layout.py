@@ -124,17 +124,31 @@ class EntryStore:
         finally:
             os.close(fd)
 
+    def _open_data(self, filename: str, flags: int) -> int:
+        """:func:`open_file` of ``data/<filename>``, resolved in the data directory checked
+        last: a symlink swapped in for ``data/`` since the check is refused, not followed."""
+        fd = open_directory(self._path("data"), self._dir_ids["data"])
+        try:
+            return open_file(self._path("data", filename), flags, dir_fd=fd)
+        finally:
+            os.close(fd)
+
     def _remove_partial(self, name: str) -> None:
         """Remove a download's partial file, never through a swapped data directory (one
         swapped in since is left alone: the file is in the directory moved away)."""
+        self._unlink_in("data", name + ".partial")
+
+    def _unlink_in(self, sub: str, filename: str) -> None:
+        """Remove ``sub/filename`` from the subdirectory checked last; nothing through one
+        swapped since, and nothing where a directory (or nothing) is at that name."""
         try:
-            fd = open_directory(self._path("data"), self._dir_ids["data"])
+            fd = open_directory(self._path(sub), self._dir_ids[sub])
         except (OSError, KeyError) as exc:
-            logger.debug("cache: leaving %s.partial in place: %s", name, exc)
+            logger.debug("cache: leaving %s in place: %s", self._path(sub, filename), exc)
             return
         try:
-            with contextlib.suppress(OSError):  # gone, or a directory planted there
-                os.unlink(name + ".partial", dir_fd=fd)
+            with contextlib.suppress(OSError):
+                os.unlink(filename, dir_fd=fd)
         finally:
             os.close(fd)
 
@@ -142,13 +156,12 @@ class EntryStore:
         return self._path("meta", name + ".members.json")
 
     def _remove_entry(self, name: str) -> None:
-        for path in (
-            self._path("data", name),
-            self._path("meta", name + ".json"),
-            self._table_path(name),
+        for sub, filename in (
+            ("data", name),
+            ("meta", name + ".json"),
+            ("meta", name + ".members.json"),
         ):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+            self._unlink_in(sub, filename)
 
     def _global_lock(self) -> DownloadLock:
         return DownloadLock(self._path("cache.lock"))

@@ -27,7 +27,7 @@ from cloudshards.cache import lock as _cachelock
 from cloudshards.cache.budget import CacheBudget
 from cloudshards.cache.direct import direct_writes, read_ahead
 from cloudshards.cache.facts import distrust_checksums, remote_facts
-from cloudshards.cache.files import open_file, unlink_partial
+from cloudshards.cache.files import unlink_partial
 from cloudshards.cache.follow import FollowStream
 from cloudshards.cache.keys import entry_name, store_endpoint
 from cloudshards.cache.layout import _CachedFile
@@ -153,7 +153,7 @@ class ShardCache(CacheBudget):
                 (fd, handoff), own = own_download, True  # followed like a download ahead
             else:
                 try:
-                    fd = open_file(self._path("data", name + ".partial"), os.O_RDONLY)
+                    fd = self._open_data(name + ".partial", os.O_RDONLY)
                 except FileNotFoundError:
                     # The downloader has the lock but has not created its file yet (first
                     # byte latency, retries, the budget lock), or just finished: look again.
@@ -224,7 +224,7 @@ class ShardCache(CacheBudget):
     ) -> _CachedFile | None:
         entry = self._path("data", name)
         try:
-            fd = open_file(entry, os.O_RDONLY)
+            fd = self._open_data(name, os.O_RDONLY)
         except FileNotFoundError:
             return None
         except CacheError as exc:  # not a regular file: planted, never read or followed
@@ -339,7 +339,8 @@ class ShardCache(CacheBudget):
             return True
 
         try:
-            self._check_dirs("data")  # TeeStream creates the partial file there
+            self._check_dirs("data")  # the partial file is created there
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
             tee = TeeStream(
                 remote,
                 partial,
@@ -351,6 +352,7 @@ class ShardCache(CacheBudget):
                 checksum=checksum,
                 refetch=lambda: open_remote(url, options, shard_index=shard_index),
                 distrust=lambda: distrust_checksums(url, endpoint),
+                fd=self._open_data(name + ".partial", flags),
             )
             tee.table_path = self._table_path(name)
             return tee

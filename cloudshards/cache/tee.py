@@ -51,6 +51,7 @@ class TeeStream(ClosingStream):
             :func:`~cloudshards.cache.facts.trusted_checksum`).
         refetch: Opens the object again from its start, to recheck a checksum mismatch.
         distrust: Called when the store's checksum proves not to be one of its bytes.
+        fd: The partial file, already open for writing (None: open ``partial`` here).
     """
 
     #: Bytes at the end of a verified download that are served only after verification.
@@ -69,6 +70,7 @@ class TeeStream(ClosingStream):
         checksum: Checksum | None,
         refetch: Callable[[], ShardSource] | None = None,
         distrust: Callable[[], None] | None = None,
+        fd: int | None = None,
     ) -> None:
         self.remote = remote
         self.url = remote.url
@@ -103,7 +105,9 @@ class TeeStream(ClosingStream):
         self._read_remote: Callable[[int], bytes | memoryview] = getattr(
             remote, "read_view", remote.read
         )
-        self._fd: int | None = open_file(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        if fd is None:
+            fd = open_file(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        self._fd: int | None = fd
         self._writer = PartialWriter(self._fd)
         self.closed = False
         #: Set by the reader after a complete parse; saved next to the entry on commit.

@@ -179,3 +179,56 @@ def test_cache_info_counts_entries_and_never_follows_what_is_planted(tmp_path: P
     (data / "directory").mkdir()
     info = cache_info(tmp_path / "cache")
     assert (info["entries"], info["bytes"], info["partial"]) == (1, 100, 1)
+
+
+def swap_after_check(
+    monkeypatch: pytest.MonkeyPatch, cache_dir: Path, outside: Path, subs: tuple[str, ...]
+) -> None:
+    """Swap ``data/`` for a symlink right after the cache's own check of ``subs`` passed: the
+    window between a check by path and the open that follows it."""
+    real = ShardCache._check_dirs
+
+    def check_then_swap(self: ShardCache, *checked: str) -> None:
+        real(self, *checked)
+        if checked == subs and not (cache_dir / "data").is_symlink():
+            swap_for_symlink(cache_dir, "data", outside)
+
+    monkeypatch.setattr(ShardCache, "_check_dirs", check_then_swap)
+
+
+def test_a_data_directory_swapped_after_its_check_gets_no_partial_file(
+    urls: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The partial file was created by path after the directory's check: a symlink swapped
+    in between received it. It is created in the directory checked, or refused."""
+    cache_dir, outside = tmp_path / "c", tmp_path / "outside"
+    outside.mkdir()
+    swap_after_check(monkeypatch, cache_dir, outside, ("data",))
+    with pytest.raises(wds.CacheError, match=f"{cache_dir / 'data'} is a symlink"):
+        list(dataset(urls[:1], cache_dir))
+    assert list(outside.iterdir()) == []
+
+
+def test_a_data_directory_swapped_after_its_check_serves_no_planted_entry(
+    shards: Any, urls: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cache hit was opened by path after the directory's check: a symlink swapped in
+    between was read, found not to match the entry's record, and removed: another user's
+    file, deleted through the link. Nothing is opened or removed through it now."""
+    cache_dir, outside = tmp_path / "c", tmp_path / "outside"
+    outside.mkdir()
+    assert [s["__key__"] for s in dataset(urls[:1], cache_dir)] == shards.keys[:3]
+    (entry,) = (p for p in (cache_dir / "data").iterdir() if not p.name.endswith(".partial"))
+    with wds.TarWriter(str(outside / entry.name)) as sink:
+        sink.write({"__key__": "planted", "txt": "not the dataset's"})
+    real = ShardCache._ensure_ready
+
+    def ready_then_swap(self: ShardCache) -> None:
+        real(self)
+        if not (cache_dir / "data").is_symlink():
+            swap_for_symlink(cache_dir, "data", outside)
+
+    monkeypatch.setattr(ShardCache, "_ensure_ready", ready_then_swap)
+    with pytest.raises(wds.CacheError, match=f"{cache_dir / 'data'} is a symlink"):
+        list(dataset(urls[:1], cache_dir))
+    assert sorted(p.name for p in outside.iterdir()) == [entry.name]

@@ -547,8 +547,10 @@ class InjectedFaults:
         real_builtin_open = builtins.open
 
         def fake_open(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
-            if self._mine(path) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
-                name = os.fspath(path)
+            name = os.fspath(path)
+            if kwargs.get("dir_fd") is not None:  # a name in a directory held open
+                name = os.path.join(self._fd_path(kwargs["dir_fd"]), name)
+            if self._mine(name) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
                 if name.endswith(".lock") and not os.path.exists(name):
                     self._fail("lock", name)
                 if name.endswith(".partial"):
@@ -576,8 +578,11 @@ class InjectedFaults:
                 self._fail("close", path)
 
         def fake_replace(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
-            if self._mine(dst):
-                self._fail("rename", os.fspath(dst))
+            name = os.fspath(dst)
+            if kwargs.get("dst_dir_fd") is not None:  # a name in a directory held open
+                name = os.path.join(self._fd_path(kwargs["dst_dir_fd"]), name)
+            if self._mine(name):
+                self._fail("rename", name)
             real_replace(src, dst, *args, **kwargs)
 
         def fake_makedirs(path: Any, *args: Any, **kwargs: Any) -> None:

@@ -243,7 +243,10 @@ _DROPPED = str.maketrans("", "", "\t\r\n")
 
 
 def _clean(spec: str) -> str:
-    return spec.lstrip(_LEADING).translate(_DROPPED)
+    spec = spec.lstrip(_LEADING)
+    if spec.startswith("pipe:"):  # a shell command, run as written: its tabs and line
+        return spec.rstrip("\r\n")  # breaks are the shell's (webdataset ran it unparsed)
+    return spec.translate(_DROPPED)
 
 
 def _is_fsspec_chain(url: str) -> bool:

@@ -54,6 +54,13 @@ def test_line_breaks_and_leading_blanks_are_dropped_as_webdataset_did() -> None:
     assert expand_urls("data/e-{0..1}.tar\n") == ["data/e-0.tar", "data/e-1.tar"]
 
 
+def test_a_pipe_command_keeps_its_tabs_and_inner_line_breaks() -> None:
+    """A ``pipe:`` spec is a shell command, run as written (webdataset never parsed it): a tab
+    in ``cut -d'<TAB>'`` or a line break in a script is the command's, not a list's."""
+    command = "pipe:cut -d'\t' -f1 list.tsv | xargs cat\necho done"
+    assert expand_urls([f"  {command}\n"]) == [command]
+
+
 def test_an_ipv6_host_is_not_a_list_separator() -> None:
     """``::`` inside ``[...]`` is an IPv6 address, not webdataset's list syntax."""
     assert expand_urls("http://[::1]:8000/a-{0..1}.tar") == [

@@ -20,7 +20,7 @@ import pytest
 
 from cloudshards.cache import ShardCache, entry_name
 from cloudshards.cache import direct as direct_module
-from cloudshards.cache.direct import ALIGN, STAGE_BYTES, PartialWriter
+from cloudshards.cache.direct import ALIGN, PAGE_CACHE_WRITE, STAGE_BYTES, PartialWriter
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 
@@ -121,6 +121,36 @@ def test_every_byte_lands_in_order_whatever_the_chunking(
         writer.release()
         os.close(fd)
     assert path.read_bytes() == DATA
+
+
+def test_a_large_part_reaches_the_page_cache_at_most_a_mib_per_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A part of several MiB handed to one ``write`` made the kernel fill the file with 2 MiB
+    folios: about ten times the system time of 1 MiB writes on these VMs (see
+    ``PAGE_CACHE_WRITE``). Every byte still lands, in order."""
+    monkeypatch.setenv("CLOUDSHARDS_CACHE_O_DIRECT", "0")
+    sizes: list[int] = []
+    real_write = os.write
+
+    def write(fd: int, data: bytes | memoryview) -> int:
+        sizes.append(len(data))
+        return real_write(fd, data)
+
+    path = tmp_path / "entry.partial"
+    fd, writer = _writer(path)
+    monkeypatch.setattr(os, "write", write)
+    data = random.Random(5).randbytes(5 * PAGE_CACHE_WRITE + 12345)
+    try:
+        writer.write(memoryview(data))
+        writer.finish()
+    finally:
+        monkeypatch.undo()
+        writer.release()
+        os.close(fd)
+    assert path.read_bytes() == data
+    assert max(sizes) == PAGE_CACHE_WRITE == 1 << 20
+    assert len(sizes) == 6
 
 
 def test_direct_writes_bypass_the_page_cache(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from pathlib import Path
 from typing import overload
 
@@ -154,6 +155,16 @@ def webdataset_var(name: str, default: str | None = None) -> str | None:
     if not name.startswith("WDS_") and name not in _WEBDATASET_VARS:
         raise ValueError(f"{name} is not an environment variable of webdataset's")
     return os.environ.get(name, default)
+
+
+def webdataset_secure() -> bool:
+    """webdataset's ``enforce_security`` (``WDS_SECURE=1``, or set on
+    ``cloudshards.webdataset.utils``): local files are not opened, URLs not rewritten, and no
+    pickle, full ``torch.load`` or ``pipe:`` command runs, whatever cloudshards' opt-ins say."""
+    compat = sys.modules.get("cloudshards.webdataset.utils")
+    if getattr(compat, "enforce_security", False):
+        return True
+    return webdataset_var("WDS_SECURE", "0") not in ("", "0")
 
 
 def counts_dir() -> Path:

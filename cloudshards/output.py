@@ -17,8 +17,8 @@ from typing import Any
 
 from cloudshards.errors import CloudShardsError
 from cloudshards.redact import raise_redacted, redact_url
-from cloudshards.source import map_backend_error, open_output
-from cloudshards.urls import protocol_of, resolve
+from cloudshards.source import OpenOptions, PipeWriter, map_backend_error, open_output
+from cloudshards.urls import PIPE_PREFIX, protocol_of, resolve
 
 __all__ = ["AtomicOutput", "discard_upload"]
 
@@ -35,16 +35,28 @@ class AtomicOutput:
     a symlink's target: the link stays). S3 and GCS: the upload itself, which fsspec completes
     on close, discarded on abort. Other fsspec filesystems: a sibling temporary name, moved
     into place on commit. ``-``, a FIFO or a device: written straight into (see the module).
+    ``pipe:CMD`` (with the pipe opt-in, ``allow_pipe``): ``CMD``'s stdin; commit waits for it
+    (a non-zero exit raises), abort kills it before its input ends.
     """
 
-    def __init__(self, url: str, storage_options: Mapping[str, Any] | None) -> None:
+    def __init__(
+        self,
+        url: str,
+        storage_options: Mapping[str, Any] | None,
+        *,
+        allow_pipe: bool | None = None,
+    ) -> None:
         self.url = url
         self.done = True  # nothing to clean up until the stream exists
-        self._fs, self._path = resolve(url, storage_options)
-        self._protocol = protocol_of(url)
-        self._stream: Any = None  # standard output, a FIFO or a device: written into
+        self._stream: Any = None  # standard output, a FIFO, a device or a command: written into
         self._file: Any
         self._temp: str | None
+        if url.startswith(PIPE_PREFIX):
+            self._stream = self._file = PipeWriter(url, OpenOptions(allow_pipe=allow_pipe))
+            self._protocol, self._temp, self.done = "pipe", None, False
+            return
+        self._fs, self._path = resolve(url, storage_options)
+        self._protocol = protocol_of(url)
         if self._protocol == "file":
             self._path = os.path.realpath(self._path)  # a symlink: its target is replaced
             self._stream = _stream_at(url, self._path)
@@ -105,7 +117,9 @@ class AtomicOutput:
             return
         self.done = True
         try:
-            if self._stream is not None:
+            if isinstance(self._stream, PipeWriter):
+                self._stream.kill()  # before its input ends: the command never sees a whole
+            elif self._stream is not None:
                 self._close_stream()  # what was written is out: a stream cannot take it back
             elif self._temp is None:
                 discard_upload(self._file)

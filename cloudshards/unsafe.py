@@ -52,12 +52,17 @@ def allow_unsafe_decoders(enable: bool = True) -> None:
 
 
 def opt_in_advice() -> str:
-    """How to allow the decoders that can run code, for error messages."""
+    """How to allow the decoders that can run code (or why it cannot be), for messages."""
+    if config.webdataset_secure():
+        return "refused under WDS_SECURE (webdataset's enforce_security)"
     return _OPT_IN
 
 
 def unsafe_allowed() -> bool:
-    """Whether pickle and full ``torch.load`` may run (see :func:`allow_unsafe_decoders`)."""
+    """Whether pickle and full ``torch.load`` may run (see :func:`allow_unsafe_decoders`;
+    never under webdataset's ``WDS_SECURE``)."""
+    if config.webdataset_secure():
+        return False
     return _enabled or config.env_bool("ALLOW_PICKLE")
 
 
@@ -68,7 +73,7 @@ def unpickle_loads(data: bytes) -> Any:
         DecodeError: Unsafe decoding is off; the message says how to turn it on.
     """
     if not unsafe_allowed():
-        raise DecodeError(f"refusing to unpickle: pickle can run arbitrary code; {_OPT_IN}")
+        raise DecodeError(f"refusing to unpickle: pickle can run arbitrary code; {opt_in_advice()}")
     return pickle.loads(data)  # noqa: S301 - the user opted in explicitly
 
 
@@ -88,7 +93,9 @@ def torch_loads(data: bytes) -> Any:
     except pickle.UnpicklingError as exc:
         if unsafe:
             raise
-        raise DecodeError(f"torch.load(weights_only=True) refused: {_why(exc)}; {_OPT_IN}") from exc
+        raise DecodeError(
+            f"torch.load(weights_only=True) refused: {_why(exc)}; {opt_in_advice()}"
+        ) from exc
 
 
 def _why(exc: BaseException) -> str:

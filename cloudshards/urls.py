@@ -10,7 +10,6 @@ import itertools
 import logging
 import os
 import re
-import sys
 import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -82,12 +81,8 @@ def _refuse_userinfo(url: str) -> None:
 
 
 def secure() -> bool:
-    """webdataset's ``enforce_security`` (``WDS_SECURE=1``, or set on
-    ``cloudshards.webdataset.utils``): local files are not opened, URLs not rewritten."""
-    compat = sys.modules.get("cloudshards.webdataset.utils")
-    return bool(getattr(compat, "enforce_security", False)) or config.webdataset_var(
-        "WDS_SECURE", "0"
-    ) not in ("", "0")
+    """webdataset's ``enforce_security``: see :func:`cloudshards.config.webdataset_secure`."""
+    return config.webdataset_secure()
 
 
 def rewrite_url(url: str) -> str:

@@ -38,7 +38,9 @@ class TarWriter:
     webdataset 1.0.2's ``TarWriter`` with the same arguments and encoders. Given a URL (local
     path, ``s3://``, ``gs://``, any fsspec URL), the shard appears only when :meth:`close`
     succeeds; leaving a ``with`` block by an exception, or dropping the writer unclosed,
-    discards it. Given an open stream, the caller owns the stream.
+    discards it. Given an open stream, the caller owns the stream. ``pipe:CMD`` writes into
+    ``CMD``'s stdin (with the pipe opt-in, as when reading); discarding the shard kills
+    ``CMD`` before its input ends.
 
     Differences from webdataset, on purpose: ``format`` is honoured (webdataset ignores it and
     writes PAX); the default mtime is a whole second, so members get no PAX header each (webdataset
@@ -58,9 +60,12 @@ class TarWriter:
         format: tarfile format (``tarfile.PAX_FORMAT`` or a name like ``"USTAR_FORMAT"``);
             default PAX, which only adds headers where ustar cannot hold a name or value.
         storage_options: Per-protocol fsspec options for URLs (``{"s3": {...}}``).
+        allow_pipe: Allow a ``pipe:CMD`` URL, which runs ``CMD`` in a shell (default: the
+            ``CLOUDSHARDS_ALLOW_PIPE`` environment variable, off when unset).
 
     Raises:
-        ConfigError: Bad arguments, an unknown protocol or a missing backend package.
+        ConfigError: Bad arguments, an unknown protocol, a missing backend package, or a
+            ``pipe:`` URL without the opt-in.
         ShardOpenError: The store refused the write.
     """
 
@@ -77,6 +82,7 @@ class TarWriter:
         format: Any = None,
         *,
         storage_options: Mapping[str, Any] | None = None,
+        allow_pipe: bool | None = None,
     ) -> None:
         if isinstance(fileobj, os.PathLike):
             fileobj = os.fspath(fileobj)
@@ -87,7 +93,9 @@ class TarWriter:
         self.encoder = make_encoder(encoder)
         url = fileobj if isinstance(fileobj, str) else None  # an opener in gopen_schemes wins
         self.own_fileobj: Any = (
-            (user_output(url) or AtomicOutput(url, storage_options)) if url else None
+            (user_output(url) or AtomicOutput(url, storage_options, allow_pipe=allow_pipe))
+            if url
+            else None
         )
         self.stream: Any = self.own_fileobj if self.own_fileobj is not None else fileobj
         # Streaming mode ("w|"): never seeks, so any upload stream works. Closed by close/abort.

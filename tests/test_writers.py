@@ -558,3 +558,56 @@ def test_a_symlink_is_written_through_and_stays_a_link(tmp_path: Path) -> None:
     assert link.is_symlink()
     assert _members(target.read_bytes()) == {"a.txt": b"hello"}
     assert sorted(os.listdir(target.parent)) == ["target.tar"]  # no temporary left
+
+
+def test_a_pipe_url_is_written_into_its_command_with_the_opt_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``TarWriter("pipe:aws s3 cp - s3://...")`` and a ``ShardWriter`` pattern of pipes, as
+    webdataset writes to clouds: the command gets the shard on its stdin (with the opt-in)."""
+    with TarWriter(f"pipe:cat > {tmp_path}/a.tar", allow_pipe=True) as sink:
+        sink.write({"__key__": "a", "txt": "hello"})
+    assert [s["txt"] for s in cloudshards.WebDataset(str(tmp_path / "a.tar")).decode()] == ["hello"]
+    monkeypatch.setenv("CLOUDSHARDS_ALLOW_PIPE", "1")
+    with ShardWriter(f"pipe:cat > {tmp_path}/s-%02d.tar", maxcount=2) as shards:
+        for i in range(5):
+            shards.write({"__key__": f"k{i}", "txt": str(i)})
+    urls = str(tmp_path / "s-{00..02}.tar")
+    assert [s["__key__"] for s in cloudshards.WebDataset(urls, shardshuffle=False)] == [
+        f"k{i}" for i in range(5)
+    ]
+
+
+def test_a_pipe_url_needs_the_opt_in(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    with pytest.raises(ConfigError, match="CLOUDSHARDS_ALLOW_PIPE=1"):
+        TarWriter(f"pipe:touch {marker}")
+    with (
+        pytest.raises(ConfigError, match="allow_pipe=True"),
+        ShardWriter(f"pipe:touch {marker}-%d") as shards,
+    ):
+        shards.write({"__key__": "a", "txt": "x"})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_pipe_command_that_fails_fails_the_close(tmp_path: Path) -> None:
+    sink = TarWriter(f"pipe:cat > {tmp_path}/a.tar; exit 3", allow_pipe=True)
+    sink.write({"__key__": "a", "txt": "x"})
+    with pytest.raises(cloudshards.CloudShardsError, match="exited with status 3"):
+        sink.close()
+
+
+def test_a_discarded_shard_never_reaches_the_end_of_its_command(tmp_path: Path) -> None:
+    """An exception inside ``with`` discards the shard: the command (an upload, say) is
+    killed before its input ends, children included, so it never completes a partial shard."""
+    done = tmp_path / "uploaded"
+    command = f"pipe:cat > {tmp_path}/a.tar && touch {done}"
+
+    def write_then_fail() -> None:
+        with TarWriter(command, allow_pipe=True) as sink:
+            sink.write({"__key__": "a", "txt": "x" * 100_000})
+            raise KeyError("the sample source failed")
+
+    with pytest.raises(KeyError):
+        write_then_fail()
+    assert not done.exists()

@@ -11,6 +11,7 @@ fsspec filesystem to read bytes or metadata). A new transport plugs in there.
 from __future__ import annotations
 
 from cloudshards.source.local import (
+    PipeWriter,
     is_local,
     is_local_file,
     local_path,
@@ -28,7 +29,7 @@ from cloudshards.source.opener import (
     open_source,
     store_opener,
 )
-from cloudshards.source.options import FetchOptions, OpenOptions
+from cloudshards.source.options import FetchOptions, OpenOptions, pipe_advice
 from cloudshards.source.parts import PartStream
 from cloudshards.source.plain import gopen, open_shard, shard_size
 from cloudshards.source.prefetch import ShardPrefetcher, current_thread_count
@@ -58,6 +59,7 @@ __all__ = [
     "NodeCache",
     "OpenOptions",
     "PartStream",
+    "PipeWriter",
     "RangeIgnoredError",
     "ResumableStream",
     "ShardPrefetcher",
@@ -82,6 +84,7 @@ __all__ = [
     "open_remote",
     "open_shard",
     "open_source",
+    "pipe_advice",
     "pipe_program",
     "process_stats",
     "read_object",

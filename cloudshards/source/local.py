@@ -7,8 +7,10 @@ prefetched, fetched in ranged parts, retried and cached) or opened where it is.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
 import subprocess
 from collections.abc import Callable
 from typing import IO, Any
@@ -16,11 +18,13 @@ from urllib.parse import urlsplit
 
 from cloudshards.errors import ConfigError, ShardOpenError
 from cloudshards.redact import raise_redacted, redact_url
-from cloudshards.source.options import OpenOptions
+from cloudshards.source.options import OpenOptions, pipe_advice
 from cloudshards.source.stream import map_backend_error
 from cloudshards.urls import PIPE_PREFIX, protocol_of, resolve
 
 __all__ = [
+    "PipeWriter",
+    "check_pipe",
     "is_local",
     "is_local_file",
     "local_path",
@@ -184,12 +188,67 @@ def pipe_program(command: str) -> str:
     return redact_url(words[0])[:80] if words else ""
 
 
-def _open_pipe(url: str, options: OpenOptions) -> IO[bytes]:
+def check_pipe(url: str, options: OpenOptions) -> str:
+    """The command of ``pipe:`` URL ``url``, once the pipe opt-in allows it to run.
+
+    Raises:
+        ConfigError: ``pipe:`` commands may not run; the message says how to allow them.
+    """
+    command = url[len(PIPE_PREFIX) :]
     if not options.pipe_allowed():
-        program = pipe_program(url[len(PIPE_PREFIX) :])
         raise ConfigError(
-            f"'pipe:{program[:40]} ...': pipe: URLs run shell commands and are "
-            "off by default; "
-            "pass allow_pipe=True or set CLOUDSHARDS_ALLOW_PIPE=1 to allow them"
+            f"'pipe:{pipe_program(command)[:40]} ...': pipe: URLs run shell commands and are "
+            + pipe_advice()
         )
-    return _PipeReader(url[len(PIPE_PREFIX) :])  # type: ignore[return-value]
+    return command
+
+
+def _open_pipe(url: str, options: OpenOptions) -> IO[bytes]:
+    return _PipeReader(check_pipe(url, options))  # type: ignore[return-value]
+
+
+class PipeWriter:
+    """The stdin of ``pipe:`` URL ``url``'s shell command, for writers (``pipe:aws s3 cp -
+    s3://b/x.tar``), as webdataset writes to one. :meth:`close` waits for the command and
+    raises ``OSError`` on a non-zero exit; :meth:`kill` stops it before its input ends, so
+    that an aborted shard is not completed by the command (an upload, say) as if whole.
+
+    Raises:
+        ConfigError: ``pipe:`` commands may not run (see :func:`check_pipe`).
+    """
+
+    def __init__(self, url: str, options: OpenOptions) -> None:
+        self.command = check_pipe(url, options)
+        # A session of its own: kill() stops the shell's children too (``cat > f && ...``).
+        self._proc = subprocess.Popen(  # noqa: S602 - opt-in pipe: URLs run a shell by design
+            self.command, shell=True, stdin=subprocess.PIPE, start_new_session=True
+        )
+        assert self._proc.stdin is not None
+        self._stdin = self._proc.stdin
+        self.closed = False
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        return self._stdin.write(data)
+
+    def flush(self) -> None:
+        self._stdin.flush()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._stdin.close()
+        finally:
+            status = self._proc.wait()
+        if status != 0:
+            program = pipe_program(self.command)
+            raise OSError(f"pipe command {program!r} exited with status {status}")
+
+    def kill(self) -> None:
+        self.closed = True
+        with contextlib.suppress(ProcessLookupError):  # ended already
+            os.killpg(self._proc.pid, signal.SIGKILL)
+        with contextlib.suppress(OSError):  # the command is gone: its pipe may be broken
+            self._stdin.close()
+        self._proc.wait()

@@ -51,10 +51,20 @@ class OpenOptions:
         return config.env_int("MAX_MEMBER_BYTES", config.DEFAULT_MAX_MEMBER_BYTES)
 
     def pipe_allowed(self) -> bool:
-        """Whether ``pipe:`` URLs may run, after the environment default."""
+        """Whether ``pipe:`` URLs may run, after the environment default (never under
+        webdataset's ``WDS_SECURE``)."""
+        if config.webdataset_secure():
+            return False
         if self.allow_pipe is not None:
             return self.allow_pipe
         return config.env_bool("ALLOW_PIPE", False)
+
+
+def pipe_advice() -> str:
+    """Why a ``pipe:`` command was refused, and how to allow it, for error messages."""
+    if config.webdataset_secure():
+        return "refused under WDS_SECURE (webdataset's enforce_security)"
+    return "off by default; pass allow_pipe=True or set CLOUDSHARDS_ALLOW_PIPE=1 to allow them"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

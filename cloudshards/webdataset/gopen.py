@@ -22,7 +22,7 @@ from cloudshards import source as _io
 from cloudshards.errors import ConfigError
 from cloudshards.process import in_dataloader_worker
 from cloudshards.redact import redact_url
-from cloudshards.source import OpenOptions, open_remote
+from cloudshards.source import OpenOptions, open_remote, pipe_advice
 from cloudshards.urls import rewrite_url, secure
 from cloudshards.webdataset._unsupported import unsupported_function
 
@@ -52,10 +52,7 @@ info: dict[str, Any] = {}
 
 def _check_pipe_allowed(what: str, allow_pipe: bool | None) -> None:
     if not OpenOptions(allow_pipe=allow_pipe).pipe_allowed():
-        raise ConfigError(
-            f"{what}: shell commands are off by default; pass allow_pipe=True or set "
-            "CLOUDSHARDS_ALLOW_PIPE=1 to allow them"
-        )
+        raise ConfigError(f"{what}: shell commands are {pipe_advice()}")
 
 
 def _program(args: tuple[Any, ...]) -> str:

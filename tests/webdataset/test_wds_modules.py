@@ -1880,3 +1880,48 @@ def test_dataloader_workers_see_the_switch_with_fork_and_spawn(
     assert result.returncode == 0, result.stderr
     expected = sorted(int(fields["cls"]) for _, fields in shards.samples)
     assert result.stdout.splitlines() == [f"fork {expected}", f"spawn {expected}"]
+
+
+class _Payload:
+    """Unpickling this runs code: what a hostile ``.pyd`` or full ``torch.load`` would do."""
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return (os.system, ("echo ran > /dev/null",))
+
+
+@pytest.mark.parametrize("how", ["enforce_security", "WDS_SECURE"])
+def test_wds_secure_refuses_pickle_and_pipes_even_after_the_opt_ins(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """webdataset's security switch refuses unpickling and shell commands outright; the
+    cloudshards opt-ins (CLOUDSHARDS_ALLOW_PICKLE, allow_pipe=True) used to win over it."""
+    import pickle
+
+    from cloudshards.decoders import allow_unsafe_decoders
+    from cloudshards.unsafe import torch_loads, unpickle_loads
+
+    if how == "WDS_SECURE":
+        monkeypatch.setenv("WDS_SECURE", "1")
+    else:
+        monkeypatch.setattr(cs.utils, "enforce_security", True)
+    monkeypatch.setenv("CLOUDSHARDS_ALLOW_PICKLE", "1")
+    monkeypatch.setenv("CLOUDSHARDS_ALLOW_PIPE", "1")
+    allow_unsafe_decoders()
+    try:
+        payload = pickle.dumps(_Payload())
+        with pytest.raises(ValueError, match="WDS_SECURE"):
+            unpickle_loads(payload)
+        with pytest.raises(ValueError, match="WDS_SECURE"):
+            cs.autodecode.decoders["pkl"](payload)
+        buffer = io.BytesIO()
+        torch.save({"x": _Payload()}, buffer)
+        with pytest.raises(ValueError, match="WDS_SECURE"):  # weights_only: never run
+            torch_loads(buffer.getvalue())
+    finally:
+        allow_unsafe_decoders(False)
+    marker = tmp_path / "ran"
+    with pytest.raises(ValueError, match="WDS_SECURE"):
+        OUR_GOPEN.gopen(f"pipe:touch {marker}", allow_pipe=True)
+    with pytest.raises(ValueError, match="WDS_SECURE"):
+        cloudshards.TarWriter(f"pipe:touch {marker}", allow_pipe=True)
+    assert not marker.exists()

@@ -35,6 +35,7 @@ from cloudshards.shards import (
     split_by_worker,
 )
 from cloudshards.source import FetchOptions, OpenOptions
+from cloudshards.stages import elastic
 from cloudshards.types import ExceptionHandler
 
 __all__ = ["WebDataset", "WebLoader"]
@@ -330,6 +331,10 @@ class WebLoader(DataPipeline, FluidInterface):
 
     Iterating it advances the wrapped dataset's epoch, so shards reshuffle every epoch even
     with non-persistent workers.
+
+    Its :meth:`state_dict` is the start of the current epoch: the DataLoader under it keeps no
+    state of its workers (nor does webdataset's). For an exact mid-epoch resume, use
+    :class:`cloudshards.StatefulLoader` (see docs/distributed.md, "Resuming training").
     """
 
     def __init__(self, *args: Any, **kw: Any) -> None:
@@ -339,6 +344,26 @@ class WebLoader(DataPipeline, FluidInterface):
             kw.setdefault("collate_fn", convert_batch)
         super().__init__(_Loader(*args, **kw))
         self._free_epochs = CountFree()  # not _count_free: DataPipeline state uses it
+        self._told_restart = False
+
+    def state_dict(self) -> dict[str, Any]:
+        """The start of the current epoch (or of the next, between epochs): a restore reads
+        that epoch again from its start, with its shard order, whatever ``with_epoch`` or
+        loader-side stages say. Saved mid-epoch, this warns once that batches already trained
+        will be trained again (use :class:`cloudshards.StatefulLoader` to continue exactly)."""
+        state = super().state_dict()
+        if state.get("seed") is not None and not self._told_restart:
+            self._told_restart = True
+            logger.warning(
+                "WebLoader.state_dict() describes the start of epoch %s: a restore trains that "
+                "epoch's batches again (a DataLoader keeps no state of its workers). To resume "
+                "exactly mid-epoch, use cloudshards.StatefulLoader (docs/distributed.md)",
+                state["epoch"],
+            )
+        for key in ("seed", *elastic.PENDING, *elastic.KEPT):
+            state.pop(key, None)
+        state.update(seed=None, stages={})
+        return state
 
     def __iter__(self) -> Iterator[Any]:
         batches = super().__iter__()  # (hands the dataset its epoch; starts nothing yet)

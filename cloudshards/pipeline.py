@@ -41,7 +41,7 @@ from cloudshards.stages.state import (
     pipeline_fingerprint,
     validated,
 )
-from cloudshards.workerpipe import serve_plain_dataloaders
+from cloudshards.workerpipe import serve_plain_dataloaders, warn_if_read_in_workers
 
 __all__ = ["DataPipeline", "FluidInterface", "FluidWrapper", "default_seed"]
 
@@ -277,6 +277,8 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
         state: dict[str, Any] = {"version": STATE_VERSION, "fingerprint": digest}
         state["layout"] = layout
         if live is None:
+            if not in_dataloader_worker():
+                warn_if_read_in_workers(self)
             info = effective_info(self._ranks, self.replication)
             epoch, seed, stages = self._epoch, None, {}
         else:

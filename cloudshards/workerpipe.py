@@ -141,9 +141,28 @@ def serve_plain_dataloaders() -> None:
             iterator = original(self)
             if self.num_workers > 0 and _is_ours(self.dataset):
                 speed_up_result_pipe(iterator)
+                if getattr(self.dataset, "__dict__", {}).get(_IN_WORKERS) is None:
+                    self.dataset.__dict__[_IN_WORKERS] = True  # see warn_if_read_in_workers
             return iterator
 
         DataLoader._get_iterator = _get_iterator  # type: ignore[method-assign]
+
+
+#: Set on a dataset a plain DataLoader's worker processes read (True; "told" once warned).
+_IN_WORKERS = "_read_in_workers"
+
+
+def warn_if_read_in_workers(dataset: Any) -> None:
+    """Warn (once per dataset) that the ``state_dict()`` asked of ``dataset`` in the main
+    process says nothing of its position: a plain DataLoader's workers read copies of it."""
+    if dataset.__dict__.get(_IN_WORKERS) is True:
+        dataset.__dict__[_IN_WORKERS] = "told"
+        logger.warning(
+            "state_dict() of a dataset that DataLoader worker processes read: it describes "
+            "the start of an epoch, not what the workers delivered (a restore reads the "
+            "epoch again). Save the loader's state instead: cloudshards.StatefulLoader, or "
+            "torchdata's StatefulDataLoader (docs/distributed.md, 'Resuming training')"
+        )
 
 
 def _is_ours(dataset: Any) -> bool:

@@ -71,6 +71,59 @@ def test_a_webloader_restored_from_its_state_still_iterates(make_shards: Any) ->
     assert [key for (batch,) in fresh for key in batch] == sorted(shards.keys)
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_webloader_with_epoch_restores_to_the_start_of_its_epoch_and_says_so(
+    make_shards: Any, workers: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A ``with_epoch`` WebLoader's state kept its batch count while the dataset under it
+    started its epoch again: the restored epoch trained its first batches twice and never
+    trained those after the save. Its state is the start of the epoch (the epoch is trained
+    whole again, in the same order), and saving it mid-epoch warns once."""
+
+    def loader() -> Any:
+        ds = wds.WebDataset(shards.spec(), shardshuffle=True, seed=5).shuffle(10).batched(4)
+        return wds.WebLoader(ds, batch_size=None, num_workers=workers).with_epoch(5)
+
+    shards = make_shards([9, 14, 5, 20])
+    epoch = keys(loader())
+    first = loader()
+    it = iter(first)
+    trained = [next(it) for _ in range(3)]
+    assert keys(trained) == epoch[:12]
+    with caplog.at_level("WARNING", logger="cloudshards"):
+        state = first.state_dict()
+        assert first.state_dict() == state
+    told = [r.getMessage() for r in caplog.records if "WebLoader.state_dict" in r.getMessage()]
+    assert len(told) == 1
+    assert "StatefulLoader" in told[0]
+    del it
+    again = loader()
+    again.load_state_dict(state)
+    assert keys(again) == epoch  # the whole epoch once more: no batch lost, none doubled
+
+
+def test_a_datasets_state_asked_while_dataloader_workers_read_it_warns(
+    make_shards: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A plain DataLoader with workers: the dataset in the main process is never iterated, so
+    its state said "epoch not started" without a word, and a restore trained the epoch again."""
+    import torch
+
+    shards = make_shards([6, 6])
+    ds = wds.WebDataset(shards.spec(), shardshuffle=True, seed=5).batched(2)
+    with caplog.at_level("WARNING", logger="cloudshards"):
+        assert ds.state_dict()["seed"] is None  # nothing read: nothing to warn about
+        loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
+        it = iter(loader)
+        next(it)
+        for _ in range(2):
+            assert ds.state_dict()["seed"] is None
+        del it
+    told = [r.getMessage() for r in caplog.records if "DataLoader worker" in r.getMessage()]
+    assert len(told) == 1
+    assert "StatefulLoader" in told[0]
+
+
 def _epochs_loader(spec: str, workers: int, prefetched: int = 0) -> Any:
     dataset = wds.WebDataset(spec, shardshuffle=True, seed=7).shuffle(10).batched(4)
     loader = wds.StatefulLoader(

@@ -255,9 +255,10 @@ _DROPPING = frozenset({"_select", "_rsample", "_slice"})
 
 
 def _may_drop(steps: Sequence[Any], *, reader_seen: bool = False) -> bool:
-    """Whether a stage after the shard reader can drop samples: a select, rsample or slice, or
-    a stage whose handler continues past an error. (The reader makes up what it drops
-    itself; a map that returns None is not looked for.)"""
+    """Whether a stage after the shard reader can drop samples: a select, rsample or slice, a
+    stage whose handler continues past an error, or a generator of the user's own
+    (``.compose(f)``, ``pipelinefilter(f)``), which may filter. (The reader makes up what it
+    drops itself; a map that returns None is not looked for.)"""
     from cloudshards.datasetstages import _ShardReader
 
     for step in steps:
@@ -266,8 +267,11 @@ def _may_drop(steps: Sequence[Any], *, reader_seen: bool = False) -> bool:
             continue
         if not reader_seen:
             continue
-        if getattr(getattr(step, "f", None), "__name__", "") in _DROPPING:
+        function = getattr(step, "f", step)
+        if getattr(function, "__name__", "") in _DROPPING:
             return True
+        if not str(getattr(function, "__module__", "")).startswith("cloudshards"):
+            return True  # the user's own stage
         handler = getattr(step, "handler", None) or (getattr(step, "kw", None) or {}).get("handler")
         if handler is not None and handler is not reraise_exception:
             return True

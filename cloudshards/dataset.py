@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import SimpleNamespace
 from typing import Any, cast
 
-from torch.utils.data import DataLoader, default_convert
+from torch.utils.data import DataLoader
 
 from cloudshards import config
 from cloudshards.balance import BALANCE_MODES
@@ -30,12 +30,14 @@ from cloudshards.redact import redact_url
 from cloudshards.shards import (
     ResampledShards,
     ShardList,
+    own_splitters,
     single_node_only,
     split_by_node,
     split_by_worker,
 )
 from cloudshards.source import FetchOptions, OpenOptions
 from cloudshards.stages import elastic
+from cloudshards.stages.batch import convert_batch
 from cloudshards.types import ExceptionHandler
 
 __all__ = ["WebDataset", "WebLoader"]
@@ -187,6 +189,7 @@ class WebDataset(DataPipeline, FluidInterface):
         self.num_shards = len(source.urls) if hasattr(source, "urls") else -1
         if balance not in (None, "auto", *BALANCE_MODES):
             raise ConfigError(f"balance={balance!r}; use 'drop', 'pad', 'auto' or None")
+        nodesplitter, workersplitter = own_splitters(nodesplitter, workersplitter, balance)
         custom_split = any(
             s not in (None, *_DEFAULT_SPLITTERS) for s in (nodesplitter, workersplitter)
         )
@@ -370,28 +373,14 @@ class WebLoader(DataPipeline, FluidInterface):
         loader = self.pipeline[0]
         dataset = loader.dataset
         single = self.repetitions == 1 and self.nsamples <= 0  # one pass of the loader
-        free = single and isinstance(dataset, DataPipeline)
-        if free and self._free_epochs.begin(dataset, loader.num_workers, self.pipeline[1:]):
-            return self._free_epochs.run(batches, dataset)  # the ranks end it together
-        return batches
+        if not (single and isinstance(dataset, DataPipeline)):
+            return batches
+        return self._meet_first(batches, dataset, loader.num_workers)
 
-
-#: Types default_convert hands back as they are.
-_LEAVES = frozenset({bytes, str, int, float, bool, type(None)})
-
-
-def convert_batch(data: Any) -> Any:
-    """torch's ``default_convert`` (what a DataLoader with ``batch_size=None`` applies to each
-    item), with fast paths for the tuples and lists of bytes, strings and numbers that
-    ``.batched()`` makes: the same result (tuples become lists, lists are copied, arrays
-    become tensors), without its per-element isinstance checks against abstract classes."""
-    kind = type(data)
-    if kind is list:
-        if all(type(item) in _LEAVES for item in data):
-            return data.copy()
-        return [convert_batch(item) for item in data]
-    if kind is tuple:
-        return [convert_batch(item) for item in data]
-    if kind in _LEAVES:
-        return data
-    return default_convert(data)  # type: ignore[no-untyped-call]
+    def _meet_first(self, batches: Iterator[Any], dataset: Any, workers: int) -> Iterator[Any]:
+        """The ranks meet (whether they end the epoch together) at its first batch, not at
+        ``iter()``: Lightning calls ``iter()`` once to check a loader, and drops the iterator."""
+        if self._free_epochs.begin(dataset, workers, self.pipeline[1:]):
+            yield from self._free_epochs.run(batches, dataset)  # the ranks end it together
+        else:
+            yield from batches

@@ -248,3 +248,38 @@ def _draw_from(src: Iterable[Any], n: int, rng: random.Random) -> Iterator[Any]:
 
 
 resampled = pipelinefilter(_resampled)
+
+
+def own_splitters(
+    nodesplitter: Callable[..., Any] | None,
+    workersplitter: Callable[..., Any] | None,
+    balance: str | None,
+) -> tuple[Callable[..., Any] | None, Callable[..., Any] | None]:
+    """The splitters a dataset uses: the webdataset package's own ``split_by_node`` and
+    ``split_by_worker`` (passed by code that imports both libraries) are taken as
+    cloudshards', which split the same way and keep balanced epochs. A nodesplitter of the
+    user's own in a multi-rank job warns: its ranks' epochs cannot be balanced."""
+    nodesplitter = _OURS.get(_qualified(nodesplitter), nodesplitter)
+    workersplitter = _OURS.get(_qualified(workersplitter), workersplitter)
+    custom = nodesplitter not in (None, split_by_node, single_node_only)
+    if custom and balance == "auto" and WorkerInfo.detect().world_size > 1:
+        logger.warning(
+            "nodesplitter=%s is your own: the ranks read the shards it gives them, so "
+            "their sample counts are not balanced, and unequal batch counts hang DDP. Leave "
+            "nodesplitter out (cloudshards splits by node and balances), or use "
+            "resampled=True with with_epoch() (docs/distributed.md)",
+            getattr(nodesplitter, "__qualname__", type(nodesplitter).__name__),
+        )
+    return nodesplitter, workersplitter
+
+
+def _qualified(function: Any) -> str:
+    return f"{getattr(function, '__module__', '')}.{getattr(function, '__qualname__', '')}"
+
+
+#: The webdataset package's splitters, by qualified name, and their equals here.
+_OURS: dict[str, Callable[..., Any]] = {
+    "webdataset.shardlists.split_by_node": split_by_node,
+    "webdataset.shardlists.split_by_worker": split_by_worker,
+    "webdataset.shardlists.single_node_only": single_node_only,
+}

@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader, default_convert
 
 import cloudshards as wds
-from cloudshards.dataset import convert_batch
+from cloudshards.stages.batch import convert_batch
 
 Point = collections.namedtuple("Point", "x y")
 

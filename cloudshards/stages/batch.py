@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+from torch.utils.data import default_convert
 
 from cloudshards.stages.base import StageIterator, checkpoint_warning, pipelinefilter
 
@@ -23,6 +24,7 @@ __all__ = [
     "_unlisted",
     "batched",
     "combine_values",
+    "convert_batch",
     "default_collation_fn",
     "unbatched",
     "unlisted",
@@ -192,3 +194,24 @@ def _warn_inside_batch(key: str) -> None:
             "loses those samples (at most a batch less one per worker)",
             key,
         )
+
+
+#: Types default_convert hands back as they are.
+_LEAVES = frozenset({bytes, str, int, float, bool, type(None)})
+
+
+def convert_batch(data: Any) -> Any:
+    """torch's ``default_convert`` (what a DataLoader with ``batch_size=None`` applies to each
+    item), with fast paths for the tuples and lists of bytes, strings and numbers that
+    ``.batched()`` makes: the same result (tuples become lists, lists are copied, arrays
+    become tensors), without its per-element isinstance checks against abstract classes."""
+    kind = type(data)
+    if kind is list:
+        if all(type(item) in _LEAVES for item in data):
+            return data.copy()
+        return [convert_batch(item) for item in data]
+    if kind is tuple:
+        return [convert_batch(item) for item in data]
+    if kind in _LEAVES:
+        return data
+    return default_convert(data)  # type: ignore[no-untyped-call]

@@ -163,3 +163,19 @@ def test_lightning_checkpoint_of_two_ranks_resumes_on_one(tmp_path: Path) -> Non
     assert sorted(before + rest) == sorted(epoch0)  # each sample of epoch 0 once
     epoch1 = [k for batch, epoch in zip(after, epochs, strict=True) if epoch == 1 for k in batch]
     assert sorted(epoch1) == sorted(f"s{s}_{i}" for s, n in enumerate(SIZES) for i in range(n))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_lightning_ranks_end_together_when_a_filter_empties_one_share(tmp_path: Path) -> None:
+    """A ``select`` empties rank 0's whole share: Lightning's own ``iter()`` check of the
+    WebLoader spent the ranks' meeting, so rank 1 took its first batch unchecked and waited
+    in an all-reduce that rank 0 never joined (a hang in epoch 0)."""
+    for shard in range(4):
+        with wds.TarWriter(str(tmp_path / f"a{shard}.tar")) as sink:
+            for i in range(20):
+                sink.write({"__key__": f"a{shard}_{i}", "txt": "x"})
+    script = Path(__file__).with_name("lightning_whole_share.py")
+    text = _lightning(tmp_path, script, str(tmp_path / "a{0..3}.tar"))
+    steps = {int(r): int(n) for r, n in re.findall(r"RANK (\d) steps (\d+)", text)}
+    assert steps == {0: 0, 1: 0}, text[-4000:]

@@ -87,3 +87,34 @@ def test_webdatasets_own_node_splitter_keeps_the_epoch_balanced(
     with caplog.at_level(logging.WARNING, logger="cloudshards"):
         wds.WebDataset(shards.spec(), nodesplitter=lambda src: src)
     assert caplog.records == []  # one rank: nothing to balance
+
+
+@pytest.mark.parametrize("world_size", ["1", "2"])
+def test_a_map_that_drops_samples_in_a_multi_rank_job_says_so_once(
+    make_shards: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    world_size: str,
+) -> None:
+    """A map returning None drops the sample, as in webdataset, but the loaders do not look
+    for it when they decide to end an epoch together: ranks could take unequal steps without
+    a word. One warning per process names the map and points to select()."""
+    from cloudshards.stages import transform
+
+    monkeypatch.setattr(transform, "_told_none", False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", world_size)
+    shards = make_shards([6])
+
+    def odd_only(sample: dict[str, Any]) -> dict[str, Any] | None:
+        return sample if int(sample["__key__"][-1]) % 2 else None
+
+    ds = wds.WebDataset(shards.spec(), shardshuffle=False, nodesplitter=None).map(odd_only)
+    with caplog.at_level(logging.WARNING, logger="cloudshards"):
+        assert len(list(ds)) == 3
+        assert len(list(ds)) == 3
+    told = [r.getMessage() for r in caplog.records if "returned None" in r.getMessage()]
+    assert len(told) == (1 if world_size == "2" else 0)
+    if told:
+        assert "odd_only" in told[0]
+        assert ".select()" in told[0]

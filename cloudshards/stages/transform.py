@@ -60,6 +60,8 @@ def _map(
                 continue
             break
         if result is None:
+            if not _told_none:
+                _dropped_by_none(f)
             continue
         if isinstance(sample, dict) and isinstance(result, dict):
             result["__key__"] = sample.get("__key__")
@@ -67,6 +69,26 @@ def _map(
 
 
 map = pipelinefilter(_map)
+
+_told_none = False  # see _dropped_by_none
+
+
+def _dropped_by_none(f: Callable[[Any], Any]) -> None:
+    """Say once per process, in a multi-rank job, that a map dropped a sample: the loaders
+    end an epoch together after a ``select`` (which they look for), not after a map, so the
+    ranks may take unequal numbers of steps, which hangs DDP."""
+    global _told_none
+    _told_none = True
+    from cloudshards.dist import WorkerInfo
+
+    if WorkerInfo.detect().world_size > 1:
+        logger.warning(
+            "map(%s) returned None, which drops the sample (as in webdataset): in a "
+            "multi-rank job the ranks may then get unequal numbers of batches, and DDP hangs. "
+            "Filter with .select() instead: WebLoader and StatefulLoader end the epoch "
+            "together after one (docs/distributed.md)",
+            getattr(f, "__qualname__", type(f).__name__),
+        )
 
 
 @per_sample

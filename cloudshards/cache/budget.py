@@ -8,7 +8,6 @@ import fcntl
 import logging
 import os
 
-from cloudshards.cache.files import open_file
 from cloudshards.cache.layout import EntryStore
 from cloudshards.cache.lock import DownloadLock, is_locked
 from cloudshards.errors import CacheError
@@ -51,7 +50,7 @@ class CacheBudget(EntryStore):
             if used + size > self.max_bytes:
                 return "full"
             # Visible to other reservers from now on, before we release the global lock.
-            os.close(open_file(self._path("data", name + ".partial"), os.O_WRONLY | os.O_CREAT))
+            os.close(self._open_data(name + ".partial", os.O_WRONLY | os.O_CREAT))
         return "ok"
 
     def _scan(self, exclude: str = "") -> tuple[list[tuple[str, int, float]], int]:
@@ -96,7 +95,7 @@ class CacheBudget(EntryStore):
     def _evict(self, name: str) -> bool:
         entry = self._path("data", name)
         try:
-            fd = open_file(entry, os.O_RDONLY)
+            fd = self._open_data(name, os.O_RDONLY)
         except FileNotFoundError:
             return True
         except CacheError as exc:  # replaced by a symlink or FIFO since the scan: skip it

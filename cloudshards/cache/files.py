@@ -141,15 +141,19 @@ def open_directory(path: str, expected: DirectoryId) -> int:
     return fd
 
 
-def unlink_partial(partial: str) -> None:
+def unlink_partial(partial: str, *, dir_fd: int | None = None) -> None:
     """Remove a dead download's partial file (the lock is ours), so that this one writes a new
     file: the old one's followers keep what they read from it and notice (FollowStream).
+    With ``dir_fd``, only the base name of ``partial`` is removed, from that directory.
 
     Raises:
         CacheError: A directory sits at its name (an ``OSError``).
     """
     try:
-        os.unlink(partial)
+        if dir_fd is None:
+            os.unlink(partial)
+        else:
+            os.unlink(os.path.basename(partial), dir_fd=dir_fd)
     except FileNotFoundError:
         pass
     except IsADirectoryError as exc:

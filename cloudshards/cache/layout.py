@@ -23,6 +23,7 @@ from cloudshards.cache.files import (
     open_directory,
     open_file,
     replace_with,
+    unlink_partial,
 )
 from cloudshards.cache.lock import DownloadLock, is_disk_full
 from cloudshards.cache.membertable import MemberTable, load_table, write_table
@@ -127,6 +128,8 @@ class EntryStore:
     def _open_data(self, filename: str, flags: int) -> int:
         """:func:`open_file` of ``data/<filename>``, resolved in the data directory checked
         last: a symlink swapped in for ``data/`` since the check is refused, not followed."""
+        if "data" not in self._dir_ids:
+            self._check_dirs("data")  # not checked by this process yet
         fd = open_directory(self._path("data"), self._dir_ids["data"])
         try:
             return open_file(self._path("data", filename), flags, dir_fd=fd)
@@ -138,12 +141,23 @@ class EntryStore:
         swapped in since is left alone: the file is in the directory moved away)."""
         self._unlink_in("data", name + ".partial")
 
+    def _clear_partial(self, name: str) -> None:
+        """:func:`unlink_partial` of ``name``'s partial file, in the data directory checked
+        last (raises :class:`CacheError` if it was swapped since, or a directory is there)."""
+        fd = open_directory(self._path("data"), self._dir_ids["data"])
+        try:
+            unlink_partial(self._path("data", name + ".partial"), dir_fd=fd)
+        finally:
+            os.close(fd)
+
     def _unlink_in(self, sub: str, filename: str) -> None:
         """Remove ``sub/filename`` from the subdirectory checked last; nothing through one
         swapped since, and nothing where a directory (or nothing) is at that name."""
         try:
+            if sub not in self._dir_ids:
+                self._check_dirs(sub)  # not checked by this process yet
             fd = open_directory(self._path(sub), self._dir_ids[sub])
-        except (OSError, KeyError) as exc:
+        except OSError as exc:  # CacheError too: swapped for a symlink, or gone
             logger.debug("cache: leaving %s in place: %s", self._path(sub, filename), exc)
             return
         try:

@@ -27,7 +27,6 @@ from cloudshards.cache import lock as _cachelock
 from cloudshards.cache.budget import CacheBudget
 from cloudshards.cache.direct import direct_writes, read_ahead
 from cloudshards.cache.facts import distrust_checksums, remote_facts
-from cloudshards.cache.files import unlink_partial
 from cloudshards.cache.follow import FollowStream
 from cloudshards.cache.keys import entry_name, store_endpoint
 from cloudshards.cache.layout import _CachedFile
@@ -286,7 +285,7 @@ class ShardCache(CacheBudget):
 
         try:
             self._check_dirs("data", "locks")  # swapped for a symlink since the last shard?
-            unlink_partial(partial)
+            self._clear_partial(name)
             reserved = self._reserve(name, size, lock)
         except OSError as exc:
             abandon()

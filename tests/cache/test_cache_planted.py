@@ -232,3 +232,20 @@ def test_a_data_directory_swapped_after_its_check_serves_no_planted_entry(
     with pytest.raises(wds.CacheError, match=f"{cache_dir / 'data'} is a symlink"):
         list(dataset(urls[:1], cache_dir))
     assert sorted(p.name for p in outside.iterdir()) == [entry.name]
+
+
+def test_a_data_directory_swapped_before_the_reservation_loses_and_gains_nothing(
+    urls: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Swapped after the download's check, before it clears a dead partial file and reserves
+    room (with a budget): the clearing removed, and the reservation created, files named
+    like the cache's in the other user's directory."""
+    cache_dir, outside = tmp_path / "c", tmp_path / "outside"
+    outside.mkdir()
+    planted = outside / (entry_name(urls[0], store_endpoint(urls[0], OpenOptions())) + ".partial")
+    planted.write_text("not the cache's\n")
+    swap_after_check(monkeypatch, cache_dir, outside, ("data", "locks"))
+    with pytest.raises(wds.CacheError, match=f"{cache_dir / 'data'} is a symlink"):
+        list(dataset(urls[:1], cache_dir, cache_size=10**9))
+    assert sorted(p.name for p in outside.iterdir()) == [planted.name]
+    assert planted.read_text() == "not the cache's\n"

@@ -222,6 +222,10 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
                 if count == 0 and not resumed_pass:
                     break
                 resumed_pass = False
+        except Exception:  # a stage raised: its traceback keeps the chain alive until the
+            if isinstance(live.registry, StageRegistry):  # collector runs, so close the
+                live.registry.close()  # readers' shards and threads now
+            raise
         finally:
             # Stopped early (closed, dropped, an error) or done: keep what the stages said and
             # let their iterators go, so that a dropped epoch closes its shards at once.

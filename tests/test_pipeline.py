@@ -418,3 +418,31 @@ def test_replication_gives_each_model_parallel_group_the_same_samples(
     monkeypatch.setenv("RANK", "1")
     with pytest.raises(ConfigError, match="replication=3"):
         next(iter(wds.WebDataset(shards.spec(), replication=3)))
+
+
+def test_a_stage_that_raises_closes_the_open_shard_at_once(make_shards: Any) -> None:
+    """The error's traceback keeps the pipeline's iterators alive (a reference cycle), so the
+    shard a reader had open stayed open until the garbage collector ran, which then warned
+    of an unclosed file in whatever code ran next. It is closed when the error leaves."""
+    import os
+
+    shards = make_shards([4])
+    path = os.path.realpath(shards.paths[0])
+
+    def open_copies() -> int:
+        fds = os.listdir("/proc/self/fd")
+        return sum(1 for fd in fds if os.path.realpath(f"/proc/self/fd/{fd}") == path)
+
+    def explode(sample: dict[str, Any]) -> dict[str, Any]:
+        if sample["__key__"] == shards.keys[1]:
+            raise KeyError("a bad sample")
+        return sample
+
+    ds = wds.WebDataset(str(path), shardshuffle=False).map(explode)
+    it = iter(ds)
+    next(it)
+    assert open_copies() == 1
+    with pytest.raises(KeyError) as info:
+        next(it)
+    assert info.value.__traceback__ is not None  # held, as a handler or a test holds it
+    assert open_copies() == 0

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -45,6 +46,8 @@ __all__ = [
     "upgrade",
     "validated",
 ]
+
+logger = logging.getLogger(__name__)
 
 STATE_VERSION = 2
 
@@ -199,6 +202,17 @@ class StageRegistry:
         self.iterators[unique] = it
         if self._saved is not None and unique in self._saved:
             it.load_state_dict(self._saved[unique])
+
+    def close(self) -> None:
+        """Close the registered iterators that can be (a shard reader: its open shard and
+        its prefetcher's threads), now rather than when the collector frees them."""
+        for it in self.iterators.values():
+            close = getattr(it, "close", None)
+            if callable(close):
+                try:
+                    close()
+                except Exception as exc:  # the error being raised matters more
+                    logger.debug("closing %s: %s", type(it).__name__, exc)
 
     def state_dict(self) -> dict[str, Any]:
         """Each registered iterator's state under its key (those at their start left out)."""

@@ -363,7 +363,7 @@ class WebLoader(DataPipeline, FluidInterface):
                 "exactly mid-epoch, use cloudshards.StatefulLoader (docs/distributed.md)",
                 state["epoch"],
             )
-        for key in ("seed", *elastic.PENDING, *elastic.KEPT):
+        for key in (*elastic.PENDING, *elastic.KEPT):
             state.pop(key, None)
         state.update(seed=None, stages={})
         return state

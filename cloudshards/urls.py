@@ -239,7 +239,7 @@ _DROPPED = str.maketrans("", "", "\t\r\n")
 
 def _clean(spec: str) -> str:
     spec = spec.lstrip(_LEADING)
-    if spec.startswith("pipe:"):  # a shell command, run as written: its tabs and line
+    if spec.startswith(PIPE_PREFIX):  # a shell command, run as written: its tabs and line
         return spec.rstrip("\r\n")  # breaks are the shell's (webdataset ran it unparsed)
     return spec.translate(_DROPPED)
 

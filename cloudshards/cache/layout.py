@@ -15,6 +15,7 @@ import contextlib
 import json
 import logging
 import os
+from collections.abc import Iterator
 from typing import Any
 
 from cloudshards.cache.files import (
@@ -116,25 +117,30 @@ class EntryStore:
                 except FileNotFoundError as exc:
                     raise CacheError(f"cache directory {path} is gone: {exc}") from exc
 
+    @contextlib.contextmanager
+    def _checked(self, sub: str) -> Iterator[int]:
+        """A descriptor of subdirectory ``sub`` as last checked (checked now if this process
+        has not yet): names resolved against it (``dir_fd=``) stay in that directory, so a
+        symlink swapped in for it since is refused, never followed (:func:`open_directory`)."""
+        if sub not in self._dir_ids:
+            self._check_dirs(sub)
+        fd = open_directory(self._path(sub), self._dir_ids[sub])
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
     def _rename_partial(self, name: str) -> None:
         """Put a download's partial file in place as its entry, both names resolved in the
         very data directory checked at start, whatever is at its path now."""
-        fd = open_directory(self._path("data"), self._dir_ids["data"])
-        try:
+        with self._checked("data") as fd:
             os.replace(name + ".partial", name, src_dir_fd=fd, dst_dir_fd=fd)
-        finally:
-            os.close(fd)
 
     def _open_data(self, filename: str, flags: int) -> int:
         """:func:`open_file` of ``data/<filename>``, resolved in the data directory checked
         last: a symlink swapped in for ``data/`` since the check is refused, not followed."""
-        if "data" not in self._dir_ids:
-            self._check_dirs("data")  # not checked by this process yet
-        fd = open_directory(self._path("data"), self._dir_ids["data"])
-        try:
+        with self._checked("data") as fd:
             return open_file(self._path("data", filename), flags, dir_fd=fd)
-        finally:
-            os.close(fd)
 
     def _remove_partial(self, name: str) -> None:
         """Remove a download's partial file, never through a swapped data directory (one
@@ -144,27 +150,17 @@ class EntryStore:
     def _clear_partial(self, name: str) -> None:
         """:func:`unlink_partial` of ``name``'s partial file, in the data directory checked
         last (raises :class:`CacheError` if it was swapped since, or a directory is there)."""
-        fd = open_directory(self._path("data"), self._dir_ids["data"])
-        try:
+        with self._checked("data") as fd:
             unlink_partial(self._path("data", name + ".partial"), dir_fd=fd)
-        finally:
-            os.close(fd)
 
     def _unlink_in(self, sub: str, filename: str) -> None:
         """Remove ``sub/filename`` from the subdirectory checked last; nothing through one
         swapped since, and nothing where a directory (or nothing) is at that name."""
         try:
-            if sub not in self._dir_ids:
-                self._check_dirs(sub)  # not checked by this process yet
-            fd = open_directory(self._path(sub), self._dir_ids[sub])
+            with self._checked(sub) as fd, contextlib.suppress(OSError):
+                os.unlink(filename, dir_fd=fd)
         except OSError as exc:  # CacheError too: swapped for a symlink, or gone
             logger.debug("cache: leaving %s in place: %s", self._path(sub, filename), exc)
-            return
-        try:
-            with contextlib.suppress(OSError):
-                os.unlink(filename, dir_fd=fd)
-        finally:
-            os.close(fd)
 
     def _table_path(self, name: str) -> str:
         return self._path("meta", name + ".members.json")
@@ -173,7 +169,7 @@ class EntryStore:
         for sub, filename in (
             ("data", name),
             ("meta", name + ".json"),
-            ("meta", name + ".members.json"),
+            ("meta", os.path.basename(self._table_path(name))),
         ):
             self._unlink_in(sub, filename)
 

@@ -146,8 +146,9 @@ class _PipeReader:
 
     def __init__(self, command: str) -> None:
         self.command = command
+        # A session of its own: close() stops the shell's children too (``curl ... | zcat``).
         self._proc = subprocess.Popen(  # noqa: S602 - opt-in pipe: URLs run a shell by design
-            command, shell=True, stdout=subprocess.PIPE, bufsize=0
+            command, shell=True, stdout=subprocess.PIPE, bufsize=0, start_new_session=True
         )
         assert self._proc.stdout is not None
         self._stdout = self._proc.stdout
@@ -165,16 +166,27 @@ class _PipeReader:
         return count
 
     def _check(self) -> None:
-        status = self._proc.wait()
         # 141 = SIGPIPE when the reader stops early, as webdataset also tolerates.
-        if status not in (0, 141, -13):
-            raise OSError(f"pipe command exited with status {status}")
+        _check_exit(self.command, self._proc.wait(), tolerate=(141, -signal.SIGPIPE))
 
     def close(self) -> None:
         self._stdout.close()
         if self._proc.poll() is None:
-            self._proc.terminate()
+            _stop_group(self._proc, signal.SIGTERM)
         self._proc.wait()
+
+
+def _check_exit(command: str, status: int, tolerate: tuple[int, ...] = ()) -> None:
+    """Raise ``OSError`` naming the command's program (not its arguments, which may hold a
+    secret) when its exit ``status`` is neither 0 nor tolerated."""
+    if status != 0 and status not in tolerate:
+        raise OSError(f"pipe command {pipe_program(command)!r} exited with status {status}")
+
+
+def _stop_group(proc: subprocess.Popen[bytes], signum: int) -> None:
+    """Send ``signum`` to the command's process group (its shell and everything it started)."""
+    with contextlib.suppress(ProcessLookupError):  # ended already
+        os.killpg(proc.pid, signum)
 
 
 _ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
@@ -241,14 +253,11 @@ class PipeWriter:
             self._stdin.close()
         finally:
             status = self._proc.wait()
-        if status != 0:
-            program = pipe_program(self.command)
-            raise OSError(f"pipe command {program!r} exited with status {status}")
+        _check_exit(self.command, status)
 
     def kill(self) -> None:
         self.closed = True
-        with contextlib.suppress(ProcessLookupError):  # ended already
-            os.killpg(self._proc.pid, signal.SIGKILL)
+        _stop_group(self._proc, signal.SIGKILL)
         with contextlib.suppress(OSError):  # the command is gone: its pipe may be broken
             self._stdin.close()
         self._proc.wait()

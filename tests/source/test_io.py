@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import pickle
+import time
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +116,38 @@ def test_failing_pipe_command_is_an_open_error(tmp_path: Path) -> None:
         open_shard("pipe:exit 3", OpenOptions(allow_pipe=True)) as stream,
     ):
         stream.read()
+
+
+def test_a_failing_pipe_command_is_named_by_its_program_only() -> None:
+    with (
+        pytest.raises(ShardOpenError, match="'sh' exited with status 3") as info,
+        open_shard("pipe:sh -c 'exit 3' -- TOKEN=SECRET", OpenOptions(allow_pipe=True)) as stream,
+    ):
+        stream.read()
+    assert "SECRET" not in str(info.value)
+
+
+def test_closing_a_pipe_early_stops_what_its_shell_started(tmp_path: Path) -> None:
+    """A reader that stops early (a ``slice``, a crash) leaves no command running behind it."""
+    path, pid_file = tmp_path / "p.tar", tmp_path / "pid"
+    path.write_bytes(b"x" * 100)
+    command = f"pipe:sleep 60 & echo $! > {pid_file}; cat {path}; wait"
+    with open_shard(command, OpenOptions(allow_pipe=True)) as stream:
+        assert stream.read(10) == b"x" * 10
+    pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not _running(pid)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie nobody reaps in a container does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def test_pipe_is_refused_by_webdataset_pipeline(make_shards: Any) -> None:

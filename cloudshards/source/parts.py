@@ -317,7 +317,8 @@ class PartStream(ClosingStream):
 
     def _read_tail(self, size: int) -> bytes:
         assert self._tail is not None
-        data = self._tail.read(size)
+        # A part at a time: the streamed rest may be endless (no size, Range ignored).
+        data = self._tail.read(self._options.part_bytes if size < 0 else size)
         self.offset += len(data)
         return data
 

@@ -189,6 +189,30 @@ def test_objects_without_a_size_are_read_whole(
     assert read_all(shards) == expected(shards)
 
 
+def test_the_streamed_rest_of_an_object_without_a_size_is_read_a_part_at_a_time(
+    make_shards: Any, faultmem: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server that gives no size and ignores Range may send an endless body (or a huge
+    one): its rest is handed on a part at a time, never read whole into memory (the process
+    grew by 130 MB/s and delivered nothing)."""
+    from cloudshards.source.resumable import ResumableStream
+
+    shards = upload(make_shards, [12, 12])  # 12 x 20 kB: four 64 KiB parts each
+    faultmem.no_size = True
+    asked: list[int] = []
+    read = ResumableStream.read
+
+    def recorded(self: ResumableStream, size: int = -1) -> bytes:
+        asked.append(size)
+        return read(self, size)
+
+    monkeypatch.setattr(ResumableStream, "read", recorded)
+    assert read_all(shards) == expected(shards)
+    assert asked
+    # A part, or what the tar reader asks for at once (4 MiB); never "all of it" (-1).
+    assert all(0 < size <= 4 << 20 for size in asked), asked
+
+
 def test_first_sample_does_not_wait_for_the_size_lookup(make_shards: Any, faultmem: Any) -> None:
     shards = upload(make_shards, [6, 6, 6])
     faultmem.info_gate = threading.Event()

@@ -15,7 +15,7 @@ from typing import Protocol
 
 from cloudshards.errors import ConfigError
 from cloudshards.redact import redact_url
-from cloudshards.source.local import is_local
+from cloudshards.source.local import check_pipe, is_local
 from cloudshards.source.openparts import open_parts, open_sized_parts
 from cloudshards.source.options import FetchOptions, OpenOptions
 from cloudshards.source.parts import PartStream
@@ -23,7 +23,7 @@ from cloudshards.source.plain import open_shard
 from cloudshards.source.resumable import open_remote
 from cloudshards.source.retries import IOStats, process_stats
 from cloudshards.source.stream import EntrySource, ShardSource
-from cloudshards.urls import secure
+from cloudshards.urls import PIPE_PREFIX, secure
 
 __all__ = ["EntrySource", "NodeCache", "ShardSource", "StoreOpener", "open_source"]
 
@@ -98,7 +98,9 @@ def open_source(
     """
     options = options or OpenOptions()
     if is_local(url):
-        if secure():
+        if url.startswith(PIPE_PREFIX):
+            check_pipe(url, options)  # refused (WDS_SECURE too) naming the program only
+        elif secure():
             raise ConfigError(
                 f"{redact_url(url)}: local files are not opened under WDS_SECURE "
                 "(webdataset's enforce_security)"

@@ -1925,3 +1925,20 @@ def test_wds_secure_refuses_pickle_and_pipes_even_after_the_opt_ins(
     with pytest.raises(ValueError, match="WDS_SECURE"):
         cloudshards.TarWriter(f"pipe:touch {marker}", allow_pipe=True)
     assert not marker.exists()
+
+
+def test_wds_secure_refuses_a_pipe_dataset_naming_its_program_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A command's arguments may hold a token; under WDS_SECURE the refusal printed them all,
+    and called the command a local file."""
+    monkeypatch.setenv("WDS_SECURE", "1")
+    marker = tmp_path / "ran"
+    url = f"pipe:touch {marker} POSITIONALSECRET"
+    for allow_pipe in (None, True):
+        with pytest.raises(ValueError, match="refused under WDS_SECURE") as refused:
+            next(iter(cloudshards.WebDataset(url, shardshuffle=False, allow_pipe=allow_pipe)))
+        assert "'pipe:touch ...'" in str(refused.value)
+        assert "POSITIONALSECRET" not in str(refused.value)
+        assert "local file" not in str(refused.value)
+    assert not marker.exists()

@@ -67,10 +67,19 @@ _BUCKET_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs"})
 
 def _refuse_userinfo(url: str) -> None:
     """Raise a ConfigError for an ``s3://`` or ``gs://`` URL with ``user:secret@`` in it
-    (the target of an fsspec chain too)."""
+    (the target of an fsspec chain too), and for a port that is not a number: a password
+    holding a ``/``, ``?`` or ``#`` ends the authority there, and its start became the port,
+    which the backends' parse errors then quote."""
     if _is_fsspec_chain(url):
         _refuse_userinfo(url.partition("::")[2])
         return
+    host = re.split(r"[/?#]", url.partition("://")[2], maxsplit=1)[0].rpartition("@")[2]
+    port = host.rpartition("]")[2].partition(":")[2]  # after an IPv6 literal's brackets
+    if port and not port.isdigit():
+        raise ConfigError(
+            f"{redact_url(url)}: the URL's port is not a number; a password with '/', '?' or "
+            "'#' in it must be percent-encoded (%2F, %3F, %23)"
+        )
     if "@" in url and protocol_of(url) in _BUCKET_PROTOCOLS:
         authority = url.split("://", 1)[1].split("/", 1)[0]
         if "@" in authority:

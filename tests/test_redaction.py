@@ -653,3 +653,33 @@ def test_a_directory_url_is_refused_without_its_password() -> None:
     with pytest.raises(ConfigError, match="looks like a directory") as info:
         wds.WebDataset("https://alice:hunter2@host/train/")
     assert SECRET not in str(info.value)
+
+
+@pytest.mark.parametrize("mark", ["?", "/", "#"])
+def test_a_password_that_ends_the_authority_is_refused_without_a_fragment_of_it(mark: str) -> None:
+    """An unencoded '?', '/' or '#' in a password ends the URL's authority there, so the
+    password's start became the port, and the backend's parse error quoted it ('Pw')."""
+    import cloudshards as wds
+
+    url = f"http://alice:Pw{mark}Q9zz@127.0.0.1:9/ok.tar"
+    with pytest.raises(ConfigError, match="percent-encoded") as info:
+        list(wds.WebDataset(url, shardshuffle=False, retries=0))
+    text = "".join(traceback.format_exception(info.value))
+    assert "Pw" not in text
+    assert "Q9zz" not in text
+    assert "127.0.0.1:9/ok.tar" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://127.0.0.1:9/ok.tar?next=user:pw@example.com",
+        "http://[::1]:9/ok.tar",
+        "https://host/a.tar#x:y@z",
+        "github://org:repo@main/a.tar",
+    ],
+)
+def test_urls_with_a_numeric_or_no_port_are_not_refused(url: str) -> None:
+    from cloudshards.urls import _refuse_userinfo
+
+    _refuse_userinfo(url)  # no ConfigError

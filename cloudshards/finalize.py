@@ -42,12 +42,15 @@ gc.callbacks.append(_phase)
 def close_safely(close: Callable[[], object]) -> None:
     """Run ``close`` now; during a garbage collection, on a thread of its own instead (see
     the module doc), which ends when ``close`` returns."""
+    if sys.is_finalizing():
+        # The interpreter is going away (a reader left open in a global, or its last
+        # collections): a new thread would never run, and start() would wait for it forever;
+        # modules are being torn down (a close importing one fails), daemon threads cannot
+        # be joined. The process's end closes what it held (the kernel drops a cache's locks;
+        # its partial files are cleaned up later).
+        return
     if not _collections:
         close()
-        return
-    if sys.is_finalizing():
-        # The interpreter is going away (its last collections): a new thread would never
-        # run, and start() would wait for it forever. The process's end closes what it held.
         return
     thread = threading.Thread(target=_quietly, args=(close,), name="cloudshards-close")
     thread.daemon = True

@@ -39,3 +39,33 @@ def test_a_reader_abandoned_in_a_cycle_lets_the_interpreter_exit(
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "exiting" in result.stdout
+
+
+_CACHED_READER_LEFT_OPEN = """
+import sys
+import fsspec
+import cloudshards as wds
+
+memory = fsspec.filesystem("memory")
+for i, path in enumerate(sys.argv[2:]):
+    memory.pipe(f"/bucket/shard-{i}.tar", open(path, "rb").read())
+url = "memory://bucket/shard-{0..1}.tar"
+dataset = wds.WebDataset(url, shardshuffle=False, cache_dir=sys.argv[1])
+it = iter(dataset)  # a global: torn down with the modules
+next(it)
+print("exiting", flush=True)
+"""
+
+
+def test_a_cached_reader_left_open_at_exit_prints_nothing(make_shards: Any, tmp_path: Path) -> None:
+    """A script that stops reading and exits (``next(iter(loader))``) closed the reader while
+    the modules were torn down; its cache's close then failed importing ("Exception ignored
+    in: <generator ...> ... ModuleNotFoundError: import of io halted")."""
+    shards = make_shards([50, 50])
+    script = tmp_path / "left_open.py"
+    script.write_text(_CACHED_READER_LEFT_OPEN)
+    argv = [sys.executable, str(script), str(tmp_path / "cache"), *map(str, shards.paths)]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout == "exiting\n"
+    assert result.stderr == ""

@@ -74,6 +74,12 @@ class FollowStream(ClosingStream):
         self.offset = 0
         self.closed = False
 
+    def wait_for_bytes(self, timeout: float) -> None:
+        """Wait (at most ``timeout`` seconds) until this process's own download has its first
+        bytes, or has ended; at once when it is another process's."""
+        if self._handoff is not None:
+            self._handoff.wait(0, timeout)
+
     def read(self, size: int = -1) -> bytes:
         """Return the next bytes, waiting for the downloader when we have caught up."""
         return bytes(self.read_view(size))

@@ -84,7 +84,9 @@ class ShardPrefetcher:
                     if remote:
                         depth.remote_url = shard["url"]
                     if self._cache is not None and remote and pending:
-                        task = executor.submit(self._download_ahead, shard, executor, ahead)
+                        task = executor.submit(
+                            self._download_ahead, shard, executor, ahead, first_bytes
+                        )
                         pending.append((shard, task))
                     elif self._fetch_later(shard["url"]):
                         later: cf.Future[ShardSource | None] = cf.Future()
@@ -113,6 +115,11 @@ class ShardPrefetcher:
                         opened = self._open_now(shard)
                     except Exception as exc:
                         opened = exc
+                    # The shards after the first wait for its first bytes (see _download_ahead).
+                    if not hasattr(opened, "wait_for_bytes"):
+                        first_bytes.set()
+                    elif not first_bytes.is_set():
+                        executor.submit(self._signal_first_bytes, opened, first_bytes)
                 yield _as_given(shard), opened
         finally:
             pool, self._pool = self._pool, None
@@ -153,9 +160,12 @@ class ShardPrefetcher:
         shard: dict[str, Any],
         executor: cf.ThreadPoolExecutor,
         threads: list[threading.Thread],
+        wait_for: threading.Event,
     ) -> ShardSource | None:
         """Start downloading a later shard into the node cache (see ShardCache.download_ahead);
-        the consumer opens it through the cache, so there is no stream to hand on.
+        the consumer opens it through the cache, so there is no stream to hand on. Waits for
+        ``wait_for`` (bounded) first: the first shard's first answer, which the shards
+        after it would otherwise slow down (as :meth:`_open` waits without a cache).
 
         Where nothing is downloaded ahead (before this process's first commit, on a full disk,
         for an entry complete or being downloaded by another process), the shard is opened
@@ -164,6 +174,7 @@ class ShardPrefetcher:
         network once.
         """
         assert self._cache is not None
+        wait_for.wait(self._fetch.stall_timeout_s)
         thread = self._cache.download_ahead(
             shard["url"],
             self._options,
@@ -196,6 +207,14 @@ class ShardPrefetcher:
             stats=self._stats,
             cancel=self._cancel,
         )
+
+    def _signal_first_bytes(self, opened: Any, signal: threading.Event) -> None:
+        """Set ``signal`` once the shard ``opened`` through the cache has its first bytes
+        (see FollowStream.wait_for_bytes)."""
+        try:
+            opened.wait_for_bytes(self._fetch.stall_timeout_s)
+        finally:
+            signal.set()
 
     def _fetch_later(self, url: str) -> bool:
         """Local files, pipes and cached shards open at consumption time."""

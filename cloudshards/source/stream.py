@@ -7,6 +7,7 @@ command) becomes :class:`~cloudshards.errors.ShardOpenError` naming the redacted
 
 from __future__ import annotations
 
+import re
 from typing import IO, TYPE_CHECKING, Any, Protocol
 
 from cloudshards.errors import CloudShardsError, ShardNotFoundError, ShardOpenError
@@ -149,9 +150,19 @@ _AUTH_MARKERS = (
     "RefreshError",
     "DefaultCredentialsError",
     "The provided token",  # S3's InvalidToken/ExpiredToken as s3fs raises them (no code)
-    "401",
-    "403",
 )
+#: An HTTP 401 or 403 in a backend's message, outside the URLs it quotes (a shard named
+#: ``train-000403.tar``, a signed URL dated 2024-01-01, would match as plain substrings).
+_AUTH_STATUS = re.compile(r"(?<![\w.-])40[13](?![\w.-])")
+_URL_IN_TEXT = re.compile(r"\S+://\S*")
+
+
+def _names_denial(exc: BaseException) -> bool:
+    """Whether ``exc``'s type or message says the credentials were refused."""
+    text = f"{type(exc).__name__} {exc}"
+    if any(marker in text for marker in _AUTH_MARKERS):
+        return True
+    return _AUTH_STATUS.search(_URL_IN_TEXT.sub(" ", text)) is not None
 
 
 def map_backend_error(
@@ -185,11 +196,7 @@ def map_backend_error(
         reason = (
             "the object changed while it was read (its ETag or generation is not the first part's)"
         )
-    elif (
-        denied
-        or isinstance(exc, PermissionError)
-        or any(marker in f"{type(exc).__name__} {exc}" for marker in _AUTH_MARKERS)
-    ):
+    elif denied or isinstance(exc, PermissionError) or _names_denial(exc):
         reason = f"access denied (check credentials and permissions): {_describe(exc)}"
     else:
         reason = f"{action}: {_describe(exc)}"

@@ -195,6 +195,32 @@ def test_a_refusal_under_fsspecs_not_found_is_access_denied(
         assert "access denied" in str(error)
 
 
+@pytest.mark.parametrize(
+    ("message", "denied"),
+    [
+        ("500, message='Internal Server Error', url='https://h/train-000403.tar'", False),
+        (
+            "500, message='Internal Server Error', url='https://h/x.tar?X-Amz-Date=20240101T0'",
+            False,
+        ),
+        ("Server error '500' for url (https://h/shard-401.tar)", False),
+        ("403, message='Forbidden', url='https://h/x.tar'", True),
+        ("HTTP status client error (401 Unauthorized) for url (https://h/x.tar)", True),
+    ],
+)
+def test_a_status_in_the_url_is_no_access_denied(message: str, denied: bool) -> None:
+    """A 500 on ``train-000403.tar`` (or a signed URL dated 2024-01-01) was reported as
+    "access denied (check credentials ...)": 401 and 403 were looked for anywhere in the
+    text, the URLs it quotes included."""
+    from cloudshards.source import map_backend_error
+
+    class ClientResponseError(Exception):
+        pass
+
+    error = map_backend_error(ClientResponseError(message), "https://h/x.tar")
+    assert ("access denied" in str(error)) is denied
+
+
 class _Answer(Exception):
     def __init__(self, status: int) -> None:
         super().__init__(f"{status}, message='Service Unavailable'")

@@ -35,9 +35,8 @@ class TeeStream(ClosingStream):
 
     With a checksum to verify, the last :attr:`HOLD_BYTES` of the object are held back (in
     memory, and out of the partial file that followers read) until the whole download has
-    been verified: a tar reader needs its end-of-archive blocks, so no reader finishes a shard
-    on bytes that were not verified, and a failure reaches it through ``read``. On a mismatch
-    the object is fetched once more and compared (see
+    been verified: no reader finishes a shard (its end-of-archive blocks) on bytes that were
+    not verified. On a mismatch the object is fetched once more and compared (see
     :func:`~cloudshards.cache.recheck.recheck_download`).
 
     Args:
@@ -92,7 +91,8 @@ class TeeStream(ClosingStream):
             self._hold_from = max(0, expected_size - self.HOLD_BYTES)
         self._held = bytearray()  # received at or after _hold_from, not verified yet
         self._prefix_digest: Hasher | None = None  # of the bytes before _hold_from
-        self._tail: memoryview | None = None  # the verified held bytes, being served
+        self._tail: memoryview | None = None  # the held bytes, being served
+        self._failed_after: Exception | None = None  # raised once the held bytes are served
         self._keep = True  # False: verified as consistent but not cached after all
         self._committed = False
         self._cancelled = False  # closing abandons the partial file, however little is left
@@ -129,18 +129,17 @@ class TeeStream(ClosingStream):
 
         Raises:
             ShardOpenError: The download is shorter or longer than the store said, or does
-                not match its checksum in a way that may have reached this reader.
+                not match its checksum in a way that may have reached this reader; or the
+                store failed (after the bytes before the failure).
         """
         if size < 0:  # everything: the held-back end comes in a separate chunk
             return b"".join(iter(lambda: self.read(1 << 22), b""))
         return bytes(self.read_view(size))
 
     def read_view(self, size: int = -1) -> bytes | memoryview:
-        """:meth:`read`, handing on what the store stream handed on: a part as a read-only
-        view where it does (see :meth:`PartStream.read_view
-        <cloudshards.source.parts.PartStream.read_view>`), so a part is written to disk and
-        parsed without being copied. ``size`` < 0: up to 4 MiB.
-        """
+        """:meth:`read`, handing on a part as the store stream handed it on (a read-only view:
+        :meth:`PartStream.read_view <cloudshards.source.parts.PartStream.read_view>`),
+        written and parsed without a copy. ``size`` < 0: up to 4 MiB."""
         if self._error is not None:
             raise self._error
         if size == 0:
@@ -152,13 +151,21 @@ class TeeStream(ClosingStream):
             if self._tail is not None:
                 count = min(size, len(self._tail))
                 if not count:
+                    if self._failed_after is not None:
+                        raise self._failed_after
                     return b""
                 data, self._tail = self._tail[:count], self._tail[count:]
             else:
                 try:
                     data = self._read_remote(size)
-                except BaseException:
+                except Exception as exc:
                     self._store_failed = True  # its retries are spent: close() does not drain
+                    if not self._held:
+                        raise
+                    self._serve_held_then(exc)
+                    continue
+                except BaseException:
+                    self._store_failed = True
                     raise
                 if not data:
                     self._at_end(recheck=True)
@@ -170,6 +177,15 @@ class TeeStream(ClosingStream):
             if data:
                 self.offset += len(data)
                 return data
+
+    def _serve_held_then(self, error: Exception) -> None:
+        """The store failed (after its retries): serve the bytes held back for verification,
+        then raise ``error``, as an uncached reader gets every byte before a failure (a shard
+        under :attr:`HOLD_BYTES` gave no sample). Followers check them when taking over."""
+        held = bytes(self._held)
+        self._held.clear()
+        self._write(held)
+        self._tail, self._failed_after = memoryview(held), error
 
     def _take(self, data: bytes | memoryview) -> bytes | memoryview:
         """Write ``data`` (or hold back its part at the end); return what may be served now."""
@@ -323,13 +339,9 @@ class TeeStream(ClosingStream):
             logger.warning("cache: cannot complete %s (%s); not cached", self.partial, exc)
 
     def cancel(self) -> bool:
-        """Close without completing the entry, however little is left to read (a download
-        ahead that nobody wants any more): the partial file is abandoned.
-
-        Returns:
-            True when that gave up a download still in progress (False: it was complete,
-            given up before, or closed).
-        """
+        """Close without completing the entry, however little is left (a download ahead
+        nobody wants any more), abandoning the partial file; True when that gave up a
+        download still in progress (False: complete, given up before, or closed)."""
         unfinished = not self.closed and self._fd is not None and self._keep and self._tail is None
         self._cancelled = True
         self.handed_back = self.handed_back or unfinished
@@ -340,13 +352,10 @@ class TeeStream(ClosingStream):
     DRAIN_MAX_BYTES = 16 << 20
 
     def close(self) -> None:
-        """Close the store stream, completing the entry when little is left to read;
-        otherwise (the consumer stopped early) the partial file is abandoned.
-
-        Never raises: it runs in ``finally`` blocks and at garbage collection, where an error
-        would escape the consumer's handler; a remainder that cannot be completed or verified
-        is simply not cached (with a warning when it failed verification).
-        """
+        """Close the store stream, completing the entry when little is left to read; else
+        (the consumer stopped early) the partial file is abandoned. Never raises (``finally``
+        blocks, garbage collection): a remainder that cannot be completed or verified is not
+        cached (with a warning when it failed verification)."""
         if self.closed:
             return
         self.closed = True

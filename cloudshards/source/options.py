@@ -17,6 +17,7 @@ _ENV_FIELDS = {
     "part_bytes": "PART_BYTES",
     "concurrency": "CONCURRENCY",
     "retries": "RETRIES",
+    "throttle_retries": "THROTTLE_RETRIES",
     "stall_timeout_s": "STALL_TIMEOUT_S",
 }
 
@@ -76,6 +77,10 @@ class FetchOptions:
         part_bytes: Size of each ranged GET.
         concurrency: Ranged GETs in flight per shard.
         retries: Further attempts after a failed request (0: no retry).
+        throttle_retries: Attempts beyond ``retries`` for a request the store asked to slow
+            down (503 SlowDown, 429), as long as the request's tries stay within
+            :attr:`give_up_s`: throttling passes once the node has slowed down, which takes
+            longer than ``retries`` quick tries.
         backoff_s: First retry delay; doubles each time, with full jitter.
         max_backoff_s: Cap on one retry delay.
         stall_timeout_s: A try of a request that makes no progress for this long is
@@ -95,6 +100,7 @@ class FetchOptions:
     part_bytes: int = 2 << 20
     concurrency: int = 16
     retries: int = 5
+    throttle_retries: int = 10
     backoff_s: float = 0.1
     max_backoff_s: float = 5.0
     stall_timeout_s: float = 120.0
@@ -107,16 +113,16 @@ class FetchOptions:
             raise ConfigError(f"part_bytes must be >= 64 KiB, got {self.part_bytes}")
         if self.concurrency < 1:
             raise ConfigError(f"concurrency must be >= 1, got {self.concurrency}")
-        if self.retries < 0:
-            raise ConfigError(f"retries must be >= 0, got {self.retries}")
+        if self.retries < 0 or self.throttle_retries < 0:
+            raise ConfigError(f"retries must be >= 0, got {self.retries}, {self.throttle_retries}")
         if self.stall_timeout_s <= 0:
             raise ConfigError(f"stall_timeout_s must be > 0, got {self.stall_timeout_s}")
 
     @classmethod
     def from_env(cls, **overrides: Any) -> FetchOptions:
         """Defaults from ``CLOUDSHARDS_PREFETCH``, ``..._PART_BYTES``, ``..._CONCURRENCY``,
-        ``..._RETRIES``, ``..._STALL_TIMEOUT_S``; explicit (non-None) overrides win, and the
-        variable of a field they give is not read."""
+        ``..._RETRIES``, ``..._THROTTLE_RETRIES``, ``..._STALL_TIMEOUT_S``; explicit
+        (non-None) overrides win, and the variable of a field they give is not read."""
         defaults = cls()
         values: dict[str, Any] = {k: v for k, v in overrides.items() if v is not None}
         if "adaptive" not in values:
@@ -135,7 +141,8 @@ class FetchOptions:
     def give_up_s(self) -> float:
         """The longest one request takes through all its tries before it fails for good:
         ``retries + 1`` tries of at most ``stall_timeout_s`` each and the backoff between
-        them. A reader waits a little longer for a part (:attr:`reader_wait_s`)."""
+        them (tries for throttling, ``throttle_retries``, end within it too). A reader waits
+        a little longer for a part (:attr:`reader_wait_s`)."""
         backoff = sum(min(self.max_backoff_s, self.backoff_s * 2.0**n) for n in range(self.retries))
         # A second a try beyond its stall bound: a transport's own backstop, a lookup inside it.
         return (self.retries + 1) * (self.stall_timeout_s + 1.0) + backoff

@@ -227,6 +227,7 @@ def retry(
             permanent failure (missing object, denied access).
     """
     attempt = 0
+    began = time.monotonic()
     while True:
         try:
             return call()
@@ -235,7 +236,13 @@ def retry(
         except Exception as exc:
             at = offset() if callable(offset) else offset
             cancelled = cancel is not None and cancel.is_set()
-            if cancelled or not is_retryable(exc) or attempt >= options.retries:
+            throttled = is_throttled(exc)
+            limit = options.retries + (options.throttle_retries if throttled else 0)
+            delay = _jitter.uniform(0, min(options.max_backoff_s, options.backoff_s * 2**attempt))
+            if attempt >= options.retries and throttled:  # tries for throttling: in give_up_s
+                left = options.give_up_s - (time.monotonic() - began)
+                limit = limit if delay + options.stall_timeout_s + 1.0 < left else attempt
+            if cancelled or not is_retryable(exc) or attempt >= limit:
                 if stats is not None:
                     stats.add(failures=1)
                 error = map_backend_error(exc, url, action=f"{what} failed", offset=at)
@@ -246,8 +253,7 @@ def retry(
                         offset=at,
                     )
                 raise_redacted(error, exc)
-            delay = _jitter.uniform(0, min(options.max_backoff_s, options.backoff_s * 2**attempt))
-            if is_throttled(exc):  # the whole node slows down, not just this request
+            if throttled:  # the whole node slows down, not just this request
                 from cloudshards.source.budget import node_budget
 
                 node_budget().back_off(delay)
@@ -257,7 +263,7 @@ def retry(
             logger.warning(
                 "retry %d/%d of %s %s at offset %d in %.2fs after %s: %s",
                 attempt,
-                options.retries,
+                limit,
                 what,
                 redact_url(url),
                 at,

@@ -106,6 +106,46 @@ def test_a_throttled_request_makes_the_whole_node_wait(
     assert not (Path(os.environ["CLOUDSHARDS_NODE_DIR"]) / "state").exists()
 
 
+def test_a_throttled_request_gets_more_tries_than_a_failing_one_and_still_ends() -> None:
+    """A store asking to slow down (503 SlowDown at 5 GETs/s) failed a 2-worker epoch within
+    3 s: its 5 quick tries ran out before the node slowed down. Throttling gets
+    ``throttle_retries`` more, within the time a request may take (give_up_s); anything
+    else still fails after ``retries``."""
+    budget.forget()
+    options = FetchOptions(retries=2, throttle_retries=3, backoff_s=0.001, max_backoff_s=0.001)
+
+    def failing(exc: Exception, succeed_at: int) -> Any:
+        calls: list[int] = []
+
+        def call() -> str:
+            calls.append(1)
+            if len(calls) < succeed_at:
+                raise exc
+            return "ok"
+
+        return call, calls
+
+    call, calls = failing(ConnectionError("503 SlowDown: Please reduce your request rate."), 6)
+    assert retry(call, url="s3://b/k", offset=0, options=options) == "ok"  # the 6th try
+    call, calls = failing(ConnectionError("503 SlowDown: Please reduce your request rate."), 99)
+    with pytest.raises(OSError, match="gave up after 6 attempts"):
+        retry(call, url="s3://b/k", offset=0, options=options)
+    assert len(calls) == 6
+    call, calls = failing(ConnectionResetError("connection reset by peer"), 99)
+    with pytest.raises(OSError, match="gave up after 3 attempts"):
+        retry(call, url="s3://b/k", offset=0, options=options)
+    # Throttle tries that would outlast give_up_s (a reader's wait for the part) are not made.
+    short = FetchOptions(
+        retries=1, throttle_retries=50, backoff_s=0.5, max_backoff_s=0.5, stall_timeout_s=0.1
+    )
+    call, calls = failing(ConnectionError("503 SlowDown"), 999)
+    began = time.monotonic()
+    with pytest.raises(OSError, match="SlowDown"):
+        retry(call, url="s3://b/k", offset=0, options=short)
+    assert time.monotonic() - began < short.give_up_s
+    assert len(calls) < 51
+
+
 def test_every_process_of_the_node_waits_out_a_backoff() -> None:
     budget.forget()
     budget.node_budget().back_off(0.5)  # one process was told to slow down

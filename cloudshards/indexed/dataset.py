@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import os
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeGuard
 
@@ -18,12 +19,7 @@ from cloudshards.errors import ConfigError, ShardError, ShardFormatError, ShardO
 from cloudshards.handlers import as_handler, reraise_exception
 from cloudshards.indexed.build import build_index
 from cloudshards.indexed.files import default_index_url, load_index, read_bytes
-from cloudshards.indexed.format import (
-    DatasetIndex,
-    IndexedSample,
-    ShardIndex,
-    read_index,
-)
+from cloudshards.indexed.format import DatasetIndex, IndexedSample, ShardIndex, read_index
 from cloudshards.indexed.read import (
     STALE_HINT,
     OpenFile,
@@ -57,8 +53,11 @@ __all__ = ["IndexedDataset"]
 logger = logging.getLogger(__name__)
 serve_plain_dataloaders()  # importing the module (to make or to unpickle a dataset)
 
-#: Following samples tried in place of one that failed, when the handler lets it pass.
+#: Samples tried in place of one that failed, when the handler lets it pass.
 MAX_SUBSTITUTES = 16
+#: How long this process passes over a shard that could not be read (missing, denied, its
+#: retries spent) before it tries it again.
+BAD_SHARD_S = 60.0
 
 
 class IndexedDataset(torch.utils.data.Dataset[Any]):
@@ -88,7 +87,8 @@ class IndexedDataset(torch.utils.data.Dataset[Any]):
         handler: What a sample that cannot be read does (:class:`~cloudshards.ShardError`):
             ``reraise_exception`` (default) raises; a handler that returns instead (``"warn"``,
             ``"skip"``, ``warn_and_continue``) has it replaced by the next sample that can be
-            read, so every index still returns a sample (at most 16 tries).
+            read (of the next shard, when its shard cannot be read), so every index still
+            returns a sample (at most 16 tries).
         max_workers: Threads of :meth:`get_many` / ``__getitems__``.
         allow_external_shards: Accept an index file whose shards lie outside its own location
             (another host, bucket or directory, an absolute local path); only for an index you
@@ -151,16 +151,59 @@ class IndexedDataset(torch.utils.data.Dataset[Any]):
             position += size
         if not 0 <= position < size:
             raise IndexError(f"sample index {index} out of range for {size} samples")
+        state = self._process()
         for attempt in range(MAX_SUBSTITUTES + 1):
-            try:
-                sample = self.read_sample((position + attempt) % size)
-                return sample if self.transform is None else self.transform(sample)
-            except ShardError as exc:
-                self.handler(exc)  # raises, or lets a following sample stand in
-                self._process().count("skipped")
-                if attempt == MAX_SUBSTITUTES:
-                    raise
+            shard = self.index.locate(position)[0]
+            error: ShardError | None = self._passed_over(position, state.bad_shards)
+            if error is None:
+                try:
+                    sample = self.read_sample(position)
+                    return sample if self.transform is None else self.transform(sample)
+                except ShardError as exc:
+                    error = exc
+                    if isinstance(exc, ShardOpenError):  # (not the bytes of one sample)
+                        state.bad_shards[shard] = (time.monotonic() + BAD_SHARD_S, exc.reason)
+            assert error is not None
+            self.handler(error)  # raises, or lets a substitute stand in
+            state.count("skipped")
+            if attempt == MAX_SUBSTITUTES:
+                raise error
+            if isinstance(error, ShardOpenError):
+                # The shard cannot be read (its other samples would fail alike, each after its
+                # retries): a substitute from the next shard; this one is passed over a while.
+                position = self._next_readable(position, state.bad_shards)
+            else:
+                position = (position + 1) % size  # the bytes of this sample: the next one
         raise AssertionError("unreachable")
+
+    def _passed_over(
+        self, position: int, bad: dict[int, tuple[float, str]]
+    ) -> ShardOpenError | None:
+        """Sample ``position``'s error if its shard failed within :data:`BAD_SHARD_S`."""
+        shard, within = self.index.locate(position)
+        until, reason = bad.get(shard, (0.0, ""))
+        if until <= time.monotonic():
+            return None
+        entry = self.index.shards[shard].sample(within)
+        return ShardOpenError(
+            f"{reason} (not asked for again within {BAD_SHARD_S:.0f} s)",
+            url=self.index.shards[shard].url,
+            shard_index=shard,
+            offset=entry.start,
+            member=entry.members[0].name,
+        )
+
+    def _next_readable(self, position: int, bad: dict[int, tuple[float, str]]) -> int:
+        """The first sample of the first shard after ``position``'s that is not marked as
+        unreadable (``bad``, until a time); ``position``'s own next sample if all are."""
+        shards = self.index.shards
+        shard = self.index.locate(position)[0]
+        now = time.monotonic()
+        for step in range(1, len(shards)):
+            candidate = (shard + step) % len(shards)
+            if shards[candidate].num_samples and bad.get(candidate, (0.0, ""))[0] <= now:
+                return self.index.shard_ranges()[candidate][0]
+        return (position + 1) % len(self)
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """A batch of samples, read concurrently (DataLoader calls this for each batch)."""

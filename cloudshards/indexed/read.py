@@ -187,6 +187,8 @@ class ProcessState:
     no_file: set[int] = field(default_factory=set)
     counters: collections.Counter[str] = field(default_factory=collections.Counter)
     warned: set[str] = field(default_factory=set)
+    #: Shards that could not be read: position -> (passed over until, why).
+    bad_shards: dict[int, tuple[float, str]] = field(default_factory=dict)
     executors: dict[int, cf.ThreadPoolExecutor] = field(default_factory=dict)
 
     def count(self, name: str) -> None:

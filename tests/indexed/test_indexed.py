@@ -542,8 +542,43 @@ def test_handler_substitutes_the_next_readable_sample(
     shards.paths[1].unlink()
     with IndexedDataset(index, handler="warn") as ds, caplog.at_level(logging.WARNING):
         assert [ds[i]["__key__"] for i in range(6)] == [shards.keys[k] for k in (0, 1, 4, 4, 4, 5)]
-        assert ds.stats()["indexed"]["skipped"] == 3
+        # Sample 2's substitute comes from the next shard (sample 3 is in the same missing
+        # shard, not tried); sample 3 is passed over without another request.
+        assert ds.stats()["indexed"]["skipped"] == 2
     assert "not found" in caplog.text
+
+
+@pytest.mark.parametrize("handler", ["warn", "skip"])
+def test_a_shard_larger_than_the_substitutes_that_cannot_be_read_is_passed_over(
+    make_shards: Callable[..., Shards], caplog: pytest.LogCaptureFixture, handler: str
+) -> None:
+    """A missing shard of more than 16 samples: every index still returns a sample (it
+    raised despite the handler, each sample's substitutes all in the same shard), and the
+    shard is asked for once, not once per sample and substitute (17 x 6 tries each)."""
+    shards = make_shards([3, 40, 3])
+    index = build_index(shards.spec())
+    shards.paths[1].unlink()
+    opens: list[str] = []
+    real_open = os.open
+
+    def counted(path: Any, *args: Any, **kw: Any) -> int:
+        if str(path).endswith(shards.paths[1].name):
+            opens.append(str(path))
+        return real_open(path, *args, **kw)
+
+    with (
+        IndexedDataset(index, handler=handler) as ds,
+        caplog.at_level(logging.WARNING),
+        pytest.MonkeyPatch.context() as patch,
+    ):
+        patch.setattr(os, "open", counted)
+        keys = [ds[i]["__key__"] for i in range(len(ds))]
+    good = shards.keys[:3] + shards.keys[43:]
+    assert keys[:3] == shards.keys[:3]
+    assert keys[3:43] == [shards.keys[43]] * 40  # the next readable shard's first sample
+    assert keys[43:] == shards.keys[43:]
+    assert set(keys) <= set(good)
+    assert len(opens) == 1, opens
 
 
 def test_scanning_without_an_index_warns_and_a_saved_one_is_used(

@@ -9,7 +9,9 @@ import dataclasses
 import hashlib
 import logging
 import os
+import sys
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 __all__ = [
@@ -118,6 +120,35 @@ def check_ranks(rank: int | None, world_size: int | None) -> tuple[int, int] | N
             f"rank={rank}, world_size={world_size}: give both, with 0 <= rank < world_size"
         )
     return rank, world_size
+
+
+#: Hugging Face Accelerate's loaders that divide one reader's stream among the ranks: its
+#: DataLoaderDispatcher (rank 0 reads each batch, every rank gets its part) and its
+#: IterableDatasetShard (every rank reads the whole stream and keeps its part).
+_ONE_STREAM_FOR_ALL = frozenset({"DataLoaderDispatcher", "IterableDatasetShard"})
+
+
+def one_reader_for_all_ranks(dataset: Any, frame: FrameType | None = None) -> None:
+    """Have ``dataset`` read every rank's samples (``rank=0, world_size=1``) when Accelerate's
+    loader that iterates it (found among the callers of ``frame``, default the caller's)
+    divides them among the ranks itself: split by rank too, each epoch trained on
+    1/world_size of the data, without a word. A rank or world size given is kept."""
+    if "accelerate" not in sys.modules or getattr(dataset, "_ranks", 0) is not None:
+        return
+    frame = frame or sys._getframe(1)
+    for _ in range(64):  # the loader's own frame is a few calls up
+        if frame is None:
+            return
+        kind = type(frame.f_locals.get("self"))
+        if kind.__name__ in _ONE_STREAM_FOR_ALL and kind.__module__.startswith("accelerate"):
+            dataset._ranks = (0, 1)
+            logger.info(
+                "Accelerate's %s divides what one reader reads among the ranks: this dataset "
+                "reads every rank's samples, not its rank's share",
+                kind.__name__,
+            )
+            return
+        frame = frame.f_back
 
 
 def effective_info(ranks: tuple[int, int] | None, replication: int = 1) -> WorkerInfo:

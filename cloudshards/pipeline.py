@@ -21,7 +21,7 @@ from typing import Any
 from torch.utils.data import DataLoader, IterableDataset
 
 from cloudshards import config
-from cloudshards.dist import check_ranks, effective_info
+from cloudshards.dist import check_ranks, effective_info, one_reader_for_all_ranks
 from cloudshards.fluid import FluidInterface
 from cloudshards.length import Length
 from cloudshards.process import freeze_inherited_objects, in_dataloader_worker
@@ -122,8 +122,7 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
             self._epoch if epoch is None else epoch,
             info=effective_info(self._ranks, self.replication),
             seed_given=self._seed_given,
-            # A StatefulLoader's first pass needs no set_epoch (epoch 0 is right; Lightning
-            # starts its workers before its epoch-start hooks).
+            # A StatefulLoader's first pass needs no set_epoch (Lightning starts workers first).
             epoch_set=self._epoch_set or self.__dict__.get("_loader_passes") == 1,
             stages=self.pipeline,
         )
@@ -177,6 +176,7 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
         """Run ``repetitions`` passes (stopping early if a pass yields nothing), at most
         ``nsamples`` items when ``with_epoch`` set it, resuming where ``load_state_dict`` says."""
         freeze_inherited_objects()  # in a DataLoader worker: see its docstring
+        one_reader_for_all_ranks(self)
         context = self._context(epoch)
         context.bounded = self.nsamples > 0
         resume, self._resume = self._resume, None

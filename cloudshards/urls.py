@@ -73,9 +73,11 @@ def _refuse_userinfo(url: str) -> None:
     if _is_fsspec_chain(url):
         _refuse_userinfo(url.partition("::")[2])
         return
+    if url.startswith(PIPE_PREFIX):
+        return  # a shell command, not a URL
     host = re.split(r"[/?#]", url.partition("://")[2], maxsplit=1)[0].rpartition("@")[2]
     port = host.rpartition("]")[2].partition(":")[2]  # after an IPv6 literal's brackets
-    if port and not port.isdigit():
+    if not re.fullmatch(r"[\d{}.,]*", port):  # digits, or braces that expand to ports
         raise ConfigError(
             f"{redact_url(url)}: the URL's port is not a number; a password with '/', '?' or "
             "'#' in it must be percent-encoded (%2F, %3F, %23)"

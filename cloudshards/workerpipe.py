@@ -35,6 +35,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from cloudshards.dist import one_reader_for_all_ranks
+
 __all__ = ["serve_plain_dataloaders", "speed_up_result_pipe"]
 
 logger = logging.getLogger(__name__)
@@ -138,6 +140,8 @@ def serve_plain_dataloaders() -> None:
 
         @functools.wraps(original)
         def _get_iterator(self: Any) -> Any:
+            if _is_ours(self.dataset):  # before its workers copy it
+                one_reader_for_all_ranks(self.dataset, sys._getframe(1))
             iterator = original(self)
             if self.num_workers > 0 and _is_ours(self.dataset):
                 speed_up_result_pipe(iterator)

@@ -179,3 +179,33 @@ def test_lightning_ranks_end_together_when_a_filter_empties_one_share(tmp_path: 
     text = _lightning(tmp_path, script, str(tmp_path / "a{0..3}.tar"))
     steps = {int(r): int(n) for r, n in re.findall(r"RANK (\d) steps (\d+)", text)}
     assert steps == {0: 0, 1: 0}, text[-4000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize(("workers", "dispatch"), [(0, True), (2, True), (0, False)])
+def test_accelerate_trains_on_every_sample_once_per_epoch(
+    tmp_path: Path, workers: int, dispatch: bool
+) -> None:
+    """Hugging Face Accelerate divides one reader's stream among the ranks itself (its
+    default DataLoaderDispatcher reads on rank 0 only): split by rank as well, each epoch
+    trained on half the data with 2 ranks, without a word."""
+    from torchrun_util import torchrun
+
+    keys = []
+    # Unequal shards, 80 samples: 20 batches of 4, which Accelerate deals to 2 ranks evenly
+    # (an odd count it evens out by repeating the first samples).
+    for shard, size in enumerate([10, 11, 12, 13, 14, 20]):
+        with wds.TarWriter(str(tmp_path / f"a{shard}.tar")) as sink:
+            for i in range(size):
+                keys.append(f"a{shard}_{i}")
+                sink.write({"__key__": keys[-1], "cls": i})
+    script = Path(__file__).with_name("accelerate_epoch.py")
+    args = [str(tmp_path / "a{0..5}.tar"), str(workers), *([] if dispatch else ["--no-dispatch"])]
+    env = {"CLOUDSHARDS_COUNTS_DIR": str(tmp_path / "counts")}
+    result = torchrun(script, args, nproc_per_node=2, env=env, timeout_s=300).check(2)
+    seen: dict[int, list[str]] = {0: [], 1: []}
+    for _rank, epoch, line in re.findall(r"KEYS (\d) (\d) (\S*)", result.stdout):
+        seen[int(epoch)] += [key for key in line.split(",") if key]
+    for epoch in (0, 1):
+        assert sorted(seen[epoch]) == sorted(keys), (epoch, len(seen[epoch]), len(keys))

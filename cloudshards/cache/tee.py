@@ -27,11 +27,10 @@ logger = logging.getLogger(__name__)
 class TeeStream(ClosingStream):
     """Reads the store and writes every byte to ``partial``; commits the entry at the end.
 
-    The consumer gets the bytes as they arrive (stream-through), so a cold read through the
-    cache costs one extra ``write`` per block, past the page cache where the filesystem allows
-    (see :mod:`~cloudshards.cache.direct`). A write that fails because the disk is full
-    drops the partial file and carries on as a plain stream. Closing before the end abandons
-    the partial file (followers then take over the download); nothing raises from ``close``.
+    The consumer gets the bytes as they arrive (stream-through): one extra ``write`` per
+    block (see :mod:`~cloudshards.cache.direct`). A full disk drops the partial file and
+    carries on as a plain stream. Closing before the end abandons the partial file
+    (followers then take over the download); nothing raises from ``close``.
 
     With a checksum to verify, the last :attr:`HOLD_BYTES` of the object are held back (in
     memory, and out of the partial file that followers read) until the whole download has
@@ -40,10 +39,9 @@ class TeeStream(ClosingStream):
     :func:`~cloudshards.cache.recheck.recheck_download`).
 
     Args:
-        remote: The open store stream.
-        partial: Path of the partial file to write.
-        commit: Called with the verified byte count at the end: renames the entry into place;
-            False when it could not (the entry is then not cached).
+        remote, partial: The open store stream; the path of the partial file to write.
+        commit: Called with the verified byte count at the end (renames the entry into place);
+            False when it could not.
         abandon: Called when the partial file is given up (removes it, releases the lock).
         expected_size: Size the store reported, verified at the end when known.
         checksum: The checksum to verify, if the store guarantees one (see
@@ -55,6 +53,7 @@ class TeeStream(ClosingStream):
 
     #: Bytes at the end of a verified download that are served only after verification.
     HOLD_BYTES = 1 << 20
+    END_BYTES = 64 << 10  #: Of those, never served unverified (see :meth:`_serve_held_then`).
 
     def __init__(
         self,
@@ -110,11 +109,9 @@ class TeeStream(ClosingStream):
         self._fd: int | None = fd
         self._writer = PartialWriter(self._fd)
         self.closed = False
-        #: Set by the reader after a complete parse; saved next to the entry on commit.
-        self.member_table: MemberTable | None = None
+        self.member_table: MemberTable | None = None  # the reader's, saved on commit
 
-    #: Where the entry's member table goes (set by the cache); None: not saved.
-    table_path: str | None = None
+    table_path: str | None = None  #: Where the member table goes (None: not saved).
 
     def save_member_table(self, table: MemberTable) -> None:
         """Keep the member table of this shard, to be saved with the entry when it commits,
@@ -181,8 +178,11 @@ class TeeStream(ClosingStream):
     def _serve_held_then(self, error: Exception) -> None:
         """The store failed (after its retries): serve the bytes held back for verification,
         then raise ``error``, as an uncached reader gets every byte before a failure (a shard
-        under :attr:`HOLD_BYTES` gave no sample). Followers check them when taking over."""
-        held = bytes(self._held)
+        under :attr:`HOLD_BYTES` gave no sample), but for its last :attr:`END_BYTES`: a reader
+        that got its end-of-archive blocks would end the shard on them, without the error.
+        Followers check them when taking over."""
+        end = (self.expected_size or 0) - self.END_BYTES - (self._hold_from or 0)
+        held = bytes(self._held[: max(0, end)])
         self._held.clear()
         self._write(held)
         self._tail, self._failed_after = memoryview(held), error
@@ -339,10 +339,10 @@ class TeeStream(ClosingStream):
             logger.warning("cache: cannot complete %s (%s); not cached", self.partial, exc)
 
     def cancel(self) -> bool:
-        """Close without completing the entry, however little is left (a download ahead
-        nobody wants any more), abandoning the partial file; True when that gave up a
-        download still in progress (False: complete, given up before, or closed)."""
-        unfinished = not self.closed and self._fd is not None and self._keep and self._tail is None
+        """Close without completing the entry (a download ahead nobody wants any more),
+        abandoning the partial file; True when that gave up a download in progress."""
+        done = self._tail is not None and not self._store_failed  # verified, not a failure's
+        unfinished = not self.closed and self._fd is not None and self._keep and not done
         self._cancelled = True
         self.handed_back = self.handed_back or unfinished
         self.close()

@@ -155,16 +155,17 @@ class IndexedDataset(torch.utils.data.Dataset[Any]):
         for attempt in range(MAX_SUBSTITUTES + 1):
             shard = self.index.locate(position)[0]
             error: ShardError | None = self._passed_over(position, state.bad_shards)
-            if error is None:
+            read = error is None
+            if read:
                 try:
                     sample = self.read_sample(position)
                     return sample if self.transform is None else self.transform(sample)
                 except ShardError as exc:
                     error = exc
-                    if isinstance(exc, ShardOpenError):  # (not the bytes of one sample)
-                        state.bad_shards[shard] = (time.monotonic() + BAD_SHARD_S, exc.reason)
             assert error is not None
             self.handler(error)  # raises, or lets a substitute stand in
+            if read and isinstance(error, ShardOpenError):
+                state.bad_shards[shard] = (time.monotonic() + BAD_SHARD_S, error.reason)
             state.count("skipped")
             if attempt == MAX_SUBSTITUTES:
                 raise error

@@ -856,3 +856,19 @@ def test_an_indexed_checkpoint_on_another_number_of_ranks_is_refused_clearly(
     again = wds.StatefulLoader(dataset, batch_size=2)
     with pytest.raises(StateMismatchError, match="map-style dataset's epoch"):
         again.load_state_dict({"cloudshards_ranks": states, "world_size": 2})
+
+
+def test_with_the_raising_handler_a_shard_that_failed_is_asked_for_again(
+    make_shards: Callable[..., Shards],
+) -> None:
+    """Only a handler that lets failures pass has a failed shard passed over for a while: a
+    caller who catches the error and asks again gets the shard once it is back."""
+    shards = make_shards([2, 2])
+    index = build_index(shards.spec())
+    away = shards.paths[1].with_suffix(".away")
+    shards.paths[1].rename(away)
+    with IndexedDataset(index) as ds:
+        with pytest.raises(ShardOpenError, match="not found"):
+            ds[2]
+        away.rename(shards.paths[1])
+        assert ds[2]["__key__"] == shards.keys[2]

@@ -1,0 +1,55 @@
+"""A 2-rank Hugging Face Accelerate run (CPU, gloo, under torchrun) over a WebDataset whose
+loader Accelerate prepares: its default DataLoaderDispatcher (rank 0 reads, each rank gets
+its part of each batch) or, with ``--no-dispatch``, its IterableDatasetShard (every rank
+reads the stream and keeps its part). Each rank prints the keys it trained on per epoch
+(``KEYS rank epoch k1,k2,...``), then the summary line torchrun_util reads.
+
+    torchrun --standalone --nproc_per_node 2 accelerate_epoch.py SPEC WORKERS [--no-dispatch]
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from accelerate import Accelerator, DataLoaderConfiguration
+
+import cloudshards as wds
+
+EPOCHS = 2
+
+
+def main() -> None:
+    spec, workers = sys.argv[1], int(sys.argv[2])
+    dispatch = "--no-dispatch" not in sys.argv
+    accelerator = Accelerator(
+        cpu=True, dataloader_config=DataLoaderConfiguration(dispatch_batches=dispatch)
+    )
+    dataset = wds.WebDataset(spec, shardshuffle=True, seed=7).shuffle(20).to_tuple("__key__", "cls")
+    if dispatch:  # batches made in the pipeline, as webdataset programs do
+        loader = torch.utils.data.DataLoader(
+            dataset.batched(4), batch_size=None, num_workers=workers
+        )
+    else:  # Accelerate's shard needs the DataLoader's batch size
+        loader = torch.utils.data.DataLoader(dataset, batch_size=4, num_workers=workers)
+    model = torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    steps = samples = 0
+    for epoch in range(EPOCHS):
+        keys: list[str] = []
+        for batch_keys, labels in loader:
+            loss = model(labels.float().reshape(-1, 1)).sum()
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            keys += list(batch_keys)
+            steps += 1
+        samples += len(keys)
+        print(f"KEYS {accelerator.process_index} {epoch} {','.join(keys)}", flush=True)
+    rank, world = accelerator.process_index, accelerator.num_processes
+    print(f"rank {rank}/{world}: {EPOCHS} epochs, {steps} steps, {samples} samples", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -2,7 +2,7 @@
 loader Accelerate prepares: its default DataLoaderDispatcher (rank 0 reads, each rank gets
 its part of each batch) or, with ``--no-dispatch``, its IterableDatasetShard (every rank
 reads the stream and keeps its part). Each rank prints the keys it trained on per epoch
-(``KEYS rank epoch k1,k2,...``), then the summary line torchrun_util reads.
+(``KEYS rank epoch id1,id2,...``), then the summary line torchrun_util reads.
 
     torchrun --standalone --nproc_per_node 2 accelerate_epoch.py SPEC WORKERS [--no-dispatch]
 """
@@ -25,7 +25,9 @@ def main() -> None:
     accelerator = Accelerator(
         cpu=True, dataloader_config=DataLoaderConfiguration(dispatch_batches=dispatch)
     )
-    dataset = wds.WebDataset(spec, shardshuffle=True, seed=7).shuffle(20).to_tuple("__key__", "cls")
+    # Accelerate moves and splits tensors only: each sample's id (its cls) stands for its key.
+    dataset = wds.WebDataset(spec, shardshuffle=True, seed=7).shuffle(20).decode()
+    dataset = dataset.to_tuple("cls", "cls")
     if dispatch:  # batches made in the pipeline, as webdataset programs do
         loader = torch.utils.data.DataLoader(
             dataset.batched(4), batch_size=None, num_workers=workers
@@ -38,12 +40,12 @@ def main() -> None:
     steps = samples = 0
     for epoch in range(EPOCHS):
         keys: list[str] = []
-        for batch_keys, labels in loader:
+        for ids, labels in loader:
             loss = model(labels.float().reshape(-1, 1)).sum()
             accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
-            keys += list(batch_keys)
+            keys += [str(int(i)) for i in ids]
             steps += 1
         samples += len(keys)
         print(f"KEYS {accelerator.process_index} {epoch} {','.join(keys)}", flush=True)

@@ -198,8 +198,8 @@ def test_accelerate_trains_on_every_sample_once_per_epoch(
     for shard, size in enumerate([10, 11, 12, 13, 14, 20]):
         with wds.TarWriter(str(tmp_path / f"a{shard}.tar")) as sink:
             for i in range(size):
-                keys.append(f"a{shard}_{i}")
-                sink.write({"__key__": keys[-1], "cls": i})
+                keys.append(str(len(keys)))  # the sample's id, its cls
+                sink.write({"__key__": f"a{shard}_{i}", "cls": len(keys) - 1})
     script = Path(__file__).with_name("accelerate_epoch.py")
     args = [str(tmp_path / "a{0..5}.tar"), str(workers), *([] if dispatch else ["--no-dispatch"])]
     env = {"CLOUDSHARDS_COUNTS_DIR": str(tmp_path / "counts")}

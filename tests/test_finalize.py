@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -69,3 +70,40 @@ def test_a_cached_reader_left_open_at_exit_prints_nothing(make_shards: Any, tmp_
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout == "exiting\n"
     assert result.stderr == ""
+
+
+_PIPE_LEFT_OPEN = """
+import sys
+import cloudshards as wds
+
+shard, pid_file = sys.argv[1], sys.argv[2]
+command = f"pipe:sleep 60 & echo $! > {pid_file}; cat {shard}; wait"
+it = iter(wds.WebDataset(command, shardshuffle=False, allow_pipe=True))
+next(it)  # left open in a global when the script ends
+print("exiting", flush=True)
+"""
+
+
+def test_a_pipe_command_left_open_at_exit_is_stopped(make_shards: Any, tmp_path: Path) -> None:
+    """A reader left open at exit is not closed while the modules are torn down, and its
+    command runs in a session of its own (no Ctrl-C reaches it): it was left running."""
+    shards = make_shards([5])
+    script, pid_file = tmp_path / "pipe_left_open.py", tmp_path / "pid"
+    script.write_text(_PIPE_LEFT_OPEN)
+    argv = [sys.executable, str(script), str(shards.paths[0]), str(pid_file)]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _running(pid)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie nobody reaps in a container does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -7,11 +7,13 @@ prefetched, fetched in ranged parts, retried and cached) or opened where it is.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import re
 import signal
 import subprocess
+import weakref
 from collections.abc import Callable
 from typing import IO, Any
 from urllib.parse import urlsplit
@@ -152,6 +154,7 @@ class _PipeReader:
         )
         assert self._proc.stdout is not None
         self._stdout = self._proc.stdout
+        _open_pipes.add(self)  # stopped at exit if still open (see _stop_open_pipes)
 
     def read(self, size: int = -1) -> bytes:
         data = self._stdout.read(size)
@@ -170,10 +173,25 @@ class _PipeReader:
         _check_exit(self.command, self._proc.wait(), tolerate=(141, -signal.SIGPIPE))
 
     def close(self) -> None:
+        _open_pipes.discard(self)
         self._stdout.close()
-        if self._proc.poll() is None:
-            _stop_group(self._proc, signal.SIGTERM)
+        _stop_group(self._proc, signal.SIGTERM)  # the shell may be gone, not what it started
         self._proc.wait()
+
+
+#: Readers of pipe: commands not closed yet. A reader left open when the interpreter exits is
+#: not closed while its modules are torn down (see cloudshards.finalize), and its command runs
+#: in a session of its own, which a terminal's Ctrl-C or hang-up does not reach: these are
+#: stopped at exit instead.
+_open_pipes: weakref.WeakSet[_PipeReader] = weakref.WeakSet()
+os.register_at_fork(after_in_child=_open_pipes.clear)  # a child's exit stops none of ours
+
+
+@atexit.register
+def _stop_open_pipes() -> None:
+    for reader in list(_open_pipes):
+        with contextlib.suppress(Exception):
+            reader.close()
 
 
 def _check_exit(command: str, status: int, tolerate: tuple[int, ...] = ()) -> None:

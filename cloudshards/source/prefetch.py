@@ -175,6 +175,8 @@ class ShardPrefetcher:
         """
         assert self._cache is not None
         wait_for.wait(self._fetch.stall_timeout_s)
+        if self._cancel.is_set():  # closed while it waited: nothing more starts
+            return None
         thread = self._cache.download_ahead(
             shard["url"],
             self._options,
@@ -247,6 +249,8 @@ class ShardPrefetcher:
         """
         if wait_for is not None:
             wait_for.wait(self._fetch.stall_timeout_s)
+            if self._cancel.is_set():  # closed while it waited: nothing more starts
+                return None
         try:
             stream = open_parts(
                 shard["url"],

@@ -226,7 +226,7 @@ def retry(
         ShardOpenError: After the last attempt (naming the URL and offset), or at once for a
             permanent failure (missing object, denied access).
     """
-    attempt = 0
+    attempt = throttles = 0
     began = time.monotonic()
     while True:
         try:
@@ -237,12 +237,15 @@ def retry(
             at = offset() if callable(offset) else offset
             cancelled = cancel is not None and cancel.is_set()
             throttled = is_throttled(exc)
-            limit = options.retries + (options.throttle_retries if throttled else 0)
+            # Up to throttle_retries tries for throttling come on top of the retries.
+            spent = attempt - min(throttles + throttled, options.throttle_retries)
             delay = _jitter.uniform(0, min(options.max_backoff_s, options.backoff_s * 2**attempt))
-            if attempt >= options.retries and throttled:  # tries for throttling: in give_up_s
+            if throttled and attempt >= options.retries:  # tries for throttling: in give_up_s
                 left = options.give_up_s - (time.monotonic() - began)
-                limit = limit if delay + options.stall_timeout_s + 1.0 < left else attempt
-            if cancelled or not is_retryable(exc) or attempt >= limit:
+                spent = spent if delay + options.stall_timeout_s + 1.0 < left else options.retries
+            limit = options.retries + (options.throttle_retries if throttled else 0)
+            throttles += throttled
+            if cancelled or not is_retryable(exc) or spent >= options.retries:
                 if stats is not None:
                     stats.add(failures=1)
                 error = map_backend_error(exc, url, action=f"{what} failed", offset=at)

@@ -151,18 +151,21 @@ _AUTH_MARKERS = (
     "DefaultCredentialsError",
     "The provided token",  # S3's InvalidToken/ExpiredToken as s3fs raises them (no code)
 )
-#: An HTTP 401 or 403 in a backend's message, outside the URLs it quotes (a shard named
-#: ``train-000403.tar``, a signed URL dated 2024-01-01, would match as plain substrings).
-_AUTH_STATUS = re.compile(r"(?<![\w.-])40[13](?![\w.-])")
-_URL_IN_TEXT = re.compile(r"\S+://\S*")
+#: An HTTP 401 or 403 in a backend's message, outside the URLs and paths it quotes (a shard
+#: named ``train-000403.tar``, a signed URL dated 2024-01-01, would match as substrings).
+_AUTH_STATUS = re.compile(r"(?<![\w.-])40[13](?![\w-]|\.\w)")
+_PATH_IN_TEXT = re.compile(r"\S*/\S*")
 
 
 def _names_denial(exc: BaseException) -> bool:
-    """Whether ``exc``'s type or message says the credentials were refused."""
+    """Whether ``exc``'s type, status or message says the credentials were refused."""
     text = f"{type(exc).__name__} {exc}"
     if any(marker in text for marker in _AUTH_MARKERS):
         return True
-    return _AUTH_STATUS.search(_URL_IN_TEXT.sub(" ", text)) is not None
+    status = http_status(exc)
+    if isinstance(status, int):
+        return status in (401, 403)
+    return _AUTH_STATUS.search(_PATH_IN_TEXT.sub(" ", text)) is not None
 
 
 def map_backend_error(

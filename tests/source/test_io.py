@@ -206,6 +206,9 @@ def test_a_refusal_under_fsspecs_not_found_is_access_denied(
         ("Server error '500' for url (https://h/shard-401.tar)", False),
         ("403, message='Forbidden', url='https://h/x.tar'", True),
         ("HTTP status client error (401 Unauthorized) for url (https://h/x.tar)", True),
+        ("Server returned status 403.", True),
+        ("[Errno 5] Input/output error: '/data/403/x.tar'", False),
+        ("read failed: bucket/2024/401/train-0.tar", False),
     ],
 )
 def test_a_status_in_the_url_is_no_access_denied(message: str, denied: bool) -> None:

@@ -264,6 +264,49 @@ def test_with_a_cache_the_first_shard_also_goes_out_alone(
     assert min(later) > first_answer, events[: first_answer + 1]
 
 
+def test_closing_before_the_first_bytes_starts_no_later_shard(
+    make_shards: Any, faultmem: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shards after the first wait for its first bytes; closing wakes them, and then
+    they started their downloads anyway, for nobody."""
+    from cloudshards.cache.shardcache import ShardCache
+
+    shards = upload(make_shards, [6, 6, 6, 6])
+    asked: list[tuple[float, str]] = []
+    cat_file, info = FaultyMemoryFileSystem.cat_file, FaultyMemoryFileSystem.info
+
+    def logged_cat(self: Any, path: str, *args: Any, **kw: Any) -> bytes:
+        asked.append((time.monotonic(), path))
+        return cat_file(self, path, *args, **kw)
+
+    def logged_info(self: Any, path: str, **kw: Any) -> Any:
+        asked.append((time.monotonic(), path))
+        return info(self, path, **kw)
+
+    monkeypatch.setattr(FaultyMemoryFileSystem, "cat_file", logged_cat)
+    monkeypatch.setattr(FaultyMemoryFileSystem, "info", logged_info)
+    faultmem.delay_s = 0.5  # the first shard's first answer takes a while
+    for cache in (None, ShardCache(str(tmp_path / "cache"))):
+        asked.clear()
+        prefetcher = ShardPrefetcher(
+            (
+                {"url": f"faultmem://bucket/{path.name}", "shard_index": i}
+                for i, path in enumerate(shards.paths)
+            ),
+            options=OpenOptions(),
+            fetch=FetchOptions(prefetch=2, part_bytes=1 << 16, concurrency=2),
+            cache=cache,
+        )
+        it = iter(prefetcher)
+        _, stream = next(it)
+        if not isinstance(stream, BaseException):
+            stream.close()  # the consumer stops at once (a slice, a failed first sample)
+        closed_at = time.monotonic()
+        it.close()
+        later = [path for at, path in asked if at >= closed_at and "shard-000000" not in path]
+        assert later == [], (cache, later)
+
+
 def test_memory_bound_and_threads_gone_after_close(make_shards: Any, faultmem: Any) -> None:
     shards = upload(make_shards, [20] * 6)
     options = FetchOptions(prefetch=1, part_bytes=1 << 16, concurrency=2)

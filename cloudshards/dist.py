@@ -128,27 +128,39 @@ def check_ranks(rank: int | None, world_size: int | None) -> tuple[int, int] | N
 _ONE_STREAM_FOR_ALL = frozenset({"DataLoaderDispatcher", "IterableDatasetShard"})
 
 
-def one_reader_for_all_ranks(dataset: Any, frame: FrameType | None = None) -> None:
+def one_reader_for_all_ranks(dataset: Any, frame: FrameType | None = None) -> bool:
     """Have ``dataset`` read every rank's samples (``rank=0, world_size=1``) when Accelerate's
     loader that iterates it (found among the callers of ``frame``, default the caller's)
     divides them among the ranks itself: split by rank too, each epoch trained on
-    1/world_size of the data, without a word. A rank or world size given is kept."""
+    1/world_size of the data, without a word. A rank or world size given is kept.
+
+    Returns:
+        False where the dataset must read nothing: a rank other than 0 under Accelerate's
+        DataLoaderDispatcher, whose DataLoader workers start (and would read) though only
+        rank 0's loader is read.
+    """
+    if dataset.__dict__.get("_dispatched_elsewhere"):
+        return False
     if "accelerate" not in sys.modules or getattr(dataset, "_ranks", 0) is not None:
-        return
+        return True
     frame = frame or sys._getframe(1)
     for _ in range(64):  # the loader's own frame is a few calls up
         if frame is None:
-            return
+            return True
         kind = type(frame.f_locals.get("self"))
         if kind.__name__ in _ONE_STREAM_FOR_ALL and kind.__module__.startswith("accelerate"):
             dataset._ranks = (0, 1)
+            if kind.__name__ == "DataLoaderDispatcher" and WorkerInfo.detect().rank != 0:
+                dataset.__dict__["_dispatched_elsewhere"] = True
+                return False
             logger.info(
                 "Accelerate's %s divides what one reader reads among the ranks: this dataset "
                 "reads every rank's samples, not its rank's share",
                 kind.__name__,
             )
-            return
+            return True
         frame = frame.f_back
+    return True
 
 
 def effective_info(ranks: tuple[int, int] | None, replication: int = 1) -> WorkerInfo:

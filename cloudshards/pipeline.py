@@ -6,8 +6,7 @@ change per epoch), and builds a fresh iterator chain. Stateful stages' running i
 found by their ``state_key`` while the chain is built (:mod:`cloudshards.stages.base`); the
 pipeline nests their states in its own, restores them at the next ``iter()`` and fingerprints
 every stage's configuration (:mod:`cloudshards.stages.state`). Fluent methods return a new
-pipeline and never modify the one they are called on.
-"""
+pipeline (but ``with_length``, ``with_epoch`` and ``repeat``, as in webdataset)."""
 
 from __future__ import annotations
 
@@ -174,9 +173,10 @@ class DataPipeline(IterableDataset, PipelineStage):  # type: ignore[type-arg]
 
     def iterator(self, epoch: int | None = None) -> Iterator[Any]:
         """Run ``repetitions`` passes (stopping early if a pass yields nothing), at most
-        ``nsamples`` items when ``with_epoch`` set it, resuming where ``load_state_dict`` says."""
+        ``nsamples`` items (``with_epoch``), resuming where ``load_state_dict`` says."""
         freeze_inherited_objects()  # in a DataLoader worker: see its docstring
-        one_reader_for_all_ranks(self)
+        if not one_reader_for_all_ranks(self):  # a rank whose loader nobody reads
+            return
         context = self._context(epoch)
         context.bounded = self.nsamples > 0
         resume, self._resume = self._resume, None

@@ -183,10 +183,10 @@ def test_lightning_ranks_end_together_when_a_filter_empties_one_share(tmp_path: 
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize(("workers", "dispatch"), [(0, True), (2, True), (0, False)])
-def test_accelerate_trains_on_every_sample_once_per_epoch(
-    tmp_path: Path, workers: int, dispatch: bool
-) -> None:
+# Without DataLoader workers: with them, each worker's last batch may be short, and Accelerate
+# deals batches of unequal size out unevenly (it expects one size), whatever the dataset.
+@pytest.mark.parametrize("dispatch", [True, False])
+def test_accelerate_trains_on_every_sample_once_per_epoch(tmp_path: Path, dispatch: bool) -> None:
     """Hugging Face Accelerate divides one reader's stream among the ranks itself (its
     default DataLoaderDispatcher reads on rank 0 only): split by rank as well, each epoch
     trained on half the data with 2 ranks, without a word."""
@@ -201,11 +201,11 @@ def test_accelerate_trains_on_every_sample_once_per_epoch(
                 keys.append(str(len(keys)))  # the sample's id, its cls
                 sink.write({"__key__": f"a{shard}_{i}", "cls": len(keys) - 1})
     script = Path(__file__).with_name("accelerate_epoch.py")
-    args = [str(tmp_path / "a{0..5}.tar"), str(workers), *([] if dispatch else ["--no-dispatch"])]
+    args = [str(tmp_path / "a{0..5}.tar"), "0", *([] if dispatch else ["--no-dispatch"])]
     env = {"CLOUDSHARDS_COUNTS_DIR": str(tmp_path / "counts")}
     result = torchrun(script, args, nproc_per_node=2, env=env, timeout_s=300).check(2)
     seen: dict[int, list[str]] = {0: [], 1: []}
-    for _rank, epoch, line in re.findall(r"KEYS (\d) (\d) (\S*)", result.stdout):
+    for _rank, epoch, line in re.findall(r"KEYS (\d) (\d) ([\d,]*)", result.stdout):
         seen[int(epoch)] += [key for key in line.split(",") if key]
     for epoch in (0, 1):
         assert sorted(seen[epoch]) == sorted(keys), (epoch, len(seen[epoch]), len(keys))

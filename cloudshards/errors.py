@@ -21,7 +21,10 @@ webdataset (which lets ``tarfile`` raise) keeps catching it.
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import errno
+import re
 import tarfile
 from typing import Any
 
@@ -72,6 +75,8 @@ class ShardError(CloudShardsError):
         offset: int | None = None,
         member: str | None = None,
     ) -> None:
+        if url is None and offset is None and member is None:
+            message, url, offset, member = _from_worker(message)
         self.url = redact_url(url) if url is not None else None
         self.shard_index = shard_index
         self.offset = offset
@@ -112,6 +117,26 @@ class ShardError(CloudShardsError):
                 {k: v for k, v in self.__dict__.items() if k != "received"},  # a part's bytes
             ),
         )
+
+
+#: torch re-raises an error of a DataLoader worker as ``type(text)``, ``text`` its traceback
+#: ("Caught ShardOpenError in DataLoader worker process 0. Original Traceback ..."): the
+#: fields are read back from the error's own message, the traceback's last line.
+_WORKER_TEXT = "Original Traceback (most recent call last)"
+_WHERE = re.compile(r" \(shard (\S+?)(?:, member (.+?))?(?:, byte offset (\d+))?\)$")
+
+
+def _from_worker(text: str) -> tuple[str, str | None, int | None, str | None]:
+    """(reason, url, offset, member) of an error torch re-raised from a DataLoader worker;
+    ``text`` and no fields for any other message."""
+    found = _WHERE.search(text.rstrip("\n")) if _WORKER_TEXT in text else None
+    if not text.startswith("Caught ") or found is None:
+        return text, None, None, None
+    url, shown, offset = found.groups()
+    member = shown
+    with contextlib.suppress(ValueError, SyntaxError):  # a long name shown cut: as shown
+        member = None if shown is None else str(ast.literal_eval(shown))
+    return text[: found.start()], url, None if offset is None else int(offset), member
 
 
 def _rebuild_shard_error(

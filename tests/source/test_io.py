@@ -167,6 +167,29 @@ def test_errors_pickle_with_their_fields() -> None:
     assert (clone.url, clone.offset, clone.member) == (error.url, 1024, "k.jpg")
 
 
+def test_errors_from_dataloader_workers_keep_their_fields(make_shards: Any, tmp_path: Path) -> None:
+    """torch re-raises a worker's error as ``type(its traceback's text)``: the URL, member and
+    offset the message names are its fields again (they were None)."""
+    import torch.utils.data
+
+    shard = make_shards([3]).paths[0]
+    cut = tmp_path / "cut.tar"
+    cut.write_bytes(shard.read_bytes()[:1800])  # inside the second member's data
+    errors = []
+    for workers in (0, 1):
+        ds = wds.WebDataset(str(cut), shardshuffle=False)
+        with pytest.raises(ShardFormatError) as info:
+            list(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers))
+        errors.append(info.value)
+    here, there = errors
+    assert "DataLoader worker" in str(there)
+    assert (there.url, there.member, there.offset) == (here.url, here.member, here.offset)
+    assert there.url == str(cut)
+    assert there.member is not None
+    assert there.offset is not None
+    assert str(there).endswith(str(here).rpartition(" (")[2])
+
+
 @pytest.mark.parametrize(
     ("status", "missing"), [(None, True), (404, True), (401, False), (403, False)]
 )

@@ -490,7 +490,7 @@ def test_a_stream_that_fails_for_good_hands_on_every_byte_before_the_failure(
     path.write_bytes(data)
     _publish(dataset, remote, path, name, 1_700_000_000)
     cut = 700_001
-    sim = cloudsim(dataset.server.endpoint_url, cut_at_offset=cut)  # every answer holding it
+    sim = cloudsim(dataset.server.endpoint_url, cut_all=True, cut_after_bytes=cut)
     proxied = via(sim, dataset)
     stream = open_remote(
         proxied.url_for(name),

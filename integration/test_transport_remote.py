@@ -474,38 +474,3 @@ def test_a_stream_resumed_after_a_cut_never_continues_into_a_new_version(
     finally:
         stream.close()
     assert sim.stats().cuts >= 1
-
-
-@pytest.mark.parametrize("remote", ["s3", "gcs"])
-def test_a_stream_that_fails_for_good_hands_on_every_byte_before_the_failure(
-    request: pytest.FixtureRequest, tmp_path: Path, remote: str, cloudsim: Any
-) -> None:
-    """A whole-object stream (the cache's fallbacks, gopen, a store ignoring Range) whose
-    answers are all cut at the same byte: after its last try it has handed on every byte
-    before the cut, then raises. obstore gathered 4 MiB blocks, and lost the one in progress."""
-    dataset: RemoteDataset = request.getfixturevalue(f"{remote}_dataset")
-    name = f"cut-{remote}.tar"
-    data = bytes(range(256)) * 8192  # 2 MiB
-    path = tmp_path / name
-    path.write_bytes(data)
-    _publish(dataset, remote, path, name, 1_700_000_000)
-    cut = 700_001
-    sim = cloudsim(dataset.server.endpoint_url, cut_all=True, cut_after_bytes=cut)
-    proxied = via(sim, dataset)
-    stream = open_remote(
-        proxied.url_for(name),
-        OpenOptions(storage_options=proxied.storage_options),
-        fetch=FetchOptions(retries=1, backoff_s=0.01),
-    )
-    got = bytearray()
-
-    def read_to_the_error() -> None:
-        while chunk := stream.read(1 << 20):
-            got.extend(chunk)
-
-    try:
-        with pytest.raises(ShardOpenError):
-            read_to_the_error()
-    finally:
-        stream.close()
-    assert got == data[:cut]

@@ -66,7 +66,7 @@ class ObstoreReader:
 
     def __init__(self, source: ObstoreObject, block_bytes: int) -> None:
         self._source = source
-        del block_bytes  # chunks are handed on as they arrive (see _start)
+        self._block_bytes = block_bytes
         self._position = 0
         self._chunks: Any = None
         self._buffer = memoryview(b"")
@@ -79,9 +79,7 @@ class ObstoreReader:
         options = {"range": {"offset": self._position}} if self._position else None
         result = obstore_call(obstore.get, self._source.store, self._source.key, options=options)
         self._details = object_details(result.meta)
-        # Each chunk as it arrives, not gathered into blocks: a failure after the last retry
-        # loses none of the bytes that came before it (a block being gathered was lost).
-        self._chunks = iter(result.stream(min_chunk_size=1))
+        self._chunks = iter(result.stream(min_chunk_size=self._block_bytes))
 
     @property
     def details(self) -> dict[str, Any]:

@@ -198,3 +198,22 @@ def member_table(*rows: tuple[str, int, int]) -> Any:
         table.sizes.append(size)
     table.complete = True
     return table
+
+
+def ends_soon(pid: int, timeout_s: float = 10.0) -> bool:
+    """Whether process ``pid`` has ended, or ends within ``timeout_s`` (a zombie nobody reaps,
+    as in a container, counts as ended)."""
+    deadline = time.monotonic() + timeout_s
+    while _running(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -140,10 +140,11 @@ def serve_plain_dataloaders() -> None:
 
         @functools.wraps(original)
         def _get_iterator(self: Any) -> Any:
-            if _is_ours(self.dataset):  # before its workers copy it
+            ours = _is_ours(self.dataset)
+            if ours:  # before its workers copy it
                 one_reader_for_all_ranks(self.dataset, sys._getframe(1))
             iterator = original(self)
-            if self.num_workers > 0 and _is_ours(self.dataset):
+            if self.num_workers > 0 and ours:
                 speed_up_result_pipe(iterator)
                 if getattr(self.dataset, "__dict__", {}).get(_IN_WORKERS) is None:
                     self.dataset.__dict__[_IN_WORKERS] = True  # see warn_if_read_in_workers

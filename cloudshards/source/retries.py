@@ -237,15 +237,16 @@ def retry(
             at = offset() if callable(offset) else offset
             cancelled = cancel is not None and cancel.is_set()
             throttled = is_throttled(exc)
-            # Up to throttle_retries tries for throttling come on top of the retries.
-            spent = attempt - min(throttles + throttled, options.throttle_retries)
-            delay = _jitter.uniform(0, min(options.max_backoff_s, options.backoff_s * 2**attempt))
-            if throttled and attempt >= options.retries:  # tries for throttling: in give_up_s
-                left = options.give_up_s - (time.monotonic() - began)
-                spent = spent if delay + options.stall_timeout_s + 1.0 < left else options.retries
-            limit = options.retries + (options.throttle_retries if throttled else 0)
             throttles += throttled
-            if cancelled or not is_retryable(exc) or spent >= options.retries:
+            # Up to throttle_retries tries for throttling come on top of the retries, as long
+            # as one more try still ends within give_up_s (the reader's wait for it).
+            spent = attempt - min(throttles, options.throttle_retries)
+            delay = _jitter.uniform(0, min(options.max_backoff_s, options.backoff_s * 2**attempt))
+            left = options.give_up_s - (time.monotonic() - began)
+            late = throttled and attempt >= options.retries
+            late = late and delay + options.stall_timeout_s + 1.0 >= left
+            limit = options.retries + (options.throttle_retries if throttled else 0)
+            if cancelled or not is_retryable(exc) or spent >= options.retries or late:
                 if stats is not None:
                     stats.add(failures=1)
                 error = map_backend_error(exc, url, action=f"{what} failed", offset=at)

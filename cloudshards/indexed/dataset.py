@@ -153,8 +153,9 @@ class IndexedDataset(torch.utils.data.Dataset[Any]):
             raise IndexError(f"sample index {index} out of range for {size} samples")
         state = self._process()
         for attempt in range(MAX_SUBSTITUTES + 1):
-            shard = self.index.locate(position)[0]
-            error: ShardError | None = self._passed_over(position, state.bad_shards)
+            shard, within = self.index.locate(position)
+            bad = state.bad_shards
+            error: ShardError | None = self._passed_over(shard, within, bad) if bad else None
             read = error is None
             if read:
                 try:
@@ -172,16 +173,16 @@ class IndexedDataset(torch.utils.data.Dataset[Any]):
             if isinstance(error, ShardOpenError):
                 # The shard cannot be read (its other samples would fail alike, each after its
                 # retries): a substitute from the next shard; this one is passed over a while.
-                position = self._next_readable(position, state.bad_shards)
+                position = self._next_readable(shard, position, state.bad_shards)
             else:
                 position = (position + 1) % size  # the bytes of this sample: the next one
         raise AssertionError("unreachable")
 
     def _passed_over(
-        self, position: int, bad: dict[int, tuple[float, str]]
+        self, shard: int, within: int, bad: dict[int, tuple[float, str]]
     ) -> ShardOpenError | None:
-        """Sample ``position``'s error if its shard failed within :data:`BAD_SHARD_S`."""
-        shard, within = self.index.locate(position)
+        """The error of sample ``within`` of ``shard`` if the shard failed within
+        :data:`BAD_SHARD_S`."""
         until, reason = bad.get(shard, (0.0, ""))
         if until <= time.monotonic():
             return None
@@ -194,11 +195,10 @@ class IndexedDataset(torch.utils.data.Dataset[Any]):
             member=entry.members[0].name,
         )
 
-    def _next_readable(self, position: int, bad: dict[int, tuple[float, str]]) -> int:
-        """The first sample of the first shard after ``position``'s that is not marked as
-        unreadable (``bad``, until a time); ``position``'s own next sample if all are."""
+    def _next_readable(self, shard: int, position: int, bad: dict[int, tuple[float, str]]) -> int:
+        """The first sample of the first shard after ``shard`` (``position``'s) that is not
+        marked as unreadable (``bad``, until a time); the next sample if all are."""
         shards = self.index.shards
-        shard = self.index.locate(position)[0]
         now = time.monotonic()
         for step in range(1, len(shards)):
             candidate = (shard + step) % len(shards)

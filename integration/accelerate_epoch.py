@@ -51,6 +51,9 @@ def main() -> None:
         print(f"KEYS {accelerator.process_index} {epoch} {','.join(keys)}", flush=True)
     rank, world = accelerator.process_index, accelerator.num_processes
     print(f"rank {rank}/{world}: {EPOCHS} epochs, {steps} steps, {samples} samples", flush=True)
+    # Leave the process group before the interpreter exits, as Accelerate asks: gloo's threads
+    # still running at exit abort the process ("terminate called without an active exception").
+    accelerator.end_training()
 
 
 if __name__ == "__main__":

@@ -106,6 +106,7 @@ def run_in_background(
     the follower read them from the store itself)."""
     stats = cache.stats
     handoff = Handoff(keep_bytes)
+    handoff.tee = stream
 
     def cancelled() -> None:
         # Nobody reads a cancelled download ahead: it is no miss, nor a shard streamed

@@ -239,6 +239,11 @@ class FollowStream(ClosingStream):
         """
         if self.table_path is None or self._replacement is not None or self.fd < 0:
             return
+        if self._handoff is not None and self._handoff.tee is not None:
+            # This process's own download: it saves the table as it commits the entry, or
+            # this reader saves it now if it has (no wait, nor polling, for the commit).
+            self._handoff.tee.save_member_table(table)
+            return
         deadline = time.monotonic() + self.COMMIT_WAIT_S
         delay = self.POLL_MIN_S
         while not self._committed():

@@ -47,6 +47,8 @@ class Handoff:
         self.stream: Any = None
         #: What ended the download, the reader's to raise at :attr:`end` (see :meth:`fail`).
         self.error: BaseException | None = None
+        #: The download (a TeeStream), which saves the reader's member table as it commits.
+        self.tee: Any = None
 
     @property
     def end(self) -> int:

@@ -311,7 +311,7 @@ class ShardCache(CacheBudget):
                 self._check_dirs("data", "meta")
                 written.append(self._path("meta", name + ".json"))
                 self._write_meta(name, {**meta, "size": nbytes})
-                table = tee.member_table if tee is not None else None
+                table = tee.tables.take() if tee is not None else None
                 if table is not None:
                     written.append(self._table_path(name))
                     write_table(self._table_path(name), table, nbytes)

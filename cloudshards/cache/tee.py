@@ -11,7 +11,7 @@ from cloudshards.cache.direct import PartialWriter
 from cloudshards.cache.facts import Checksum, Hasher
 from cloudshards.cache.files import open_file
 from cloudshards.cache.lock import POISONED_MODE, is_disk_full
-from cloudshards.cache.membertable import MemberTable, write_table
+from cloudshards.cache.membertable import MemberTable, PendingTable, write_table
 from cloudshards.cache.recheck import WHY, recheck_download
 from cloudshards.cache.stats import CacheStats, warn_disk_full
 from cloudshards.errors import CacheError, ShardOpenError
@@ -101,24 +101,20 @@ class TeeStream(ClosingStream):
         self.handed_back = False
         self._error: ShardOpenError | None = None
         # The store stream's read_view where it has one (parts as views, not copied).
-        self._read_remote: Callable[[int], bytes | memoryview] = getattr(
-            remote, "read_view", remote.read
-        )
-        if fd is None:
-            fd = open_file(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        self._fd: int | None = fd
+        self._read_remote: Callable[[int], bytes | memoryview]
+        self._read_remote = getattr(remote, "read_view", remote.read)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        self._fd: int | None = open_file(partial, flags) if fd is None else fd
         self._writer = PartialWriter(self._fd)
         self.closed = False
-        self.member_table: MemberTable | None = None  # the reader's, saved on commit
-
-    table_path: str | None = None  #: Where the member table goes (None: not saved).
+        self.tables = PendingTable()  # the reader's member table, saved with the entry
+        self.table_path: str | None = None  #: Where the member table goes (None: not saved).
 
     def save_member_table(self, table: MemberTable) -> None:
         """Keep the member table of this shard, to be saved with the entry when it commits,
         or save it now if the entry was committed first (a verified download commits as soon
         as the store's last byte is in, before the reader has parsed the held-back end)."""
-        self.member_table = table
-        if self._committed and self.table_path is not None:
+        if self.tables.give(table) and self.table_path is not None:
             write_table(self.table_path, table, self._written)
 
     def read(self, size: int = -1) -> bytes:
@@ -328,9 +324,12 @@ class TeeStream(ClosingStream):
             self._abandon()
             self._not_kept(exc)
             return
-        if self._commit(self._written):
+        if self._commit(self._written):  # with the table it took (see PendingTable)
             self._committed = True
             self.stats.misses += 1
+            late = self.tables.committed()
+            if late is not None and self.table_path is not None:
+                write_table(self.table_path, late, self._written)
 
     def _not_kept(self, exc: OSError) -> None:
         if is_disk_full(exc):
@@ -360,13 +359,8 @@ class TeeStream(ClosingStream):
             return
         self.closed = True
         try:
-            if (
-                self._fd is not None
-                and self._keep
-                and self._tail is None
-                and not self._cancelled
-                and not self._store_failed
-            ):
+            stopped = self._cancelled or self._store_failed
+            if self._fd is not None and self._keep and self._tail is None and not stopped:
                 try:
                     self._drain()
                 except Exception as exc:  # see the docstring: nothing escapes close()

@@ -119,3 +119,43 @@ def test_the_own_reader_takes_held_blocks_and_reads_the_rest_from_the_file(
     entries = {name: (data / name).read_bytes() for name in os.listdir(data)}
     assert sorted(entries.values()) == sorted(p.read_bytes() for p in shards.paths)
     assert (cache.stats.misses, cache.stats.hits, cache.stats.waits) == (2, 0, 0)
+
+
+def test_the_own_reader_hands_its_table_to_the_download_which_saves_it_as_it_commits(
+    make_shards: Any, store: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reader parses a shard to its end-of-archive marker before the download ahead has
+    committed the entry (padding, verification, rename). It must neither wait for that commit
+    on the training thread nor leave the entry without its table for the next epoch."""
+    from cloudshards.cache import lock as cachelock
+    from cloudshards.cache.membertable import load_table
+
+    shards = make_shards([3, 5])
+    urls = [fakes.url_of(p) for p in shards.paths]
+    cache = _cache_with_one_entry(tmp_path, urls[0])
+    monkeypatch.setattr(FollowStream, "COMMIT_WAIT_S", 0.5)  # a reader that waits gives up
+    release = threading.Event()
+
+    def held_commit(point: str) -> None:
+        if point == "before_rename" and threading.current_thread() is not threading.main_thread():
+            release.wait(30)
+
+    monkeypatch.setattr(cachelock, "_checkpoint", held_commit)
+    thread = cache.download_ahead(urls[1], OpenOptions(), keep_bytes=1 << 20)
+    assert thread is not None
+    size = shards.paths[1].stat().st_size
+    table = fakes.member_table(("k.cls", 512, 1), ("k.txt", 1536, 5))
+    stream = cache.open(urls[1])
+    try:
+        assert isinstance(stream, FollowStream)
+        fakes.read_exactly(stream, size)
+        stream.save_member_table(table)
+        assert thread.is_alive()  # the commit is still held: the table waits for it
+    finally:
+        release.set()
+        thread.join(30)
+        stream.close()
+    (saved,) = (tmp_path / "cache" / "meta").glob("*-000001.tar.members.json")
+    loaded = load_table(str(saved), size)
+    assert loaded is not None
+    assert loaded.names == ["k.cls", "k.txt"]

@@ -568,3 +568,50 @@ def test_column_lengths_that_do_not_describe_the_columns_are_refused(
     path = saved(tmp_path, ["a.jpg", "b.jpg"])
     edit_header(path, lengths=lengths(header_of(path)["lengths"]))
     assert load_table(str(path), 4096) is None
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_names_are_split_as_split_key_splits_each(tmp_path: Path, seed: int) -> None:
+    """A saved table carries each name's key and lower-case field exactly as the readers
+    split one name at a time, whether every name has a plain basename (split in one pass)
+    or one of them needs webdataset's regex, or has no key at all."""
+    import random
+
+    rng = random.Random(seed)
+    pieces = ["a", "Bc", ".", "/", "d.x", "ΑΣ", "'", "İ", "é", "\udcff", "\n", "dir.v2/"]
+    for _ in range(300):
+        names = [
+            "".join(rng.choice(pieces) for _ in range(rng.randrange(0, 5)))
+            for _ in range(rng.randrange(0, 6))
+        ]
+        names = [name for name in names if "\0" not in name]
+        parts = [split_key(name) for name in names]
+        table = load_table(str(saved(tmp_path, names)), 4096)
+        assert table is not None
+        if any(part is None for part in parts):
+            assert table.keys is None, names
+            continue
+        assert table.keys == [part[0] for part in parts if part is not None], names
+        assert table.fields == [part[1].lower() for part in parts if part is not None], names
+
+
+@pytest.mark.parametrize("given", ["before the commit", "during the commit", "after the commit"])
+def test_exactly_one_side_writes_a_pending_table(given: str) -> None:
+    """The reader gives its table from its thread, the download commits from its own: the
+    commit saves a table given before it; one given while it runs is the committer's to write
+    once the entry is in place; one given after, the reader's."""
+    from cloudshards.cache.membertable import PendingTable
+
+    pending, table = PendingTable(), fakes.member_table()
+    if given == "before the commit":
+        assert not pending.give(table)
+    taken = pending.take()  # the commit looks (and saves what it found with the entry)
+    if given == "during the commit":
+        assert not pending.give(table)
+    late = pending.committed()  # the entry is in place
+    reader_writes = pending.give(table) if given == "after the commit" else False
+    assert (taken is table, late is table, reader_writes) == {
+        "before the commit": (True, False, False),
+        "during the commit": (False, True, False),
+        "after the commit": (False, False, True),
+    }[given]

@@ -100,7 +100,7 @@ AREAS: dict[str, Area] = {
             "cloudshards/tar/members.py": ("*",),
             "cloudshards/tar/headers.py": ("*",),
             "cloudshards/tar/blocks.py": ("*",),
-            "cloudshards/tar/gunzip.py": ("*",),
+            "cloudshards/tar/decompress.py": ("*",),
             "cloudshards/cache/membertable.py": ("*",),
         },
         tests=(
@@ -231,24 +231,14 @@ REVIEWED_EQUIVALENTS: dict[str, str] = {
     "cloudshards/tar/blocks.py:BlockReader._drop_spare: self.spare_pos = 0 → pass": "spare_pos is read only while spare is non-empty; set with it",
     "cloudshards/tar/blocks.py:BlockReader._drop_spare: 0 → 1": "spare_pos is read only while spare is non-empty; set with it",
     "cloudshards/tar/blocks.py:BlockReader.__init__: self._stream_read = self.read → pass": "the fill in __init__ runs with seekable set, which short-circuits the check; set again below",
-    "cloudshards/tar/blocks.py:BlockReader.__init__: self._stream_read = self.read → pass #2": "performance only: gzip streams then never keep a spare (more copies, same bytes)",
     "cloudshards/tar/blocks.py:BlockReader.fill: len(self.spare) - self.spare_pos >= need → len(self.spare) - self.spare_pos > need": "performance only: an exact fit is read through _read_spare instead (same bytes)",
     "cloudshards/tar/blocks.py:BlockReader._read_spare: size < 0 → not (size < 0)": "every read of the spare asks for at least its rest, or is a fill that takes longer chunks",
     "cloudshards/tar/blocks.py:BlockReader._read_spare: size < 0 → size <= 0": "never called with 0 (every caller asks for a positive size)",
     "cloudshards/tar/blocks.py:BlockReader._read_spare: size < 0 → size < 1": "never called with 0 (every caller asks for a positive size)",
     "cloudshards/tar/blocks.py:BlockReader._read_spare: len(spare) if size < 0 else min(len(spare), start + size) → len(spare) if size < 0 else max(len(spare), start + size)": "every read of the spare asks for at least its rest, or is a fill that takes longer chunks",
     "cloudshards/tar/blocks.py:BlockReader.skip: size <= self.block_bytes → size < self.block_bytes": "performance only: a skip of exactly one block reads it in the loop instead of through fill",
-    "cloudshards/tar/gunzip.py:GunzipReader.__init__: max(block_bytes, BLOCK) → min(block_bytes, BLOCK)": (
+    "cloudshards/tar/decompress.py:DecompressReader.__init__: max(block_bytes, BLOCK) → min(block_bytes, BLOCK)": (
         "performance only: smaller decompressed chunks, same bytes and errors"
-    ),
-    "cloudshards/tar/gunzip.py:GunzipReader.__init__: zlib.decompressobj(wbits=31) → zlib.decompressobj(wbits=32)": (
-        "the stream starts with the gzip magic: header detection reads it as gzip too"
-    ),
-    "cloudshards/tar/gunzip.py:GunzipReader.__init__: 0 → 1 #2": (
-        "_out is empty at first: any start position triggers the first decompression"
-    ),
-    "cloudshards/tar/blocks.py:BlockReader.__init__: self.fill(2) → self.fill(3)": (
-        "the result is ignored; the magic check sees at least the 2 bytes it needs"
     ),
     "cloudshards/tar/blocks.py:BlockReader.fill: avail >= need → avail > need": (
         "with exactly `need` bytes the other path rebases the buffer and returns True"
@@ -350,9 +340,6 @@ REVIEWED_EQUIVALENTS: dict[str, str] = {
     "cloudshards/cache/follow.py:FollowStream.read_view: delay * 2 → delay * 1": (
         "polling interval only"
     ),
-    "cloudshards/cache/follow.py:FollowStream.read_view: -1 → -2": (
-        "any negative descriptor means closed"
-    ),
     "cloudshards/cache/follow.py:FollowStream.save_member_table: self.fd < 0 → self.fd <= 0": (
         "descriptor 0 is standard input, never a partial file's"
     ),
@@ -413,9 +400,6 @@ REVIEWED_EQUIVALENTS: dict[str, str] = {
     "cloudshards/cache/shardcache.py:ShardCache._open_hit: fcntl.flock(fd, fcntl.LOCK_SH); info = os.fstat(fd) → info = os.fstat(fd); fcntl.flock(fd, fcntl.LOCK_SH)": (
         "a committed entry is never rewritten in place: its size and inode are the same before and after the shared lock"
     ),
-    "cloudshards/cache/shardcache.py:ShardCache._download: self._save_stats(); discard(remote, skip) → discard(remote, skip); self._save_stats()": (
-        "independent: counters saved, bytes skipped"
-    ),
     "cloudshards/cache/tee.py:TeeStream.read_view: size < 0 → size <= 0": (
         "a size of 0 returned b'' just above"
     ),
@@ -473,7 +457,7 @@ REVIEWED_EQUIVALENTS: dict[str, str] = {
     "cloudshards/cache/tee.py:TeeStream._drain: return → pass #2": (
         "after the end the entry is complete (no descriptor: the loop ends) or the check raised"
     ),
-    "cloudshards/cache/shardcache.py:ShardCache._download.commit: self._write_meta(name, {**meta, 'size': nbytes}); table = tee.member_table if tee is not None else None → table = tee.member_table if tee is not None else None; self._write_meta(name, {**meta, 'size': nbytes})": (
+    "cloudshards/cache/shardcache.py:ShardCache._download.commit: self._write_meta(name, {**meta, 'size': nbytes}); table = tee.tables.take() if tee is not None else None → table = tee.tables.take() if tee is not None else None; self._write_meta(name, {**meta, 'size': nbytes})": (
         "_write_meta and write_table write a temporary file and rename it: failing, they leave nothing behind, so when its path joins the clean-up list does not matter"
     ),
     "cloudshards/cache/shardcache.py:ShardCache._download.commit: written.append(self._path('meta', name + '.json')); self._write_meta(name, {**meta, 'size': nbytes}) → self._write_meta(name, {**meta, 'size': nbytes}); written.append(self._path('meta', name + '.json'))": (
@@ -495,20 +479,11 @@ REVIEWED_EQUIVALENTS: dict[str, str] = {
     "cloudshards/balance.py:_url_key: hashlib.blake2b(key.encode(), digest_size=16) → hashlib.blake2b(key.encode(), digest_size=15)": (
         "the key only names entries that this version writes and reads"
     ),
-    'cloudshards/balance.py:resolve_sample_counts: hashlib.blake2b("\\n".join(keys).encode(), digest_size=16) → hashlib.blake2b("\\n".join(keys).encode(), digest_size=17)': (
-        "the file name only has to be the same for the same shards, in this version"
-    ),
-    'cloudshards/balance.py:resolve_sample_counts: hashlib.blake2b("\\n".join(keys).encode(), digest_size=16) → hashlib.blake2b("\\n".join(keys).encode(), digest_size=15)': (
-        "the file name only has to be the same for the same shards, in this version"
-    ),
     "cloudshards/balance.py:resolve_sample_counts: zip(keys, found, strict=True) → zip(keys, found, strict=False)": (
         "_from_index returns one count per URL, by construction"
     ),
     "cloudshards/balance.py:resolve_sample_counts: zip(keys, result, strict=True) → zip(keys, result, strict=False)": (
         "pool.map returns one count per URL"
-    ),
-    "cloudshards/balance.py:resolve_sample_counts: min(_COUNT_THREADS, len(urls)) or 1 → min(_COUNT_THREADS, len(urls)) or 2": (
-        "reached with no URLs only: no task, no thread is started"
     ),
     "cloudshards/balance.py:assign_samples: position >= end → position > end": (
         "the break only ends the loop early: every later shard has lo >= end >= hi"

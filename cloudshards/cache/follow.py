@@ -239,11 +239,22 @@ class FollowStream(ClosingStream):
         """
         if self.table_path is None or self._replacement is not None or self.fd < 0:
             return
-        if self._handoff is not None and self._handoff.tee is not None:
+        handoff = self._handoff
+        tee = handoff.tee if handoff is not None else None
+        if handoff is not None and tee is not None:
             # This process's own download: it saves the table as it commits the entry, or
-            # this reader saves it now if it has (no wait, nor polling, for the commit).
-            self._handoff.tee.save_member_table(table)
-            return
+            # this reader does now if it has (the entry still the file read: not evicted and
+            # replaced since). The reader goes on once the download has ended, woken then, as
+            # below: under a byte budget, the next shard's room may be this entry's, which can
+            # only be evicted once it is in place.
+            if tee.tables.give(table):
+                if self._committed():
+                    write_table(self.table_path, table, os.fstat(self.fd).st_size)
+                return
+            handoff.wait_finished(self.COMMIT_WAIT_S)
+            if tee.committed or not handoff.finished:
+                return  # saved with the entry, or it will be once that commits
+            # Ended without a commit: another process may have taken the download over.
         deadline = time.monotonic() + self.COMMIT_WAIT_S
         delay = self.POLL_MIN_S
         while not self._committed():

@@ -162,6 +162,11 @@ class Handoff:
         with self._cond:
             self._cond.wait_for(lambda: self._end > offset or self._finished, timeout)
 
+    def wait_finished(self, timeout: float) -> None:
+        """Wait (at most ``timeout`` seconds) until the download has ended."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._finished, timeout)
+
     def clear(self) -> None:
         """Drop every held block (the reader is done, or never came)."""
         with self._cond:

@@ -229,6 +229,11 @@ class TeeStream(ClosingStream):
             self._drop_partial()
 
     @property
+    def committed(self) -> bool:
+        """The entry is in place."""
+        return self._committed
+
+    @property
     def partial_dropped(self) -> bool:
         """The partial file was given up mid-way: later bytes are not cached."""
         return self._fd is None and not self._committed and not self.closed

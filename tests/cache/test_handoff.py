@@ -125,15 +125,15 @@ def test_the_own_reader_hands_its_table_to_the_download_which_saves_it_as_it_com
     make_shards: Any, store: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The reader parses a shard to its end-of-archive marker before the download ahead has
-    committed the entry (padding, verification, rename). It must neither wait for that commit
-    on the training thread nor leave the entry without its table for the next epoch."""
+    committed the entry (padding, verification, rename). A commit later than the reader waits
+    for must still save the reader's table, for the next epoch."""
     from cloudshards.cache import lock as cachelock
     from cloudshards.cache.membertable import load_table
 
     shards = make_shards([3, 5])
     urls = [fakes.url_of(p) for p in shards.paths]
     cache = _cache_with_one_entry(tmp_path, urls[0])
-    monkeypatch.setattr(FollowStream, "COMMIT_WAIT_S", 0.5)  # a reader that waits gives up
+    monkeypatch.setattr(FollowStream, "COMMIT_WAIT_S", 0.2)  # the reader stops waiting
     release = threading.Event()
 
     def held_commit(point: str) -> None:
@@ -150,7 +150,7 @@ def test_the_own_reader_hands_its_table_to_the_download_which_saves_it_as_it_com
         assert isinstance(stream, FollowStream)
         fakes.read_exactly(stream, size)
         stream.save_member_table(table)
-        assert thread.is_alive()  # the commit is still held: the table waits for it
+        assert thread.is_alive()  # the commit is still held: the table goes with it
     finally:
         release.set()
         thread.join(30)
@@ -159,3 +159,110 @@ def test_the_own_reader_hands_its_table_to_the_download_which_saves_it_as_it_com
     loaded = load_table(str(saved), size)
     assert loaded is not None
     assert loaded.names == ["k.cls", "k.txt"]
+
+
+def test_a_reader_never_saves_its_table_beside_an_entry_replaced_since(
+    store: None, tmp_path: Path
+) -> None:
+    """The reader's own download commits as soon as it has the shard, maybe long before the
+    reader parses the last sample. If the entry is evicted meanwhile and another process
+    caches a new version of the object of the same size, the reader's table describes the
+    old file: saved beside the new one, warm epochs would slice it at the old offsets."""
+    import io
+    import shutil
+    import tarfile
+
+    from cloudshards.cache.membertable import MemberTable
+    from cloudshards.tar.members import iter_members
+
+    def tar_of(path: Path, members: list[tuple[str, bytes]]) -> Path:
+        with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+            for name, data in members:
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+        return path
+
+    old = tar_of(tmp_path / "v1.tar", [("s0.txt", b"A" * 1000), ("s0.cls", b"1")])
+    new = tar_of(tmp_path / "v2.tar", [("s0.txt", b"B" * 10), ("s0.cls", b"2" * 1000)])
+    assert old.stat().st_size == new.stat().st_size
+    obj = tmp_path / "shard.tar"
+    shutil.copy(old, obj)
+    url = fakes.url_of(obj)
+
+    def parsed(stream: Any) -> MemberTable:
+        table = MemberTable()
+        for _ in iter_members(stream, url=url, record=table):
+            pass
+        assert table.complete
+        return table
+
+    cache = wds.ShardCache(tmp_path / "cache")
+    cancel = threading.Event()
+    reader = cache.open_entry(
+        url,
+        OpenOptions(),
+        shard_index=0,
+        wait_s=10,
+        open_store=None,
+        cancel=cancel,
+        keep_bytes=1 << 20,
+    )
+    assert isinstance(reader, FollowStream)
+    stale = parsed(reader)
+    cache.join_downloads(cancel, 30)  # the entry is in place, the reader not done with it
+    (entry,) = (tmp_path / "cache" / "data").iterdir()
+    cache._remove_entry(entry.name)  # evicted (another process's budget, `cache clear`)
+    shutil.copy(new, obj)  # the object replaced, and cached by another process
+    other = wds.ShardCache(tmp_path / "cache").open(url)
+    other.save_member_table(parsed(other))
+    other.close()
+    reader.save_member_table(stale)  # the first reader's last sample is done only now
+    reader.close()
+    with wds.ShardCache(tmp_path / "cache").open(url) as hit:
+        table = hit.member_table()
+    assert table is not None
+    assert list(table.rows()) == [("s0.txt", 512, 10), ("s0.cls", 1536, 1000)]
+
+
+def test_under_a_budget_for_one_shard_each_shard_read_through_its_own_download_is_cached(
+    make_shards: Any, store: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reader done with its shard before its download committed it moves on only once the
+    entry is in place: the next shard's room is that entry's, evicted then. Moving on at once
+    found the budget held by an entry still being committed, and streamed the next shard
+    uncached."""
+    import time
+
+    from cloudshards.cache import lock as cachelock
+    from cloudshards.cache.membertable import MemberTable
+    from cloudshards.tar.members import iter_members
+
+    shards = make_shards([10, 10], payload_bytes=20_000)
+    size = max(path.stat().st_size for path in shards.paths)
+
+    def slow_commit(point: str) -> None:
+        if point == "before_rename" and threading.current_thread() is not threading.main_thread():
+            time.sleep(0.3)
+
+    monkeypatch.setattr(cachelock, "_checkpoint", slow_commit)
+    cache = wds.ShardCache(tmp_path / "cache", max_bytes=size * 3 // 2)
+    cancel = threading.Event()
+    for path in shards.paths:
+        reader = cache.open_entry(
+            fakes.url_of(path),
+            OpenOptions(),
+            shard_index=0,
+            wait_s=10,
+            open_store=None,
+            cancel=cancel,
+            keep_bytes=1 << 20,
+        )
+        assert isinstance(reader, FollowStream)
+        table = MemberTable()
+        for _ in iter_members(reader, record=table):
+            pass
+        reader.save_member_table(table)
+        reader.close()  # and the next shard opens at once
+    cache.join_downloads(cancel, 30)
+    assert (cache.stats.misses, cache.stats.uncached, cache.stats.evictions) == (2, 0, 1)

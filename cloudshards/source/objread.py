@@ -24,7 +24,7 @@ _CODE = re.compile(r"<Code>([A-Za-z0-9.]{1,64})</Code>")
 def translate_error(exc: BaseException) -> BaseException:
     """obstore's error as the builtin error cloudshards' retry and error mapping judge: not
     found, access denied, another client error (with ``status``), or a transient failure."""
-    text = str(exc).split("\n\nDebug", 1)[0]
+    text, _, debug = str(exc).partition("\n\nDebug")
     status_match = _STATUS.search(text)
     status = int(status_match.group(1)) if status_match else None
     code_match = _CODE.search(text)
@@ -33,6 +33,9 @@ def translate_error(exc: BaseException) -> BaseException:
     summary = (f"{code} (HTTP {status})" if code else f"HTTP {status}") if status else text[:300]
     if "TokenUnavailable: " in text:  # gcsconfig's: the token endpoint did not answer
         return ConnectionError(f"no access token: {text.split('TokenUnavailable: ', 1)[1][:300]}")
+    if status is None and ("kind: Timeout" in debug or "TimedOut" in debug):
+        # Its read timeout, which cloudshards sets to stall_timeout_s: no byte came for that long.
+        return TimeoutError(f"stalled: no answer within stall_timeout_s ({name}: {text[:300]})")
     if isinstance(exc, FileNotFoundError) or name == "NotFoundError" or status == 404:
         return FileNotFoundError(summary)
     if name in ("PermissionDeniedError", "UnauthenticatedError") or status in (401, 403):

@@ -353,3 +353,63 @@ def test_a_bug_is_raised_at_once_not_retried_as_transient(
     assert raised.value.__cause__ is not None
     assert (stats.retries, stats.failures) == (0, 1)
     assert "retry" not in caplog.text
+
+
+@pytest.mark.timeout(60)
+def test_an_s3_answer_that_stalls_mid_body_is_reported_as_stalled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Through obstore, a GET whose body stops coming failed with "request or response body
+    error": its read timeout (stall_timeout_s) shows only in the debug text. The error says
+    the answer stalled, as for every other protocol, and names the shard."""
+    import socket
+    import threading
+
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(name, raising=False)
+    server = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+    done = threading.Event()
+    head = (
+        b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\nContent-Type: application/x-tar\r\n"
+        b'ETag: "0123456789abcdef0123456789abcdef"\r\n'
+        b"Last-Modified: Sun, 29 Nov 2026 06:00:00 GMT\r\n\r\n"
+    )
+
+    def serve() -> None:
+        server.settimeout(0.2)
+        while not done.is_set():
+            with contextlib.suppress(OSError):
+                connection = server.accept()[0]
+                held.append(connection)
+                connection.recv(65536)
+                connection.sendall(head + bytes(1000))  # then nothing more
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    options = {
+        "s3": {
+            "endpoint_url": f"http://127.0.0.1:{server.getsockname()[1]}",
+            "key": "k",
+            "secret": "s",
+            "client_kwargs": {"region_name": "us-east-1"},
+        }
+    }
+    try:
+        with pytest.raises(ShardOpenError, match="stalled") as info:
+            list(
+                wds.WebDataset(
+                    "s3://bucket/a.tar",
+                    storage_options=options,
+                    stall_timeout_s=1,
+                    retries=0,
+                    shardshuffle=False,
+                )
+            )
+        assert info.value.url == "s3://bucket/a.tar"
+    finally:
+        done.set()
+        thread.join()
+        for connection in held:
+            connection.close()
+        server.close()

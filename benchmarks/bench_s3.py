@@ -249,6 +249,18 @@ def report(cells: dict[tuple[str, int, str], Cell], args: argparse.Namespace) ->
             }[setup]
             print(f"\n{setup}: {where}, {workers} DataLoader workers, batch {args.batch}\n")
             print(format_table(header, rows))
+            for plain in ("cloudshards", "before"):  # what the node cache costs a cold epoch
+                uncached, cached = (
+                    cells.get((setup, workers, v)) for v in (plain, plain + "+cache")
+                )
+                if (
+                    uncached is not None
+                    and cached is not None
+                    and uncached.epochs
+                    and cached.epochs
+                ):
+                    ratio = cached.rate(0) / uncached.rate(0)
+                    print(f"{plain}+cache cold: {ratio:.2f}x {plain} cold (without the cache)")
     return problems
 
 

@@ -190,15 +190,24 @@ class CountFree:
         path, _ = counts_file(split.urls)
         return {**saved_counts(path), **observed(seen_file(path))}
 
-    def take(self, dataset: Any, seen: dict[str, int]) -> None:
+    def take(self, dataset: Any, seen: dict[str, int], *, ended: bool = False) -> None:
         """Note counts carried by a checkpoint (:meth:`carried`) on this node, as if read
-        here: the restored epoch pools them with the ones it notes itself."""
+        here: the restored epoch pools them with the ones it notes itself. ``ended``: saved
+        after that epoch's end, which pooled them: they are the counts the job it continues
+        balances its next epoch by, and go to the counts file at once."""
         split = _split_of(dataset)
-        if split is None or not seen or WorkerInfo.detect().local_rank != 0:
-            return  # (one rank per node notes them)
+        if split is None or not seen:
+            return
         path, keys = counts_file(split.urls)
-        for key in set(keys) & set(seen):
-            observe(seen_file(path), key, int(seen[key]))
+        carried = {key: int(seen[key]) for key in set(keys) & set(seen)}
+        if ended:  # every rank writes them (the same, under a lock): none may look first
+            save_counts(path, carried)
+            split._counts = None
+            return
+        if WorkerInfo.detect().local_rank != 0:
+            return  # (one rank per node notes them)
+        for key, count in carried.items():
+            observe(seen_file(path), key, count)
 
     def _all(self, flag: bool) -> bool:
         value = torch.tensor([1 if flag else 0], dtype=torch.int32)

@@ -113,12 +113,14 @@ class StatefulLoader(SettledFork, StatefulDataLoader):  # type: ignore[misc]
         for state in states:
             seen.update(state.get(SEEN_KEY) or {})
         states = [{k: v for k, v in state.items() if k != SEEN_KEY} for state in states]
-        if seen:
-            self._count_free.take(self.dataset, seen)
         found = [one for state in states for one in _pipeline_states(state)]
-        self._count_free.restored = any(one.get("count_free") for one in found)
         layouts = {(int(one["consumer"][1]), int(one["consumer"][3])) for one in found}
         ended = bool(found) and all(state.get("_iterator_finished") for state in states)
+        if seen:
+            self._count_free.take(self.dataset, seen, ended=ended)
+        # A count-free epoch restored mid-way runs on count-free; one that had ended is over:
+        # the next epoch is balanced by the counts its state carries, as the job's next was.
+        self._count_free.restored = not ended and any(one.get("count_free") for one in found)
         # Saved after the epoch's last batch but before the loop asked for one more: every
         # consumer's share ran out, and the loader was not told yet.
         spent = bool(found) and all(one.get("ended") is not None for one in found)

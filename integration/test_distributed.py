@@ -603,6 +603,15 @@ def test_epochs_without_counts_read_no_counting_pass(
     for rank in range(resumed.world_size):
         assert resumed.steps[rank] == reference.steps[rank], f"rank {rank}"
 
+    # Saved after epoch 0 ended (an end-of-epoch checkpoint), resumed elsewhere: epoch 1 is
+    # balanced by the counts the state carries, as in the uninterrupted run (it once ran
+    # count-free again: other samples on each rank, and on another world some lost).
+    log_dir, state = runner.new_dir("cf-ended"), runner.new_dir("cf-ended-state")
+    launch(f"--state={state}", "--epochs=1", counts=runner.new_dir("cf-c5"), log_dir=log_dir)
+    resumed = launch(f"--resume={state}", counts=runner.new_dir("cf-c6"), log_dir=log_dir)
+    for rank in range(resumed.world_size):
+        assert resumed.steps[rank] == reference.steps[rank], f"rank {rank}"
+
 
 def test_the_first_step_reads_one_shard_per_worker(
     runner: Runner, http_server: NginxServer, cloudsim_process: Any

@@ -158,6 +158,12 @@ def _by_consumer(states: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]
         if number in found:
             raise StateMismatchError(f"two states of rank {rank}, worker {worker}")
         found[number] = state
+    missing = sorted(set(range(world)) - {number // workers for number in found})
+    if missing:  # its samples delivered before the save would come again: duplicates
+        raise StateMismatchError(
+            f"no state of rank(s) {missing} of the {world} that saved this epoch: an elastic "
+            "restore needs every rank's state (each rank's, or StatefulLoader's gathered one)"
+        )
     epoch = next(iter(states))["epoch"]
     start = {"consumer": None, "epoch": epoch, "stages": {}}
     result: list[Mapping[str, Any]] = []

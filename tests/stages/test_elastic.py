@@ -302,14 +302,37 @@ def test_a_mix_by_weights_needs_an_epoch_length_to_divide(make_shards: Any) -> N
         (lambda s: wds.WeightedMix(s, [1, 1]), "with_epoch"),
         (lambda s: wds.RandomMix(s, [1, 1]), "starts with RandomMix"),
     ):
-        loader = StatefulDataLoader(mix(0, 2, kind), batch_size=None)
-        it = iter(loader)
-        next(it)
-        state = loader.state_dict()
+        states = []
+        for rank in (0, 1):  # every rank's state: an elastic restore needs them all
+            loader = StatefulDataLoader(mix(rank, 2, kind), batch_size=None)
+            next(iter(loader))
+            states.append(loader.state_dict())
         restored = wds.StatefulLoader(mix(0, 1, kind), batch_size=None)
-        restored.load_state_dict({"cloudshards_ranks": [state], "world_size": 2})
+        restored.load_state_dict({"cloudshards_ranks": states, "world_size": 2})
         with pytest.raises(StateMismatchError, match=error):
             list(restored)
+
+
+@pytest.mark.parametrize("given", ["gathered", "alone"])
+def test_an_elastic_restore_without_some_ranks_state_is_refused(
+    make_shards: Any, given: str
+) -> None:
+    """A 2-rank job's states, rank 1's lost (with its node): restored on 1 rank from rank 0's
+    alone, rank 1's samples delivered before the save came again, without a word."""
+    spec = make_shards(SIZES).spec()
+    loader = StatefulDataLoader(
+        wds.WebDataset(spec, shardshuffle=True, seed=3, rank=0, world_size=2), batch_size=None
+    )
+    it = iter(loader)
+    next(it)
+    next(it)
+    state = loader.state_dict()
+    restored = wds.StatefulLoader(
+        wds.WebDataset(spec, shardshuffle=True, seed=3, rank=0, world_size=1), batch_size=None
+    )
+    with pytest.raises(StateMismatchError, match=r"no state of rank\(s\) \[1\] of the 2"):
+        restored.load_state_dict({"cloudshards_ranks": [state]} if given == "gathered" else state)
+        list(restored)
 
 
 def test_a_second_restore_divides_a_pending_share_by_the_loops_batch(make_shards: Any) -> None:

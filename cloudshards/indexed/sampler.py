@@ -5,15 +5,17 @@ Part of :mod:`cloudshards.indexed`, which re-exports it.
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import logging
 import random
-from collections.abc import Iterator, Sized
+from collections.abc import Iterator, Mapping, Sized
 from typing import Any
 
 import torch.utils.data
 
 from cloudshards.dist import WorkerInfo, derive_seed
-from cloudshards.errors import ConfigError
+from cloudshards.errors import ConfigError, StateMismatchError
 
 __all__ = ["DistributedChunkedSampler"]
 
@@ -103,6 +105,8 @@ class DistributedChunkedSampler(torch.utils.data.Sampler[int]):
                 num_replicas,
             )
         self.epoch = 0
+        self.yielded = 0  # indices handed out in this iteration of the epoch
+        self._resume: tuple[int, int] | None = None  # (epoch, indices) of a loaded state
 
     def set_epoch(self, epoch: int) -> None:
         """Use the order of ``epoch`` from the next iteration on (the same on every rank)."""
@@ -111,7 +115,64 @@ class DistributedChunkedSampler(torch.utils.data.Sampler[int]):
     def __len__(self) -> int:
         return self.num_samples
 
+    def _order(self) -> dict[str, Any]:
+        """What this rank's order of an epoch depends on (besides the epoch)."""
+        chunks = hashlib.blake2b(repr(self.chunks).encode(), digest_size=8).hexdigest()
+        return {
+            "samples": self.dataset_size,
+            "chunks": chunks,
+            "num_replicas": self.num_replicas,
+            "rank": self.rank,
+            "shuffle": self.shuffle,
+            "seed": self.seed,
+            "drop_last": self.drop_last,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this rank is in its order of the epoch, and what that order depends on:
+        torchdata's ``StatefulDataLoader`` (and :class:`~cloudshards.StatefulLoader`) save it
+        and restore it with :meth:`load_state_dict`, instead of counting indices again."""
+        return {"epoch": self.epoch, "yielded": self.yielded, "order": self._order()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from ``state`` at the next iteration (its epoch, unless :meth:`set_epoch`
+        moves to the next one after an epoch that had ended).
+
+        Raises:
+            StateMismatchError: ``state`` was saved by a sampler whose order differs (another
+                dataset size or chunks, number of ranks, rank, seed, shuffle or drop_last): the
+                indices that follow would not be the ones the saved run had left.
+        """
+        saved = state.get("order") if isinstance(state, Mapping) else None
+        if not isinstance(saved, Mapping):
+            raise StateMismatchError("not a DistributedChunkedSampler state")
+        differ = sorted(k for k, v in self._order().items() if saved.get(k) != v)
+        if differ:
+            raise StateMismatchError(
+                "the checkpoint's DistributedChunkedSampler had another order (it differs in "
+                f"{', '.join(differ)}): restore with the sampler of the run that saved it"
+            )
+        epoch, yielded = state.get("epoch"), state.get("yielded")
+        if type(epoch) is not int or type(yielded) is not int or not 0 <= yielded <= len(self):
+            raise StateMismatchError(f"a DistributedChunkedSampler state out of range: {state}")
+        self.epoch, self._resume = epoch, (epoch, yielded)
+
     def __iter__(self) -> Iterator[int]:
+        self.yielded, skip = 0, 0
+        if self._resume is not None:
+            (epoch, yielded), self._resume = self._resume, None
+            if epoch == self.epoch:
+                skip = yielded
+            elif yielded < len(self):  # set_epoch left an epoch that had not ended
+                raise StateMismatchError(
+                    f"the sampler's state is in epoch {epoch} (after {yielded} of {len(self)} "
+                    f"indices), but set_epoch({self.epoch}) was called before iterating"
+                )
+        for index in itertools.islice(self._indices(), skip, None):
+            self.yielded = skip = skip + 1
+            yield index
+
+    def _indices(self) -> Iterator[int]:
         order = list(range(len(self.chunks)))
         if self.shuffle:
             random.Random(derive_seed(self.seed, self.epoch, "chunks")).shuffle(order)

@@ -330,8 +330,8 @@ def test_an_elastic_restore_without_some_ranks_state_is_refused(
     restored = wds.StatefulLoader(
         wds.WebDataset(spec, shardshuffle=True, seed=3, rank=0, world_size=1), batch_size=None
     )
+    restored.load_state_dict({"cloudshards_ranks": [state]} if given == "gathered" else state)
     with pytest.raises(StateMismatchError, match=r"no state of rank\(s\) \[1\] of the 2"):
-        restored.load_state_dict({"cloudshards_ranks": [state]} if given == "gathered" else state)
         list(restored)
 
 

@@ -150,8 +150,32 @@ def validated(state: Any, now: tuple[str, list[str]], legacy: Callable[[], str])
     if version == STATE_VERSION:
         if state.get("fingerprint") != now[0]:
             raise StateMismatchError(mismatch_message(state.get("layout"), now[1]))
+        wrong = _position_wrong(state)
+        if wrong:  # its fingerprint matches: damaged, or edited by hand
+            raise StateMismatchError(
+                f"a pipeline state whose {wrong} is out of range or not a count"
+            )
         return dict(state)
     raise StateMismatchError(f"not a cloudshards pipeline state: {state!r:.200}")
+
+
+def _position_wrong(state: Mapping[str, Any]) -> str | None:
+    """Which of ``state``'s epoch, consumer and reader position is not as saved; None: none."""
+
+    def counts(*values: Any) -> bool:
+        return all(type(value) is int and value >= 0 for value in values)
+
+    consumer, stages = state.get("consumer"), state.get("stages")
+    if type(state.get("epoch")) is not int:
+        return f"epoch ({state.get('epoch')!r:.40})"
+    if not isinstance(consumer, list | tuple) or len(consumer) != 4 or not counts(*consumer):
+        return f"consumer ({consumer!r:.60})"
+    reader = stages.get("reader", {}) if isinstance(stages, dict) else None
+    if not isinstance(reader, dict) or not counts(
+        *(reader.get(k, 0) for k in ("shards", "samples"))
+    ):
+        return f"reader position ({reader!r:.60})"
+    return None
 
 
 def check_consumer(state: Mapping[str, Any], info: Any) -> None:

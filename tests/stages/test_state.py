@@ -143,6 +143,30 @@ def test_state_from_another_dataset_is_refused(make_shards: Any, tmp_path: Any) 
         wds.WebDataset(shards.spec()).load_state_dict({"epoch": 3})
 
 
+@pytest.mark.parametrize(
+    ("edit", "named"),
+    [
+        ({"epoch": "x"}, "epoch"),
+        ({"consumer": None}, "consumer"),
+        ({"stages": {"reader": {"shards": 1, "samples": -5}}}, "reader position"),
+        ({"stages": {"reader": {"shards": "x", "samples": 1}}}, "reader position"),
+    ],
+    ids=["epoch", "consumer", "negative", "not a number"],
+)
+def test_a_damaged_state_of_this_dataset_is_refused(
+    make_shards: Any, edit: dict[str, Any], named: str
+) -> None:
+    """Its fingerprint matches, but a position in it is not a count: a negative sample number
+    gave samples twice, others a bare KeyError or ValueError."""
+    spec = make_shards([3, 3]).spec()
+    ds = wds.WebDataset(spec, shardshuffle=True)
+    it = iter(ds)
+    next(it)
+    state = {**ds.state_dict(), **edit}
+    with pytest.raises(StateMismatchError, match=f"whose {named}"):
+        wds.WebDataset(spec, shardshuffle=True).load_state_dict(state)
+
+
 def test_state_from_another_rank_layout_is_refused(
     make_shards: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

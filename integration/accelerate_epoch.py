@@ -9,6 +9,7 @@ reads the stream and keeps its part). Each rank prints the keys it trained on pe
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -54,6 +55,12 @@ def main() -> None:
     # Leave the process group before the interpreter exits, as Accelerate asks: gloo's threads
     # still running at exit abort the process ("terminate called without an active exception").
     accelerator.end_training()
+    # Open defect, not what this script checks: with a cloudshards dataset, a rank sometimes
+    # aborts in the interpreter's C++ teardown after this point ("terminate called without an
+    # active exception": 3 of 28 runs here, none of 20 with a plain IterableDataset). Every
+    # sample and line is out by now: leave without that teardown.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -161,44 +161,8 @@ def test_the_own_reader_hands_its_table_to_the_download_which_saves_it_as_it_com
     assert loaded.names == ["k.cls", "k.txt"]
 
 
-def test_a_reader_never_saves_its_table_beside_an_entry_replaced_since(
-    store: None, tmp_path: Path
-) -> None:
-    """The reader's own download commits as soon as it has the shard, maybe long before the
-    reader parses the last sample. If the entry is evicted meanwhile and another process
-    caches a new version of the object of the same size, the reader's table describes the
-    old file: saved beside the new one, warm epochs would slice it at the old offsets."""
-    import io
-    import shutil
-    import tarfile
-
-    from cloudshards.cache.membertable import MemberTable
-    from cloudshards.tar.members import iter_members
-
-    def tar_of(path: Path, members: list[tuple[str, bytes]]) -> Path:
-        with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
-            for name, data in members:
-                info = tarfile.TarInfo(name)
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
-        return path
-
-    old = tar_of(tmp_path / "v1.tar", [("s0.txt", b"A" * 1000), ("s0.cls", b"1")])
-    new = tar_of(tmp_path / "v2.tar", [("s0.txt", b"B" * 10), ("s0.cls", b"2" * 1000)])
-    assert old.stat().st_size == new.stat().st_size
-    obj = tmp_path / "shard.tar"
-    shutil.copy(old, obj)
-    url = fakes.url_of(obj)
-
-    def parsed(stream: Any) -> MemberTable:
-        table = MemberTable()
-        for _ in iter_members(stream, url=url, record=table):
-            pass
-        assert table.complete
-        return table
-
-    cache = wds.ShardCache(tmp_path / "cache")
-    cancel = threading.Event()
+def own_download(cache: Any, url: str, cancel: threading.Event) -> FollowStream:
+    """A reader of its own download of ``url`` (run in the background, as a dataset's is)."""
     reader = cache.open_entry(
         url,
         OpenOptions(),
@@ -209,6 +173,44 @@ def test_a_reader_never_saves_its_table_beside_an_entry_replaced_since(
         keep_bytes=1 << 20,
     )
     assert isinstance(reader, FollowStream)
+    return reader
+
+
+def parsed(stream: Any) -> Any:
+    """The complete member table of the shard ``stream`` reads, parsed to its end."""
+    from cloudshards.cache.membertable import MemberTable
+    from cloudshards.tar.members import iter_members
+
+    table = MemberTable()
+    for _ in iter_members(stream, url=getattr(stream, "url", None), record=table):
+        pass
+    assert table.complete
+    return table
+
+
+def test_a_reader_never_saves_its_table_beside_an_entry_replaced_since(
+    store: None, tmp_path: Path
+) -> None:
+    """The reader's own download commits as soon as it has the shard, maybe long before the
+    reader parses the last sample. If the entry is evicted meanwhile and another process
+    caches a new version of the object of the same size, the reader's table describes the
+    old file: saved beside the new one, warm epochs would slice it at the old offsets."""
+    import shutil
+    import tarfile
+
+    from conftest import write_tar
+
+    old, new = tmp_path / "v1.tar", tmp_path / "v2.tar"
+    write_tar(old, [("s0", {"txt": b"A" * 1000, "cls": b"1"})], tarfile.USTAR_FORMAT)
+    write_tar(new, [("s0", {"txt": b"B" * 10, "cls": b"2" * 1000})], tarfile.USTAR_FORMAT)
+    assert old.stat().st_size == new.stat().st_size
+    obj = tmp_path / "shard.tar"
+    shutil.copy(old, obj)
+    url = fakes.url_of(obj)
+
+    cache = wds.ShardCache(tmp_path / "cache")
+    cancel = threading.Event()
+    reader = own_download(cache, url, cancel)
     stale = parsed(reader)
     cache.join_downloads(cancel, 30)  # the entry is in place, the reader not done with it
     (entry,) = (tmp_path / "cache" / "data").iterdir()
@@ -235,8 +237,6 @@ def test_under_a_budget_for_one_shard_each_shard_read_through_its_own_download_i
     import time
 
     from cloudshards.cache import lock as cachelock
-    from cloudshards.cache.membertable import MemberTable
-    from cloudshards.tar.members import iter_members
 
     shards = make_shards([10, 10], payload_bytes=20_000)
     size = max(path.stat().st_size for path in shards.paths)
@@ -249,20 +249,8 @@ def test_under_a_budget_for_one_shard_each_shard_read_through_its_own_download_i
     cache = wds.ShardCache(tmp_path / "cache", max_bytes=size * 3 // 2)
     cancel = threading.Event()
     for path in shards.paths:
-        reader = cache.open_entry(
-            fakes.url_of(path),
-            OpenOptions(),
-            shard_index=0,
-            wait_s=10,
-            open_store=None,
-            cancel=cancel,
-            keep_bytes=1 << 20,
-        )
-        assert isinstance(reader, FollowStream)
-        table = MemberTable()
-        for _ in iter_members(reader, record=table):
-            pass
-        reader.save_member_table(table)
+        reader = own_download(cache, fakes.url_of(path), cancel)
+        reader.save_member_table(parsed(reader))
         reader.close()  # and the next shard opens at once
     cache.join_downloads(cancel, 30)
     assert (cache.stats.misses, cache.stats.uncached, cache.stats.evictions) == (2, 0, 1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import pickle
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -281,10 +282,11 @@ def test_a_server_error_under_fsspecs_not_found_is_retried_not_missing(
         assert type(cause).__name__ in str(error)
 
 
-@pytest.mark.timeout(60)
-def test_a_server_that_never_answers_fails_within_the_stall_timeout() -> None:
-    """fsspec's HTTP info() waits up to aiohttp's 300 s for an answer, and tries HEAD, then
-    GET: a server that accepts and says nothing once held a reader for ten minutes."""
+@contextlib.contextmanager
+def holding_server(answer: bytes | None = None) -> Iterator[int]:
+    """A server on 127.0.0.1 that accepts every connection and holds it open, saying nothing
+    or, given ``answer``, reading the request and sending ``answer`` and nothing more. Yields
+    its port."""
     import socket
     import threading
 
@@ -292,24 +294,36 @@ def test_a_server_that_never_answers_fails_within_the_stall_timeout() -> None:
     held: list[socket.socket] = []
     done = threading.Event()
 
-    def accept() -> None:
+    def serve() -> None:
         server.settimeout(0.2)
         while not done.is_set():
             with contextlib.suppress(OSError):
-                held.append(server.accept()[0])  # and never answer
+                connection = server.accept()[0]
+                held.append(connection)
+                if answer is not None:
+                    connection.recv(65536)
+                    connection.sendall(answer)
 
-    thread = threading.Thread(target=accept, daemon=True)
+    thread = threading.Thread(target=serve, daemon=True)
     thread.start()
-    url = f"http://127.0.0.1:{server.getsockname()[1]}/a.tar"
     try:
-        with pytest.raises(ShardOpenError, match=r"stalled|Timeout"):
-            list(wds.WebDataset(url, stall_timeout_s=2, retries=1, shardshuffle=False))
+        yield server.getsockname()[1]
     finally:
         done.set()
         thread.join()
         for connection in held:
             connection.close()
         server.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_server_that_never_answers_fails_within_the_stall_timeout() -> None:
+    """fsspec's HTTP info() waits up to aiohttp's 300 s for an answer, and tries HEAD, then
+    GET: a server that accepts and says nothing once held a reader for ten minutes."""
+    with holding_server() as port:
+        url = f"http://127.0.0.1:{port}/a.tar"
+        with pytest.raises(ShardOpenError, match=r"stalled|Timeout"):
+            list(wds.WebDataset(url, stall_timeout_s=2, retries=1, shardshuffle=False))
 
 
 @pytest.mark.parametrize(
@@ -362,40 +376,22 @@ def test_an_s3_answer_that_stalls_mid_body_is_reported_as_stalled(
     """Through obstore, a GET whose body stops coming failed with "request or response body
     error": its read timeout (stall_timeout_s) shows only in the debug text. The error says
     the answer stalled, as for every other protocol, and names the shard."""
-    import socket
-    import threading
-
     for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL"):
         monkeypatch.delenv(name, raising=False)
-    server = socket.create_server(("127.0.0.1", 0))
-    held: list[socket.socket] = []
-    done = threading.Event()
     head = (
         b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\nContent-Type: application/x-tar\r\n"
         b'ETag: "0123456789abcdef0123456789abcdef"\r\n'
         b"Last-Modified: Sun, 29 Nov 2026 06:00:00 GMT\r\n\r\n"
     )
-
-    def serve() -> None:
-        server.settimeout(0.2)
-        while not done.is_set():
-            with contextlib.suppress(OSError):
-                connection = server.accept()[0]
-                held.append(connection)
-                connection.recv(65536)
-                connection.sendall(head + bytes(1000))  # then nothing more
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    options = {
-        "s3": {
-            "endpoint_url": f"http://127.0.0.1:{server.getsockname()[1]}",
-            "key": "k",
-            "secret": "s",
-            "client_kwargs": {"region_name": "us-east-1"},
+    with holding_server(head + bytes(1000)) as port:  # then nothing more
+        options = {
+            "s3": {
+                "endpoint_url": f"http://127.0.0.1:{port}",
+                "key": "k",
+                "secret": "s",
+                "client_kwargs": {"region_name": "us-east-1"},
+            }
         }
-    }
-    try:
         with pytest.raises(ShardOpenError, match="stalled") as info:
             list(
                 wds.WebDataset(
@@ -407,9 +403,3 @@ def test_an_s3_answer_that_stalls_mid_body_is_reported_as_stalled(
                 )
             )
         assert info.value.url == "s3://bucket/a.tar"
-    finally:
-        done.set()
-        thread.join()
-        for connection in held:
-            connection.close()
-        server.close()

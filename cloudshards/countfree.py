@@ -35,9 +35,11 @@ instead (an exact first epoch, for a counting pass per node).
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import itertools
 import logging
+import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -71,7 +73,7 @@ class CountFree:
 
     def __init__(self) -> None:
         self._rounds = itertools.count()
-        self._group: Any = None
+        self._group: _Group | None = None
         self._free = False  # this epoch runs count-free
         self._solo = False  # some rank does not iterate this loader
         self._met = False  # every rank said it iterates this loader
@@ -141,7 +143,7 @@ class CountFree:
         if not (self._free or together):
             return False
         if self._group is None:  # every rank is here: safe to make the group
-            self._group = torch_dist.new_group(backend="gloo", timeout=_job_timeout())
+            self._group = _new_group()
         if not self._free:
             return True
         dataset.__dict__["_count_free"] = dataset.epoch
@@ -209,16 +211,21 @@ class CountFree:
         for key, count in carried.items():
             observe(seen_file(path), key, count)
 
+    def _pg(self) -> Any:
+        if self._group is None:
+            raise RuntimeError("the ranks have not met yet: no group to talk through")
+        return self._group.pg
+
     def _all(self, flag: bool) -> bool:
         value = torch.tensor([1 if flag else 0], dtype=torch.int32)
-        torch_dist.all_reduce(value, op=torch_dist.ReduceOp.MIN, group=self._group)
+        torch_dist.all_reduce(value, op=torch_dist.ReduceOp.MIN, group=self._pg())
         return bool(value.item())
 
     def _pool(self, split: Any) -> None:
         path, _ = counts_file(split.urls)
         seen = observed(seen_file(path))
         pooled: list[Any] = [None] * torch_dist.get_world_size()
-        torch_dist.all_gather_object(pooled, seen, group=self._group)
+        torch_dist.all_gather_object(pooled, seen, group=self._pg())
         merged: dict[str, int] = {}
         for one in pooled:
             merged.update(one or {})
@@ -285,6 +292,51 @@ def _may_drop(steps: Sequence[Any], *, reader_seen: bool = False) -> bool:
         if handler is not None and handler is not reraise_exception:
             return True
     return False
+
+
+class _Group:
+    """A gloo group made here; :func:`_leave_groups` lets go of it at exit."""
+
+    def __init__(self, pg: Any) -> None:
+        self.pg = pg
+
+
+_groups: list[_Group] = []  # this process's groups, to leave at exit
+_groups_pid: list[int] = []  # the process that registered _leave_groups
+
+
+def _new_group() -> _Group:
+    """A gloo group of every rank (each rank calls this at the same point of the job)."""
+    group = _Group(torch_dist.new_group(backend="gloo", timeout=_job_timeout()))
+    if _groups_pid != [os.getpid()]:  # the first here (a forked child's are its parent's)
+        _groups_pid[:] = [os.getpid()]
+        _groups.clear()
+        atexit.register(_leave_groups)
+    _groups.append(group)
+    return group
+
+
+def _leave_groups() -> None:
+    """Destroy this process's groups before the interpreter finalizes.
+
+    A gloo group alive at finalization can abort the process: its worker thread, releasing a
+    finished collective, takes the GIL to drop a Python object the collective captured (torch's
+    thread-local state); once the interpreter is finalizing, that thread is made to exit inside
+    a C++ destructor, and the process ends in "terminate called without an active exception".
+    Letting go of the group here (atexit runs before finalization) joins those threads while
+    they can still take the GIL: torch releases the GIL to destroy a group.
+    """
+    if _groups_pid != [os.getpid()]:
+        return  # a forked child: the groups are its parent's
+    while _groups:
+        group = _groups.pop()
+        pg, group.pg = group.pg, None
+        try:
+            if torch_dist.is_initialized() and pg in torch_dist.distributed_c10d._world.pg_map:
+                torch_dist.destroy_process_group(pg)
+        except Exception as exc:  # exiting anyway: the group goes with the reference below
+            logger.debug("could not destroy a gloo group at exit: %s", exc)
+        del pg
 
 
 def _job_timeout() -> datetime.timedelta | None:

@@ -9,14 +9,19 @@ it); ``MODE=resume`` restores the last one and reads on: the epoch has nothing l
 counts the first epoch is count-free, and a rank whose shards hold fewer than 4 samples has
 no batch at all.
 
-Each rank prints ``rank R MODE epoch E: N steps``; every step all-reduces, as DDP does.
+Each rank prints ``rank R MODE epoch E: N steps``; every step all-reduces, as DDP does. Once
+its process group is destroyed, as the job's last step, it prints at interpreter exit the gloo
+threads still alive: ``rank R gloo threads at exit: N``.
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
+import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -24,7 +29,17 @@ import torch.distributed as dist
 import cloudshards as wds
 
 
-def main() -> None:
+def _gloo_threads_at_exit() -> None:
+    """Registered first, so it runs last of the exit handlers, just before the interpreter
+    finalizes: a gloo worker thread alive then can abort the process."""
+    tasks = Path("/proc/self/task")
+    names = [(tasks / task / "comm").read_text().strip() for task in os.listdir(tasks)]
+    alive = sum(name.startswith("pt_gloo") for name in names)
+    print(f"rank {os.environ.get('RANK')} gloo threads at exit: {alive}", flush=True)
+
+
+def main() -> wds.StatefulLoader:
+    atexit.register(_gloo_threads_at_exit)
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("cloudshards.countfree").setLevel(logging.INFO)  # says count-free
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
@@ -62,7 +77,9 @@ def main() -> None:
                     torch.save(state, checkpoint)
         print(f"rank {rank} {mode} epoch {epoch}: {steps} steps", flush=True)
     dist.destroy_process_group()
+    return loader
 
 
 if __name__ == "__main__":
-    main()
+    # Kept, as a script's top-level loader is, until the interpreter finalizes.
+    LOADER = main()

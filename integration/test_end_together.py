@@ -225,6 +225,23 @@ def test_a_checkpoint_at_the_last_step_of_an_epoch_ended_together_restores_witho
     assert _steps(resumed.stdout, "resume", 0, 2) == [0, 0]
 
 
+def test_the_group_the_ranks_end_epochs_through_is_gone_before_the_interpreter_exits(
+    tmp_path: Path,
+) -> None:
+    """Ending epochs together talks through a gloo group of cloudshards' own. Alive when the
+    interpreter finalizes, its worker thread could abort the finished job ("terminate called
+    without an active exception"): the job's own group is destroyed by then, cloudshards'
+    must be too. Every rank's gloo threads are counted in its last exit handler."""
+    _small_shards(tmp_path / "shards", [20, 20, 20, 20])
+    spec = f"{tmp_path / 'shards'}/a{{0..3}}.tar"
+    env = {"CLOUDSHARDS_COUNTS_DIR": str(tmp_path / "counts")}
+    result = torchrun(EDGES_SCRIPT, ["restore", "save", spec, str(tmp_path)], env=env)
+    assert result.ok, result.describe()
+    assert len(set(_steps(result.stdout, "save", 0, 2))) == 1, result.stdout
+    for rank in range(2):
+        assert f"rank {rank} gloo threads at exit: 0" in result.stdout, result.stdout
+
+
 @pytest.mark.parametrize("last", [3, 0], ids=["3 samples", "empty"])
 def test_a_count_free_epoch_where_a_rank_has_no_batch_ends_together(
     http_server: NginxServer, tmp_path: Path, last: int

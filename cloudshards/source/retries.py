@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 import threading
 import time
 from collections import deque
@@ -161,7 +162,22 @@ def is_retryable(exc: BaseException) -> bool:
     return not any(marker in text for marker in _AUTH_OR_CLIENT)
 
 
-_THROTTLED = ("SlowDown", "Throttl", "TooManyRequests", "Too Many Requests", "RequestLimitExceeded")
+_THROTTLED = (
+    "SlowDown",
+    "Throttl",
+    "TooManyRequests",
+    "Too Many Requests",
+    "RequestLimitExceeded",
+    "ServiceUnavailable",
+    "Service Unavailable",
+)
+#: 429 or 503 where a message gives an HTTP status: "(503)", "503, message=", "HTTP 503",
+#: "HTTP/1.1 503", "status 503", "status_code=503", "Error 503"; not any number 503 (a count of
+#: bytes read, an offset), which would slow the whole node down for a failure of its own.
+_STATUS_TEXT = re.compile(
+    r"\((?:429|503)\)|\b(?:429|503),\s*message="
+    r"|(?i:status|http|error|code)(?:/\d(?:\.\d)?|[\s:=_]|code){0,6}(?:429|503)\b"
+)
 
 
 def is_throttled(exc: BaseException) -> bool:
@@ -173,7 +189,7 @@ def is_throttled(exc: BaseException) -> bool:
     if status in (429, 503):
         return True
     text = f"{type(exc).__name__} {exc}"
-    return any(marker in text for marker in _THROTTLED) or " 503" in text or " 429" in text
+    return any(marker in text for marker in _THROTTLED) or _STATUS_TEXT.search(text) is not None
 
 
 class LinkedEvent(threading.Event):

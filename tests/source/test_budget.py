@@ -16,7 +16,7 @@ import pytest
 
 from cloudshards.source import budget
 from cloudshards.source.options import FetchOptions
-from cloudshards.source.retries import retry
+from cloudshards.source.retries import is_throttled, retry
 
 HOLD_S = 0.15
 
@@ -244,3 +244,34 @@ def test_no_buffer_budget_keeps_the_settings(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv("CLOUDSHARDS_NODE_BUFFER_BYTES", "0")
     budget.forget()
     assert budget.node_budget().shards_ahead(2, 1 << 40) == 2
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "HTTP status server error (503 Service Unavailable) for url (http://h/b/k)",
+        "An error occurred (503) when calling the GetObject operation",
+        "503, message='Service Unavailable', url='http://h/b/k'",
+        "ServiceUnavailable: please retry",
+        "got HTTP/1.1 429 from the store",
+        "status_code=429",
+        "Error 503 while reading",
+    ],
+)
+def test_a_status_of_429_or_503_in_a_message_is_throttling(message: str) -> None:
+    assert is_throttled(ConnectionError(message))
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "error: read 503 bytes of 1048576",
+        "connection reset at offset 429",
+        "stalled: no answer within 503 s",
+        "member 000503.jpg is truncated",
+    ],
+)
+def test_a_number_429_or_503_that_is_no_status_is_not_throttling(message: str) -> None:
+    """Throttling slows the whole node down: a failure that only mentions such a number (a
+    count of bytes, an offset) is this request's own."""
+    assert not is_throttled(ConnectionError(message))

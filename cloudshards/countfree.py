@@ -212,8 +212,8 @@ class CountFree:
             observe(seen_file(path), key, count)
 
     def _pg(self) -> Any:
-        if self._group is None:
-            raise RuntimeError("the ranks have not met yet: no group to talk through")
+        if self._group is None or self._group.pg is None:  # (None: torch's default group)
+            raise RuntimeError("no group of cloudshards' to talk through (not met, or left)")
         return self._group.pg
 
     def _all(self, flag: bool) -> bool:

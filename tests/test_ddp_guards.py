@@ -12,6 +12,7 @@ import pytest
 import webdataset
 
 import cloudshards as wds
+from cloudshards import countfree
 from cloudshards.countfree import CountFree, _may_drop
 from cloudshards.datasetstages import _Split
 
@@ -118,3 +119,14 @@ def test_a_map_that_drops_samples_in_a_multi_rank_job_says_so_once(
     if told:
         assert "odd_only" in told[0]
         assert ".select()" in told[0]
+
+
+def test_a_loader_whose_group_was_left_at_exit_never_talks_through_the_default_group() -> None:
+    """After the exit handler let go of cloudshards' gloo group, a collective from a later
+    exit handler must fail: ``group=None`` would send it through the job's default group."""
+    free = CountFree()
+    with pytest.raises(RuntimeError, match="no group"):
+        free._pg()  # the ranks have not met
+    free._group = countfree._Group(None)  # as _leave_groups leaves it
+    with pytest.raises(RuntimeError, match="no group"):
+        free._pg()

@@ -7,6 +7,7 @@ jitter, a bounded number of times; a missing object or denied access is not.
 
 from __future__ import annotations
 
+import errno
 import logging
 import random
 import re
@@ -164,20 +165,24 @@ def is_retryable(exc: BaseException) -> bool:
 
 _THROTTLED = (
     "SlowDown",
+    "Slow Down",
     "Throttl",
     "TooManyRequests",
     "Too Many Requests",
     "RequestLimitExceeded",
     "ServiceUnavailable",
     "Service Unavailable",
+    "educe your request rate",  # S3's SlowDown and ServiceUnavailable messages
 )
 #: 429 or 503 where a message gives an HTTP status: "(503)", "503, message=", "HTTP 503",
-#: "HTTP/1.1 503", "status 503", "status_code=503", "Error 503"; not any number 503 (a count of
-#: bytes read, an offset), which would slow the whole node down for a failure of its own.
+#: "HTTP/1.1 503", "status 503", "status_code=503", "Error 503", "503 Server Error"; not any
+#: number 503 (bytes read, an offset, "decode 429", a key "http_503.tar"), which would slow the
+#: whole node down for a failure of its own. Paths and URLs are taken out of the text first.
 _STATUS_TEXT = re.compile(
-    r"\((?:429|503)\)|\b(?:429|503),\s*message="
-    r"|(?i:status|http|error|code)(?:/\d(?:\.\d)?|[\s:=_]|code){0,6}(?:429|503)\b"
+    r"\((?:429|503)\)|\b(?:429|503),\s*message=|\b(?:429|503) (?:Server|Client) Error\b"
+    r"|(?<![A-Za-z])(?i:status|http|error|code)(?:/\d(?:\.\d)?|[\s:=]|_?code){0,6}(?:429|503)\b"
 )
+_PATH_OR_URL = re.compile(r"(?<!\S)(?!HTTP/\d)\S*/\S*")
 
 
 def is_throttled(exc: BaseException) -> bool:
@@ -185,11 +190,18 @@ def is_throttled(exc: BaseException) -> bool:
     cause = exc.__cause__ if isinstance(exc, ShardOpenError) else None
     if cause is not None:
         return is_throttled(cause)
+    hidden = hidden_failure(exc)
+    if hidden is not None:  # fsspec's "not found" for a 503 or 429
+        return is_throttled(hidden)
     status = http_status(exc)
     if status in (429, 503):
         return True
+    if isinstance(exc, OSError) and exc.errno == errno.EBUSY:
+        return True  # s3fs's translation of exactly 503, SlowDown and ServiceUnavailable
     text = f"{type(exc).__name__} {exc}"
-    return any(marker in text for marker in _THROTTLED) or _STATUS_TEXT.search(text) is not None
+    if any(marker in text for marker in _THROTTLED):
+        return True
+    return _STATUS_TEXT.search(_PATH_OR_URL.sub(" ", str(exc))) is not None
 
 
 class LinkedEvent(threading.Event):

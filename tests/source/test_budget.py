@@ -3,6 +3,8 @@ separate processes, and one throttling backoff for the whole node."""
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import json
 import logging
 import multiprocessing
@@ -247,31 +249,67 @@ def test_no_buffer_budget_keeps_the_settings(monkeypatch: pytest.MonkeyPatch) ->
 
 
 @pytest.mark.parametrize(
-    "message",
+    "error",
     [
-        "HTTP status server error (503 Service Unavailable) for url (http://h/b/k)",
-        "An error occurred (503) when calling the GetObject operation",
-        "503, message='Service Unavailable', url='http://h/b/k'",
-        "ServiceUnavailable: please retry",
-        "got HTTP/1.1 429 from the store",
-        "status_code=429",
-        "Error 503 while reading",
+        ConnectionError("HTTP status server error (503 Service Unavailable) for url (http://h/k)"),
+        ConnectionError("An error occurred (503) when calling the GetObject operation"),
+        ConnectionError("503, message='Service Unavailable', url='http://h/b/k'"),
+        ConnectionError("503 Server Error: Slow Down for url: http://h/b/k"),
+        ConnectionError("ServiceUnavailable: please retry"),
+        ConnectionError("got HTTP/1.1 429 from the store"),
+        ConnectionError("status_code=429"),
+        ConnectionError("Error 503 while reading"),
+        ConnectionError("Server returned non-2xx status code: 503 Service Unavailable"),
+        # s3fs turns exactly 503, SlowDown and ServiceUnavailable into EBUSY, S3's text kept
+        OSError(errno.EBUSY, "Please reduce your request rate."),
     ],
+    ids=repr,
 )
-def test_a_status_of_429_or_503_in_a_message_is_throttling(message: str) -> None:
-    assert is_throttled(ConnectionError(message))
+def test_a_status_of_429_or_503_in_an_error_is_throttling(error: Exception) -> None:
+    assert is_throttled(error)
+
+
+def test_a_429_under_fsspecs_not_found_is_throttling() -> None:
+    """fsspec's HTTP ``info()`` turns every failure into FileNotFoundError, the store's answer
+    as its cause."""
+    cause = ConnectionError("Too Many Requests")
+    cause.status = 429  # type: ignore[attr-defined]
+    error = FileNotFoundError("http://h/b/k")
+    error.__cause__ = cause
+    assert is_throttled(error)
 
 
 @pytest.mark.parametrize(
-    "message",
+    "error",
     [
-        "error: read 503 bytes of 1048576",
-        "connection reset at offset 429",
-        "stalled: no answer within 503 s",
-        "member 000503.jpg is truncated",
+        ConnectionError("error: read 503 bytes of 1048576"),
+        ConnectionError("connection reset at offset 429"),
+        TimeoutError("stalled: no answer within 503 s"),
+        ConnectionError("member 000503.jpg is truncated"),
+        asyncio.IncompleteReadError(b"x" * 503, 1048576),
+        ConnectionError("failed to decode 429 bytes"),
+        ConnectionError("reset while reading s3://b/logs/http_503.tar"),
+        ConnectionError("reset while reading error_429-000001.tar"),
     ],
+    ids=repr,
 )
-def test_a_number_429_or_503_that_is_no_status_is_not_throttling(message: str) -> None:
+def test_a_number_429_or_503_that_is_no_status_is_not_throttling(error: Exception) -> None:
     """Throttling slows the whole node down: a failure that only mentions such a number (a
-    count of bytes, an offset) is this request's own."""
-    assert not is_throttled(ConnectionError(message))
+    count of bytes, an offset, a key) is this request's own."""
+    assert not is_throttled(error)
+
+
+def test_an_obstore_503_is_throttling_however_long_the_key_in_its_message() -> None:
+    """obstore's message names the URL before the status; the error cloudshards makes of it
+    keeps only the first 300 characters, and the status with it."""
+    from cloudshards.source.objread import translate_error
+
+    key = "/".join(["d" * 40] * 6)
+    text = (
+        f"Generic S3 error: Error performing GetObject http://h/b/{key}.tar in 21ms - "
+        "Server returned non-2xx status code: 503 Service Unavailable: "
+    )
+    assert len(text) > 300
+    error = translate_error(RuntimeError(text))
+    assert isinstance(error, ConnectionError)  # retried
+    assert is_throttled(error)

@@ -162,18 +162,16 @@ class ShardPrefetcher:
         threads: list[threading.Thread],
         wait_for: threading.Event,
     ) -> ShardSource | None:
-        """Start downloading a later shard into the node cache (see ShardCache.download_ahead),
-        then open it through the cache here, following that download: the consumer gets a
-        stream ready, as without a cache, instead of opening files and locks between two
-        shards on its own thread. Waits for ``wait_for`` (bounded) first: the first shard's
-        first answer, which the shards after it would otherwise slow down (as :meth:`_open`
-        waits without a cache).
+        """Start downloading a later shard into the node cache (see ShardCache.download_ahead);
+        the consumer opens it through the cache, so there is no stream to hand on. Waits for
+        ``wait_for`` (bounded) first: the first shard's first answer, which the shards
+        after it would otherwise slow down (as :meth:`_open` waits without a cache).
 
         Where nothing is downloaded ahead (before this process's first commit, on a full disk,
         for an entry complete or being downloaded by another process), the shard is opened
-        through the cache now all the same: its bytes are in flight (or its hit open) before
-        the consumer gets to it, and still cross the network once. Under a byte budget nothing
-        is opened ahead: a shard opened ahead would take room in use.
+        through the cache now instead (never under a byte budget): its bytes are in flight (or
+        its hit open) before the consumer gets to it, as without a cache, and still cross the
+        network once.
         """
         assert self._cache is not None
         wait_for.wait(self._fetch.stall_timeout_s)
@@ -198,7 +196,8 @@ class ShardPrefetcher:
         )
         if thread is not None:
             threads.append(thread)
-        elif getattr(self._cache, "max_bytes", None) is not None:
+            return None
+        if getattr(self._cache, "max_bytes", None) is not None:
             return None  # under a byte budget, a shard opened ahead would take room in use
         return open_source(
             shard["url"],

@@ -42,10 +42,9 @@ def translate_error(exc: BaseException) -> BaseException:
         return PermissionError(summary)
     if status is not None and 400 <= status < 500 and status not in (408, 429):
         return status_error(summary, status)
-    error = ConnectionError(f"{name}: {text[:300]}")
     if status is not None:  # a 429 or 5xx: read by the retries (throttling), whatever the text
-        error.status = status  # type: ignore[attr-defined]
-    return error
+        return status_error(f"{name}: {text[:300]}", status, ConnectionError)
+    return ConnectionError(f"{name}: {text[:300]}")
 
 
 def obstore_call(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

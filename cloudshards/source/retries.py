@@ -22,7 +22,12 @@ from cloudshards.errors import CloudShardsError, ConfigError, ShardOpenError
 from cloudshards.process import PerProcess
 from cloudshards.redact import RedactedError, raise_redacted, redact_text, redact_url
 from cloudshards.source.options import FetchOptions
-from cloudshards.source.stream import hidden_failure, http_status, map_backend_error
+from cloudshards.source.stream import (
+    hidden_failure,
+    http_status,
+    map_backend_error,
+    without_paths,
+)
 
 __all__ = [
     "IOStats",
@@ -182,7 +187,6 @@ _STATUS_TEXT = re.compile(
     r"\((?:429|503)\)|\b(?:429|503),\s*message=|\b(?:429|503) (?:Server|Client) Error\b"
     r"|(?<![A-Za-z])(?i:status|http|error|code)(?:/\d(?:\.\d)?|[\s:=]|_?code){0,6}(?:429|503)\b"
 )
-_PATH_OR_URL = re.compile(r"(?<!\S)(?!HTTP/\d)\S*/\S*")
 
 
 def is_throttled(exc: BaseException) -> bool:
@@ -201,7 +205,7 @@ def is_throttled(exc: BaseException) -> bool:
     text = f"{type(exc).__name__} {exc}"
     if any(marker in text for marker in _THROTTLED):
         return True
-    return _STATUS_TEXT.search(_PATH_OR_URL.sub(" ", str(exc))) is not None
+    return _STATUS_TEXT.search(without_paths(str(exc))) is not None
 
 
 class LinkedEvent(threading.Event):

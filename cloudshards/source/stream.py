@@ -23,6 +23,7 @@ __all__ = [
     "discard",
     "map_backend_error",
     "status_error",
+    "without_paths",
 ]
 
 
@@ -154,7 +155,14 @@ _AUTH_MARKERS = (
 #: An HTTP 401 or 403 in a backend's message, outside the URLs and paths it quotes (a shard
 #: named ``train-000403.tar``, a signed URL dated 2024-01-01, would match as substrings).
 _AUTH_STATUS = re.compile(r"(?<![\w.-])40[13](?![\w-]|\.\w)")
-_PATH_IN_TEXT = re.compile(r"\S*/\S*")
+#: A path or URL in an error's text (not an "HTTP/1.1" before a status).
+_PATH_IN_TEXT = re.compile(r"(?<!\S)(?!HTTP/\d)\S*/\S*")
+
+
+def without_paths(text: str) -> str:
+    """``text`` with its paths and URLs taken out, so that a number in a key or a bucket
+    (``.../http_503.tar``) is not read as a status."""
+    return _PATH_IN_TEXT.sub(" ", text)
 
 
 def _names_denial(exc: BaseException) -> bool:
@@ -165,7 +173,7 @@ def _names_denial(exc: BaseException) -> bool:
     status = http_status(exc)
     if isinstance(status, int):
         return status in (401, 403)
-    return _AUTH_STATUS.search(_PATH_IN_TEXT.sub(" ", text)) is not None
+    return _AUTH_STATUS.search(without_paths(text)) is not None
 
 
 def map_backend_error(
@@ -228,10 +236,11 @@ def http_status(exc: BaseException | None) -> Any:
     return getattr(exc, "status", None) or getattr(exc, "code", None)
 
 
-def status_error(message: str, status: int) -> OSError:
-    """An ``OSError`` carrying an HTTP ``status`` (as :func:`http_status` reads it), judged by
-    the retries and the error mapping as the store's own answer with that status would be."""
-    error = OSError(message)
+def status_error(message: str, status: int, kind: type[OSError] = OSError) -> OSError:
+    """An ``OSError`` (or ``kind``) carrying an HTTP ``status`` (as :func:`http_status` reads
+    it), judged by the retries and the error mapping as the store's own answer with that status
+    would be."""
+    error = kind(message)
     error.status = status  # type: ignore[attr-defined]
     return error
 

@@ -69,6 +69,14 @@ def open_file(path: str, flags: int, mode: int = 0o644, *, dir_fd: int | None = 
     return fd
 
 
+def inode_at(path: str) -> int | None:
+    """The inode of the file at ``path``; None when there is none."""
+    try:
+        return os.stat(path).st_ino
+    except FileNotFoundError:
+        return None
+
+
 def replace_with(path: str, data: bytes) -> None:
     """Write ``data`` to a new temporary file beside ``path``, then rename it over ``path``
     (readers see the old file or the new one, whole). Raises ``OSError``; leaves nothing.

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cloudshards.cache import lock as _cachelock
+from cloudshards.cache.files import inode_at
 from cloudshards.cache.handoff import Handoff
 from cloudshards.cache.lock import is_locked, is_poisoned
 from cloudshards.cache.membertable import MemberTable, write_table
@@ -210,16 +211,10 @@ class FollowStream(ClosingStream):
     def _replaced(self) -> bool:
         """Whether another reader took the download over into a new file (ours, the old one,
         stays readable through our descriptor)."""
-        try:
-            return os.stat(f"{self.entry}.partial").st_ino != self._inode
-        except FileNotFoundError:
-            return False
+        return inode_at(f"{self.entry}.partial") not in (None, self._inode)
 
     def _committed(self) -> bool:
-        try:
-            return os.stat(self.entry).st_ino == self._inode
-        except FileNotFoundError:
-            return False
+        return inode_at(self.entry) == self._inode
 
     #: Where the entry's member table goes (set by the cache); None: not saved.
     table_path: str | None = None

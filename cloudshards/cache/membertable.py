@@ -29,7 +29,7 @@ from array import array
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from cloudshards.cache.files import open_file, replace_with
+from cloudshards.cache.files import inode_at, open_file, replace_with
 from cloudshards.errors import ShardFormatError
 from cloudshards.grouping import (
     duplicate_field,
@@ -89,6 +89,26 @@ class PendingTable:
         self._table: MemberTable | None = None
         self._taken: MemberTable | None = None
         self._committed = False
+        self._entry: tuple[str, int] | None = None  # (path, descriptor) once pinned
+
+    def pin(self, entry: str | None, fd: int) -> None:
+        """The file open at ``fd`` is being committed as ``entry``: hold it open (its inode
+        cannot be reused by another file while held), to tell later whether ``entry`` is
+        still this file (see :meth:`in_place`); :meth:`unpin` lets it go. Not pinned (no
+        table saved after the commit): ``entry`` None, or no descriptor to spare."""
+        if entry is not None:
+            with contextlib.suppress(OSError):
+                self._entry = (entry, os.dup(fd))
+
+    def in_place(self) -> bool:
+        """The pinned file is still the entry (not evicted, nor cached again since)."""
+        pinned = self._entry
+        return pinned is not None and inode_at(pinned[0]) == os.fstat(pinned[1]).st_ino
+
+    def unpin(self) -> None:
+        pinned, self._entry = self._entry, None
+        if pinned is not None:
+            os.close(pinned[1])
 
     def give(self, table: MemberTable) -> bool:
         """The reader's table; True: the entry is in place, and the caller writes it now."""

@@ -353,7 +353,7 @@ class ShardCache(CacheBudget):
                 distrust=lambda: distrust_checksums(url, endpoint),
                 fd=self._open_data(name + ".partial", flags),
             )
-            tee.table_path = self._table_path(name)
+            tee.table_path, tee.entry = self._table_path(name), self._path("data", name)
             return tee
         except OSError as exc:
             abandon()

@@ -106,15 +106,16 @@ class TeeStream(ClosingStream):
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
         self._fd: int | None = open_file(partial, flags) if fd is None else fd
         self._writer = PartialWriter(self._fd)
+        self.entry: str | None = None  #: The entry's path (set by the cache with table_path).
         self.closed = False
         self.tables = PendingTable()  # the reader's member table, saved with the entry
         self.table_path: str | None = None  #: Where the member table goes (None: not saved).
 
     def save_member_table(self, table: MemberTable) -> None:
-        """Keep the member table of this shard, to be saved with the entry when it commits,
-        or save it now if the entry was committed first (a verified download commits as soon
-        as the store's last byte is in, before the reader has parsed the held-back end)."""
-        if self.tables.give(table) and self.table_path is not None:
+        """Keep the shard's member table, saved with the entry when it commits; or save it now
+        if the entry committed first (a verified download commits once the store's last byte
+        is in, before the reader parsed the held-back end) and is still this file."""
+        if self.tables.give(table) and self.table_path and self.tables.in_place():
             write_table(self.table_path, table, self._written)
 
     def read(self, size: int = -1) -> bytes:
@@ -268,10 +269,8 @@ class TeeStream(ClosingStream):
         if self._fd is None:
             return  # not cached (disk full): nothing to verify
         if self.expected_size is not None and self._received != self.expected_size:
-            self._fail(
-                f"incomplete download: got {self._received} bytes, the store says "
-                f"{self.expected_size}"
-            )
+            got, said = self._received, self.expected_size
+            self._fail(f"incomplete download: got {got} bytes, the store says {said}")
         expected = self._checksum.hexdigest if self._checksum is not None else None
         if self._digest is None or self._digest.hexdigest() == expected:
             self._complete(bytes(self._held))
@@ -323,6 +322,7 @@ class TeeStream(ClosingStream):
             return
         fd, self._fd = self._fd, None
         self._writer.release()
+        self.tables.pin(self.entry, fd)  # held until closed: see save_member_table
         try:
             os.close(fd)  # a network filesystem reports a failed write-back here
         except OSError as exc:
@@ -377,6 +377,7 @@ class TeeStream(ClosingStream):
         finally:
             if not self._committed and not self.handed_back:
                 self.stats.uncached += 1  # each shard counts once: a miss (cached) or this
+            self.tables.unpin()
             try:
                 self.remote.close()
             except Exception as exc:  # see the docstring

@@ -16,6 +16,7 @@ import pytest
 import cloudshards as wds
 from cloudshards.cache.follow import FollowStream
 from cloudshards.cache.handoff import Handoff
+from cloudshards.cache.tee import TeeStream
 from cloudshards.source import OpenOptions
 
 
@@ -188,13 +189,16 @@ def parsed(stream: Any) -> Any:
     return table
 
 
+@pytest.mark.parametrize("reader_kind", ["own download", "consumer-driven"])
 def test_a_reader_never_saves_its_table_beside_an_entry_replaced_since(
-    store: None, tmp_path: Path
+    store: None, tmp_path: Path, reader_kind: str
 ) -> None:
-    """The reader's own download commits as soon as it has the shard, maybe long before the
+    """The reader's download commits as soon as it has the shard, maybe long before the
     reader parses the last sample. If the entry is evicted meanwhile and another process
     caches a new version of the object of the same size, the reader's table describes the
-    old file: saved beside the new one, warm epochs would slice it at the old offsets."""
+    old file: saved beside the new one, warm epochs would slice it at the old offsets. The
+    same holds whether the download runs in the background (a loader's) or is the reader's
+    own stream (``ShardCache.open`` without a cancel event)."""
     import shutil
     import tarfile
 
@@ -210,9 +214,16 @@ def test_a_reader_never_saves_its_table_beside_an_entry_replaced_since(
 
     cache = wds.ShardCache(tmp_path / "cache")
     cancel = threading.Event()
-    reader = own_download(cache, url, cancel)
-    stale = parsed(reader)
-    cache.join_downloads(cancel, 30)  # the entry is in place, the reader not done with it
+    if reader_kind == "own download":
+        reader = own_download(cache, url, cancel)
+        stale = parsed(reader)
+        cache.join_downloads(cancel, 30)  # the entry is in place, the reader not done with it
+    else:
+        reader = cache.open(url)
+        assert isinstance(reader, TeeStream)
+        stale = parsed(reader)
+        fakes.read_all(reader)  # the padding after the end-of-archive marker: committed
+        assert reader.committed
     (entry,) = (tmp_path / "cache" / "data").iterdir()
     cache._remove_entry(entry.name)  # evicted (another process's budget, `cache clear`)
     shutil.copy(new, obj)  # the object replaced, and cached by another process

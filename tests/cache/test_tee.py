@@ -419,6 +419,7 @@ def test_a_member_table_is_saved_only_once_the_entry_is_committed(entry: Entry) 
     table = fakes.member_table()
     stream = tee(entry, Store())
     stream.table_path = str(entry.directory / "entry.members.json")
+    stream.entry = str(entry.final)
     stream.read(100)
     stream.save_member_table(table)
     assert not Path(stream.table_path).exists()  # kept for the commit
@@ -428,6 +429,28 @@ def test_a_member_table_is_saved_only_once_the_entry_is_committed(entry: Entry) 
     Path(stream.table_path).unlink()  # does not save it with the entry, as the cache's does)
     stream.save_member_table(table)  # committed first: saved now
     assert Path(stream.table_path).exists()
+
+
+def test_a_member_table_is_not_saved_beside_an_entry_replaced_since_its_commit(
+    entry: Entry,
+) -> None:
+    """Between the commit and the reader's last sample the entry may be evicted and cached
+    again by another process, from an object of the same size but other members: this
+    reader's table would make warm epochs slice that file at the old offsets."""
+    stream = tee(entry, Store())
+    stream.table_path = str(entry.directory / "entry.members.json")
+    stream.entry = str(entry.final)
+    read_all(stream)
+    assert entry.commits == [len(DATA)]
+    assert not Path(stream.table_path).exists()  # none given before the commit
+    replacement = entry.directory / "other"
+    replacement.write_bytes(DATA[::-1])
+    os.replace(replacement, entry.final)  # evicted and cached again: another file there
+    stream.save_member_table(fakes.member_table())
+    assert not Path(stream.table_path).exists()
+    entry.final.unlink()  # evicted, not cached again: no table either
+    stream.save_member_table(fakes.member_table())
+    assert not Path(stream.table_path).exists()
 
 
 # --- close and cancel -----------------------------------------------------------------------

@@ -7,9 +7,11 @@ Split from :mod:`cloudshards.source.objstore`, which builds the stores and reads
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from cloudshards.source import adapt
 from cloudshards.source.stream import status_error
 
 if TYPE_CHECKING:
@@ -17,6 +19,8 @@ if TYPE_CHECKING:
 
 __all__ = ["ObstoreReader", "object_details", "obstore_call", "translate_error"]
 
+#: obstore's refusal of a whole-object answer to a ranged GET (the store ignores Range).
+NON_PARTIAL = "non-partial response"
 _STATUS = re.compile(r"status code: (\d{3})")
 _CODE = re.compile(r"<Code>([A-Za-z0-9.]{1,64})</Code>")
 
@@ -67,24 +71,45 @@ def object_details(meta: Mapping[str, Any]) -> dict[str, Any]:
 
 class ObstoreReader:
     """A file-like streaming GET of an :class:`ObstoreObject` (``read``, ``seek`` before the
-    first read, ``size`` and ``details`` from the response)."""
+    first read, ``size`` and ``details`` from the response).
 
-    def __init__(self, source: ObstoreObject, block_bytes: int) -> None:
+    The answer's pieces are taken as they arrive and gathered here: obstore's own gathering
+    (``min_chunk_size``) loses what it gathered when the answer is cut, so a read that could
+    not get past a cut would have handed on nothing of the bytes before it. A failure after
+    some bytes of a sized read ends that read with them, and is raised by the next one (where
+    the caller's retries resume). A store that ignores Range is read from the start when a
+    read resumes, the bytes before the position dropped.
+    """
+
+    def __init__(self, source: ObstoreObject) -> None:
         self._source = source
-        self._block_bytes = block_bytes
         self._position = 0
         self._chunks: Any = None
         self._buffer = memoryview(b"")
+        self._failure: Exception | None = None
         self._details: dict[str, Any] | None = None
         self.closed = False
 
     def _start(self) -> None:
         import obstore
 
-        options = {"range": {"offset": self._position}} if self._position else None
-        result = obstore_call(obstore.get, self._source.store, self._source.key, options=options)
+        store, key, url = self._source.store, self._source.key, self._source.url
+        # A resumed read of a store that ignores Range: the object from its start, the bytes
+        # before the position dropped (the answer to a ranged GET would be refused).
+        skip = self._position if adapt.host_key(url) in adapt.UNRANGED_HOSTS else 0
+        options = {"range": {"offset": self._position}} if self._position and not skip else None
+        try:
+            result = obstore_call(obstore.get, store, key, options=options)
+        except ConnectionError as exc:
+            if options is None or NON_PARTIAL not in str(exc):
+                raise
+            adapt.mark_unranged(url)
+            result, skip = obstore_call(obstore.get, store, key), self._position
         self._details = object_details(result.meta)
-        self._chunks = iter(result.stream(min_chunk_size=self._block_bytes))
+        self._chunks = iter(result.stream(min_chunk_size=1))
+        while skip and (chunk := self._next_chunk()) is not None:
+            self._buffer = memoryview(chunk)[skip:]
+            skip -= min(skip, len(chunk))
 
     @property
     def details(self) -> dict[str, Any]:
@@ -105,22 +130,30 @@ class ObstoreReader:
         return offset
 
     def read(self, size: int = -1) -> bytes:
+        """Up to ``size`` bytes (all that are left when ``size`` < 0); b"" at the end."""
         if self._chunks is None:
             self._start()
-        if size is None or size < 0:
-            pieces = [bytes(self._buffer)]
-            self._buffer = memoryview(b"")
-            while chunk := self._next_chunk():
-                pieces.append(bytes(chunk))
-            data = b"".join(pieces)
-        else:
+        want = sys.maxsize if size is None or size < 0 else size
+        pieces: list[memoryview] = []
+        while want > 0:
             if not self._buffer:
-                chunk = self._next_chunk()
+                if self._failure is not None:  # after the bytes that came before it
+                    failure, self._failure = self._failure, None
+                    raise failure
+                try:
+                    chunk = self._next_chunk()
+                except Exception as exc:
+                    if not pieces or size is None or size < 0:  # a short "all" would be taken
+                        raise  # for the end: the caller's retry reads those bytes again
+                    self._failure = exc
+                    break
                 if chunk is None:
-                    return b""
+                    break
                 self._buffer = memoryview(chunk)
-            data = bytes(self._buffer[:size])
-            self._buffer = self._buffer[size:]
+            pieces.append(self._buffer[:want])
+            self._buffer = self._buffer[want:]
+            want -= len(pieces[-1])
+        data = b"".join(pieces)
         self._position += len(data)
         return data
 

@@ -39,7 +39,13 @@ from cloudshards.errors import ConfigError
 from cloudshards.process import PerProcess
 from cloudshards.source.gcsconfig import DEFAULT_BASE_URL, gcs_settings, xml_api_missing
 from cloudshards.source.kept import refuse_another_object
-from cloudshards.source.objread import ObstoreReader, object_details, obstore_call, translate_error
+from cloudshards.source.objread import (
+    NON_PARTIAL,
+    ObstoreReader,
+    object_details,
+    obstore_call,
+    translate_error,
+)
 from cloudshards.source.options import OpenOptions
 from cloudshards.source.retries import PartialBodyError, RangeIgnoredError
 from cloudshards.source.s3config import Unsupported, s3_settings
@@ -52,8 +58,6 @@ logger = logging.getLogger("cloudshards.fetch")
 
 #: The fsspec backend each protocol obstore reads would otherwise go through.
 _BACKENDS = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs"}
-#: obstore's refusal of a whole-object answer to a ranged GET (the store ignores Range).
-_NON_PARTIAL = "non-partial response"
 # The process that first used obstore; a forked child of it must not (see the module doc).
 _used_in_pid: int | None = None
 _used_lock = threading.Lock()
@@ -235,7 +239,7 @@ class ObstoreObject:
                 refuse_another_object(result.meta.get("e_tag"), expect, missing_ok=True)
             return memoryview(obstore_call(result.bytes))
         except ConnectionError as exc:
-            if _NON_PARTIAL not in str(exc):
+            if NON_PARTIAL not in str(exc):
                 raise
         # The store answered with the whole object (it ignores Range), which obstore refuses:
         # ask for it whole; its length tells the caller (RangeIgnoredError, then streaming).
@@ -264,7 +268,7 @@ class ObstoreObject:
         try:
             result = self._get(options)
         except ConnectionError as exc:
-            if _NON_PARTIAL not in str(exc):
+            if NON_PARTIAL not in str(exc):
                 raise
             raise RangeIgnoredError(self.cat()) from None  # never joined onto kept bytes
         etag = result.meta.get("e_tag")
@@ -313,7 +317,7 @@ class ObstoreObject:
         try:
             result = self._get({"range": (0, end)})
         except ConnectionError as exc:
-            if _NON_PARTIAL not in str(exc):
+            if NON_PARTIAL not in str(exc):
                 raise
             result = self._get()  # ignores Range: see above
         except OSError as exc:
@@ -335,5 +339,7 @@ class ObstoreObject:
         return bytes(obstore_call(self._get().bytes))
 
     def open(self, block_bytes: int) -> IO[bytes]:
-        """One streaming GET, started on the first read (a seek before it moves the start)."""
-        return cast("IO[bytes]", ObstoreReader(self, block_bytes))
+        """One streaming GET, started on the first read (a seek before it moves the start);
+        ``block_bytes`` is not used: each read gathers what it asks for, as it arrives."""
+        del block_bytes
+        return cast("IO[bytes]", ObstoreReader(self))

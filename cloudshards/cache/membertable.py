@@ -23,13 +23,12 @@ import operator
 import os
 import re
 import sys
-import threading
 import zlib
 from array import array
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from cloudshards.cache.files import inode_at, open_file, replace_with
+from cloudshards.cache.files import open_file, replace_with
 from cloudshards.errors import ShardFormatError
 from cloudshards.grouping import (
     duplicate_field,
@@ -43,7 +42,6 @@ from cloudshards.types import Member, NameFilter, Sample
 
 __all__ = [
     "MemberTable",
-    "PendingTable",
     "iter_table",
     "load_table",
     "table_samples",
@@ -77,57 +75,6 @@ class MemberTable:
     def rows(self) -> Iterator[tuple[str, int, int]]:
         """``(name, offset, size)`` per member."""
         return zip(self.names, self.offsets, self.sizes, strict=True)
-
-
-class PendingTable:
-    """A shard's member table on its way to disk beside an entry being committed: the reader
-    gives it (from its thread) before, during or after the commit (the download's thread),
-    and exactly one of the two writes it, with the entry or once the entry is in place."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._table: MemberTable | None = None
-        self._taken: MemberTable | None = None
-        self._committed = False
-        self._entry: tuple[str, int] | None = None  # (path, descriptor) once pinned
-
-    def pin(self, entry: str | None, fd: int) -> None:
-        """The file open at ``fd`` is being committed as ``entry``: hold it open (its inode
-        cannot be reused by another file while held), to tell later whether ``entry`` is
-        still this file (see :meth:`in_place`); :meth:`unpin` lets it go. Not pinned (no
-        table saved after the commit): ``entry`` None, or no descriptor to spare."""
-        if entry is not None:
-            with contextlib.suppress(OSError):
-                self._entry = (entry, os.dup(fd))
-
-    def in_place(self) -> bool:
-        """The pinned file is still the entry (not evicted, nor cached again since)."""
-        pinned = self._entry
-        return pinned is not None and inode_at(pinned[0]) == os.fstat(pinned[1]).st_ino
-
-    def unpin(self) -> None:
-        pinned, self._entry = self._entry, None
-        if pinned is not None:
-            os.close(pinned[1])
-
-    def give(self, table: MemberTable) -> bool:
-        """The reader's table; True: the entry is in place, and the caller writes it now."""
-        with self._lock:
-            self._table = table
-            return self._committed
-
-    def take(self) -> MemberTable | None:
-        """The table the commit saves with the entry (None: the reader has none yet)."""
-        with self._lock:
-            self._taken = self._table
-            return self._taken
-
-    def committed(self) -> MemberTable | None:
-        """The entry is in place: the table given since :meth:`take`, for the caller to
-        write (None: there is none, or the commit saved it)."""
-        with self._lock:
-            self._committed = True
-            return self._table if self._table is not self._taken else None
 
 
 _new_member = tuple.__new__

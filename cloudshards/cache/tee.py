@@ -11,7 +11,8 @@ from cloudshards.cache.direct import PartialWriter
 from cloudshards.cache.facts import Checksum, Hasher
 from cloudshards.cache.files import open_file
 from cloudshards.cache.lock import POISONED_MODE, is_disk_full
-from cloudshards.cache.membertable import MemberTable, PendingTable, write_table
+from cloudshards.cache.membertable import MemberTable, write_table
+from cloudshards.cache.pending import PendingTable
 from cloudshards.cache.recheck import WHY, recheck_download
 from cloudshards.cache.stats import CacheStats, warn_disk_full
 from cloudshards.errors import CacheError, ShardOpenError
@@ -82,9 +83,8 @@ class TeeStream(ClosingStream):
         self._checksum = checksum
         self._refetch = refetch
         self._distrust = distrust
-        self.offset = 0  # bytes delivered to the consumer
-        self._received = 0  # bytes read from the store
-        self._written = 0  # bytes in the partial file
+        # Bytes delivered to the consumer, read from the store, in the partial file.
+        self.offset = self._received = self._written = 0
         self._hold_from: int | None = None
         if checksum and expected_size is not None:
             self._hold_from = max(0, expected_size - self.HOLD_BYTES)
@@ -96,8 +96,7 @@ class TeeStream(ClosingStream):
         self._committed = False
         self._cancelled = False  # closing abandons the partial file, however little is left
         self._store_failed = False  # a read of the store raised (after its own retries)
-        #: Not cached, and not this stream's to count: a cancelled download ahead, or one
-        #: whose consumer streams the shard itself (and counts it).
+        #: Not cached nor this stream's to count: a cancelled download ahead, or one handed back.
         self.handed_back = False
         self._error: ShardOpenError | None = None
         # The store stream's read_view where it has one (parts as views, not copied).
@@ -117,6 +116,7 @@ class TeeStream(ClosingStream):
         is in, before the reader parsed the held-back end) and is still this file."""
         if self.tables.give(table) and self.table_path and self.tables.in_place():
             write_table(self.table_path, table, self._written)
+        self.tables.unpin()  # the one table of the shard: given, written or not
 
     def read(self, size: int = -1) -> bytes:
         """Read from the store, write to disk, return the bytes for the consumer.
@@ -333,7 +333,7 @@ class TeeStream(ClosingStream):
             self._committed = True
             self.stats.misses += 1
             late = self.tables.committed()
-            if late is not None and self.table_path is not None:
+            if late is not None and self.table_path and self.tables.in_place():
                 write_table(self.table_path, late, self._written)
 
     def _not_kept(self, exc: OSError) -> None:

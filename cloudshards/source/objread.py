@@ -77,12 +77,15 @@ class ObstoreReader:
     (``min_chunk_size``) loses what it gathered when the answer is cut, so a read that could
     not get past a cut would have handed on nothing of the bytes before it. A failure after
     some bytes of a sized read ends that read with them, and is raised by the next one (where
-    the caller's retries resume). A store that ignores Range is read from the start when a
-    read resumes, the bytes before the position dropped.
+    the caller's retries resume), and by every read after it. A sized read returns at most
+    ``block_bytes``, as soon as it has them (followers of a download see it grow in steps
+    of that). A store that ignores Range is read from the start when a read resumes, the
+    bytes before the position dropped.
     """
 
-    def __init__(self, source: ObstoreObject) -> None:
+    def __init__(self, source: ObstoreObject, block_bytes: int) -> None:
         self._source = source
+        self._block_bytes = max(1, block_bytes)
         self._position = 0
         self._chunks: Any = None
         self._buffer = memoryview(b"")
@@ -107,7 +110,10 @@ class ObstoreReader:
             result, skip = obstore_call(obstore.get, store, key), self._position
         self._details = object_details(result.meta)
         self._chunks = iter(result.stream(min_chunk_size=1))
-        while skip and (chunk := self._next_chunk()) is not None:
+        while skip:
+            chunk = self._next_chunk()
+            if chunk is None:  # never a clean end: the object is not the one read before
+                raise ConnectionError("object shorter than before while resuming")
             self._buffer = memoryview(chunk)[skip:]
             skip -= min(skip, len(chunk))
 
@@ -133,19 +139,19 @@ class ObstoreReader:
         """Up to ``size`` bytes (all that are left when ``size`` < 0); b"" at the end."""
         if self._chunks is None:
             self._start()
-        want = sys.maxsize if size is None or size < 0 else size
+        whole = size is None or size < 0
+        want = sys.maxsize if whole else min(size, self._block_bytes)
         pieces: list[memoryview] = []
         while want > 0:
             if not self._buffer:
                 if self._failure is not None:  # after the bytes that came before it
-                    failure, self._failure = self._failure, None
-                    raise failure
+                    raise self._failure
                 try:
                     chunk = self._next_chunk()
                 except Exception as exc:
-                    if not pieces or size is None or size < 0:  # a short "all" would be taken
-                        raise  # for the end: the caller's retry reads those bytes again
                     self._failure = exc
+                    if not pieces or whole:  # a short "all" would be taken for the end:
+                        raise  # the caller's retry reads those bytes again
                     break
                 if chunk is None:
                     break

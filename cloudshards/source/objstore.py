@@ -339,7 +339,5 @@ class ObstoreObject:
         return bytes(obstore_call(self._get().bytes))
 
     def open(self, block_bytes: int) -> IO[bytes]:
-        """One streaming GET, started on the first read (a seek before it moves the start);
-        ``block_bytes`` is not used: each read gathers what it asks for, as it arrives."""
-        del block_bytes
-        return cast("IO[bytes]", ObstoreReader(self))
+        """One streaming GET, started on the first read (a seek before it moves the start)."""
+        return cast("IO[bytes]", ObstoreReader(self, block_bytes))

@@ -600,7 +600,7 @@ def test_exactly_one_side_writes_a_pending_table(given: str) -> None:
     """The reader gives its table from its thread, the download commits from its own: the
     commit saves a table given before it; one given while it runs is the committer's to write
     once the entry is in place; one given after, the reader's."""
-    from cloudshards.cache.membertable import PendingTable
+    from cloudshards.cache.pending import PendingTable
 
     pending, table = PendingTable(), fakes.member_table()
     if given == "before the commit":

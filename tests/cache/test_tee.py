@@ -453,6 +453,22 @@ def test_a_member_table_is_not_saved_beside_an_entry_replaced_since_its_commit(
     assert not Path(stream.table_path).exists()
 
 
+def test_a_committed_stream_dropped_without_closing_holds_no_descriptor(entry: Entry) -> None:
+    """The committed file is held open until the table is saved or the stream closes (so
+    that its inode is not another file's); a stream the caller drops holds nothing."""
+    import gc
+
+    before = len(os.listdir("/proc/self/fd"))
+    stream = tee(entry, Store())
+    stream.entry = str(entry.final)
+    read_all(stream)
+    assert entry.commits == [len(DATA)]
+    assert len(os.listdir("/proc/self/fd")) == before + 1  # the committed file, held
+    del stream
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
 # --- close and cancel -----------------------------------------------------------------------
 
 

@@ -27,6 +27,7 @@ from cloudshards.cache import lock as _cachelock
 from cloudshards.cache.budget import CacheBudget
 from cloudshards.cache.direct import direct_writes, read_ahead
 from cloudshards.cache.facts import distrust_checksums, remote_facts
+from cloudshards.cache.files import inode_at
 from cloudshards.cache.follow import FollowStream
 from cloudshards.cache.keys import entry_name, store_endpoint
 from cloudshards.cache.layout import _CachedFile
@@ -231,11 +232,7 @@ class ShardCache(CacheBudget):
         fcntl.flock(fd, fcntl.LOCK_SH)  # in use: eviction skips it
         info = os.fstat(fd)
         meta = self._read_meta(name)
-        try:
-            same = os.stat(entry).st_ino == info.st_ino
-        except FileNotFoundError:
-            same = False
-        if not same:  # evicted between open and lock
+        if inode_at(entry) != info.st_ino:  # evicted between open and lock
             os.close(fd)
             return None
         if meta is None or meta.get("size") != info.st_size:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from cloudshards.source import adapt
-from cloudshards.source.stream import status_error
+from cloudshards.source.stream import drop_prefix, status_error
 
 if TYPE_CHECKING:
     from cloudshards.source.objstore import ObstoreObject
@@ -110,12 +110,9 @@ class ObstoreReader:
             result, skip = obstore_call(obstore.get, store, key), self._position
         self._details = object_details(result.meta)
         self._chunks = iter(result.stream(min_chunk_size=1))
-        while skip:
-            chunk = self._next_chunk()
-            if chunk is None:  # never a clean end: the object is not the one read before
-                raise ConnectionError("object shorter than before while resuming")
-            self._buffer = memoryview(chunk)[skip:]
-            skip -= min(skip, len(chunk))
+        if skip:  # read from byte 0 again
+            self._position = 0
+            drop_prefix(self, skip)
 
     @property
     def details(self) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from cloudshards.source.options import FetchOptions, OpenOptions
 from cloudshards.source.plain import open_shard
 from cloudshards.source.remote import object_etag
 from cloudshards.source.retries import IOStats, is_retryable, process_stats, retry
-from cloudshards.source.stream import ShardStream, discard, status_error
+from cloudshards.source.stream import ShardStream, drop_prefix, status_error
 from cloudshards.types import ClosingStream
 
 __all__ = ["ResumableStream", "open_remote"]
@@ -97,8 +97,8 @@ class ResumableStream(ClosingStream):
         self._stats.add(requests=1)
         stream = self._open_raw()
         try:
-            if offset and not _seek(stream, offset) and discard(stream, offset) < offset:
-                raise ConnectionError("object shorter than before while resuming")
+            if offset and not _seek(stream, offset):
+                drop_prefix(stream, offset)
             # The response's size and metadata (an obstore stream sends its GET for them);
             # those of the first response are kept.
             size, details = stream.response_facts()

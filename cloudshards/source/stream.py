@@ -21,6 +21,7 @@ __all__ = [
     "ShardSource",
     "ShardStream",
     "discard",
+    "drop_prefix",
     "map_backend_error",
     "status_error",
     "without_paths",
@@ -254,3 +255,14 @@ def discard(stream: Any, count: int) -> int:
             break
         dropped += len(data)
     return dropped
+
+
+def drop_prefix(stream: Any, count: int) -> None:
+    """Read and drop the first ``count`` bytes of a resumed read of an object (one that
+    cannot seek there).
+
+    Raises:
+        ConnectionError: The object ends before: it is not the one read before.
+    """
+    if discard(stream, count) < count:
+        raise ConnectionError("object shorter than before while resuming")

@@ -281,14 +281,21 @@ def table_samples(
     url: str,
     name_filter: NameFilter | None,
     max_member_bytes: int,
+    max_sample_bytes: int | None = None,
     shard_index: int | None = None,
     on_duplicate: Callable[[Exception], bool] | None = None,
 ) -> Iterator[Sample]:
     """The samples of the file open at ``fd``, sliced by ``table``: what
     :func:`~cloudshards.grouping.group_members` makes of :func:`iter_table`'s members, in one
     loop (the warm epoch's hot path: no member tuple, no generator between the two)."""
-    if table.sizes and max(table.sizes) > max_member_bytes:
-        # The member reader's error, and the sample it proves complete, as group_members has it.
+    size = os.fstat(fd).st_size
+    # What a sample holds (its key, and per field its name, data and 128 bytes) is less than
+    # the bytes its members take in the tar (a 512-byte header each, long names in blocks of
+    # their own), so only a file larger than the sample limit can hold a sample over it.
+    if (table.sizes and max(table.sizes) > max_member_bytes) or (
+        max_sample_bytes is not None and size > max_sample_bytes
+    ):
+        # The limits' errors, and the sample they prove complete, as a cold read has them.
         yield from group_members(
             iter_table(
                 fd, table, url=url, name_filter=name_filter, max_member_bytes=max_member_bytes
@@ -297,9 +304,10 @@ def table_samples(
             shard_index=shard_index,
             name_filter=name_filter,
             on_duplicate=on_duplicate,
+            max_sample_bytes=max_sample_bytes,
         )
         return
-    if os.fstat(fd).st_size == 0:
+    if size == 0:
         return
     sample: Sample | None = None
     key = ""

@@ -51,6 +51,11 @@ class OpenOptions:
             return self.max_member_bytes
         return config.env_int("MAX_MEMBER_BYTES", config.DEFAULT_MAX_MEMBER_BYTES)
 
+    def sample_limit(self) -> int:
+        """Most bytes one sample may hold: one field at the member limit and its small
+        companions fit (see :func:`~cloudshards.grouping.group_members`)."""
+        return 2 * self.member_limit()
+
     def pipe_allowed(self) -> bool:
         """Whether ``pipe:`` URLs may run, after the environment default (never under
         webdataset's ``WDS_SECURE``)."""

@@ -306,8 +306,7 @@ def _read_opened(
                     shard_index=index,
                     name_filter=members_filter,
                     on_duplicate=handler,
-                    # One field at the member limit and its small companions fit.
-                    max_sample_bytes=2 * options.member_limit(),
+                    max_sample_bytes=options.sample_limit(),
                     # webdataset 1.0.2 tells consumers where a local shard lives (a member
                     # table is a cached remote shard's: none has a local path).
                     local_path=local_path(url),
@@ -383,6 +382,7 @@ def _samples_by_table(
         url=url,
         name_filter=name_filter,
         max_member_bytes=options.member_limit(),
+        max_sample_bytes=options.sample_limit(),
         shard_index=shard_index,
         on_duplicate=handler,
     )

@@ -151,10 +151,12 @@ class DecompressReader:
                     ) from None
                 if saved is None:
                     raise self._error(f"corrupt {self.kind} stream ({exc})") from None
-                # Where the failed call's input began: the damage lies no earlier (zlib may
-                # notice it some bytes after it).
+                out, at_byte = self._salvage(saved, feed)
+                # Named after the replay: the byte zlib fails at (or, when the replay could
+                # not find it, where the failed call's input began: the damage lies no earlier).
                 failure = self._error(f"corrupt {self.kind} stream ({exc})").reason
-                out = self._salvage(saved, feed, failure)
+                if at_byte:  # nothing after the failing byte is handed on
+                    self._failed = failure
                 if out:
                     return out
                 raise ShardFormatError(failure, url=self._url, offset=self._offset) from None
@@ -183,11 +185,12 @@ class DecompressReader:
             )
         return b""
 
-    def _salvage(self, saved: Any, feed: bytes, failure: str) -> bytes:
+    def _salvage(self, saved: Any, feed: bytes) -> tuple[bytes, bool]:
         """What ``feed`` decodes to before the byte zlib fails at, replayed from ``saved``
-        (the state before the failed call) in small steps: zlib drops a call's whole output
-        when it fails (a bad CRC in the trailer dropped up to a block of good members), so the
-        members before the damage are handed on, and ``failure`` is raised at the next read.
+        (the state before the failed call) in small steps, and whether that byte was found
+        (the input then starts at it): zlib drops a call's whole output when it fails (a bad
+        CRC in the trailer dropped up to a block of good members), so the members before the
+        damage are handed on, and the failure is raised at the next read.
         Error path only: nothing is replayed while nothing fails."""
         out = bytearray()
         at, state, failed = 0, saved, False
@@ -205,9 +208,7 @@ class DecompressReader:
                 state = trial
         self._decompressor = state
         self._input = feed[at:] + self._input[len(feed) :]
-        if failed:  # nothing after the failing byte is handed on
-            self._failed = failure
-        return bytes(out)
+        return bytes(out), failed
 
     def _check_inflation(self, total: int) -> None:
         """Refuse a stream that inflated past :data:`INFLATION_FLOOR` at over ``max_inflation``

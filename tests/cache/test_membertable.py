@@ -328,19 +328,33 @@ def test_table_samples_are_group_members_of_iter_table(
     ]
     name_filter = hooks[seed % 3]
     limit = rng.choice([1 << 20, 64])
+    # None; over the file (the loop need not count); under it (samples of 300+ bytes refused)
+    sample_limit = rng.choice([None, 2 * limit, 300])
     with open(path, "rb") as f:
         fd = f.fileno()
 
         def fused() -> Any:
             return table_samples(
-                fd, table, url="u", name_filter=name_filter, max_member_bytes=limit, shard_index=3
+                fd,
+                table,
+                url="u",
+                name_filter=name_filter,
+                max_member_bytes=limit,
+                max_sample_bytes=sample_limit,
+                shard_index=3,
             )
 
         def reference() -> Any:
             members = iter_table(
                 fd, table, url="u", name_filter=name_filter, max_member_bytes=limit
             )
-            return group_members(members, url="u", shard_index=3, name_filter=name_filter)
+            return group_members(
+                members,
+                url="u",
+                shard_index=3,
+                name_filter=name_filter,
+                max_sample_bytes=sample_limit,
+            )
 
         assert outcome(fused) == outcome(reference)
 
@@ -353,7 +367,13 @@ def test_table_samples_are_group_members_of_iter_table(
         def fused_loaded() -> Any:
             assert loaded is not None
             return table_samples(
-                fd, loaded, url="u", name_filter=name_filter, max_member_bytes=limit, shard_index=3
+                fd,
+                loaded,
+                url="u",
+                name_filter=name_filter,
+                max_member_bytes=limit,
+                max_sample_bytes=sample_limit,
+                shard_index=3,
             )
 
         assert outcome(fused_loaded) == outcome(reference)
@@ -615,3 +635,39 @@ def test_exactly_one_side_writes_a_pending_table(given: str) -> None:
         "during the commit": (False, True, False),
         "after the commit": (False, False, True),
     }[given]
+
+
+def test_a_warm_epoch_refuses_a_sample_over_the_limit_as_a_cold_one_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Which samples a pipeline gets must not depend on what another one left in the cache:
+    a table saved by a pipeline with the default limits is read under a smaller one."""
+    shard = tmp_path / "s.tar"
+    with tarfile.open(shard, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for key, size in (("a", 100), ("b", 3000), ("c", 100)):
+            for field in ("x", "y", "z"):
+                info = tarfile.TarInfo(f"{key}.{field}")
+                info.size = size
+                tar.addfile(info, io.BytesIO(bytes(size)))
+    url = fakes.url_of(shard)
+    cache_dir = tmp_path / "cache"
+    assert [key for key, _ in samples(dataset([url], cache_dir))] == ["a", "b", "c"]
+    assert len(tables(cache_dir)) == 1
+
+    def read(cache: Path, **kw: Any) -> tuple[list[str], Exception | None]:
+        keys: list[str] = []
+        try:
+            for sample in dataset([url], cache, max_member_bytes=4096, **kw):
+                keys.append(sample["__key__"])
+        except Exception as exc:  # the outcome compared
+            return keys, exc
+        return keys, None
+
+    cold_keys, cold_error = read(tmp_path / "fresh")
+    forbid_parsing(monkeypatch)  # from the table (the exact path slices it too)
+    warm_keys, warm_error = read(cache_dir)
+    assert cold_keys == warm_keys == ["a"]  # "b" holds 9,000 bytes, over twice 4096
+    assert isinstance(cold_error, ShardFormatError)
+    assert isinstance(warm_error, ShardFormatError)
+    assert "sample 'b' holds more than 8192 bytes" in str(warm_error)
+    assert (warm_error.member, warm_error.offset) == (cold_error.member, cold_error.offset)

@@ -1,5 +1,6 @@
-"""The cache's byte budget: reservations for downloads, and least-recently-used eviction of
-the entries not in use (readers hold a shared ``flock`` on an entry, which eviction respects)."""
+"""The cache's byte budget: reservations for downloads, least-recently-used eviction of the
+entries not in use (readers hold a shared ``flock`` on an entry, which eviction respects), and
+streaming past the cache when its disk takes no more."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import logging
 import os
 
 from cloudshards.cache.layout import EntryStore
-from cloudshards.cache.lock import DownloadLock, is_locked
+from cloudshards.cache.lock import DownloadLock, is_disk_full, is_locked
+from cloudshards.cache.stats import warn_disk_full
 from cloudshards.errors import CacheError
+from cloudshards.source import OpenOptions, ShardSource, StoreOpener, open_remote
 
 __all__ = ["CacheBudget"]
 
@@ -19,6 +22,11 @@ logger = logging.getLogger(__name__)
 
 class CacheBudget(EntryStore):
     """A cache directory under a byte budget (``max_bytes``; None: no limit)."""
+
+    def keeps(self, size: int) -> bool:
+        """Whether a shard of ``size`` bytes fits the budget at all (one larger is streamed
+        without being kept)."""
+        return self.max_bytes is None or size <= self.max_bytes
 
     def _reserve(self, name: str, size: int | None, lock: DownloadLock) -> str:
         """Make room for ``size`` bytes under the budget; record the reservation.
@@ -113,6 +121,37 @@ class CacheBudget(EntryStore):
         finally:
             os.close(fd)
         return True
+
+    def _degrade(
+        self, remote: ShardSource, exc: OSError, what: str, *, counted: bool = True
+    ) -> ShardSource:
+        """Serve ``remote`` without caching when the disk took no more; raise otherwise.
+        ``counted``: it counts as a shard streamed uncached."""
+        if not is_disk_full(exc):
+            with contextlib.suppress(Exception):
+                remote.close()
+            raise CacheError(f"{what}: {exc}") from exc
+        warn_disk_full(self.stats, exc)
+        if counted:
+            self.stats.uncached += 1
+        self._save_stats()
+        return remote
+
+    def _stream_uncached(
+        self,
+        url: str,
+        options: OpenOptions,
+        shard_index: int | None,
+        open_store: StoreOpener | None,
+        exc: OSError,
+    ) -> ShardSource:
+        """Open the shard in the store, not through the cache: its disk is full or read-only."""
+        remote = (
+            open_store()
+            if open_store is not None
+            else open_remote(url, options, shard_index=shard_index)
+        )
+        return self._degrade(remote, exc, f"cannot use the cache in {self.directory}")
 
 
 def _reserved_size(lock_path: str, partial: os.DirEntry[str]) -> int:

@@ -109,11 +109,14 @@ class ShardCache(CacheBudget):
         open_store: StoreOpener | None,
         cancel: threading.Event | None = None,
         keep_bytes: int = 0,
+        expect_size: int | None = None,
     ) -> ShardSource:
         """Open a remote shard through the cache (see :meth:`open`; this is what
         :func:`~cloudshards.source.open_source` calls for a remote shard). With ``cancel``
         (set when the reader is closed), a download it claims runs as a download ahead does
-        (see :func:`cloudshards.cache.ahead.run_in_background`)."""
+        (see :func:`cloudshards.cache.ahead.run_in_background`). ``expect_size``: the size
+        the caller knows the object has now (an index's); an entry of another size is an
+        older copy, removed and fetched again."""
         try:
             self._ensure_ready()
         except OSError as exc:
@@ -128,7 +131,7 @@ class ShardCache(CacheBudget):
         handoff = self.stats._ahead.pop(name, None)
         own = handoff is not None
         while True:
-            hit = self._open_hit(name, url, shard_index, counted=not own)
+            hit = self._open_hit(name, url, shard_index, counted=not own, expect_size=expect_size)
             if hit is not None:
                 if handoff is not None:
                     handoff.clear()
@@ -220,7 +223,13 @@ class ShardCache(CacheBudget):
         return open_remote(url, options, shard_index=shard_index)
 
     def _open_hit(
-        self, name: str, url: str, shard_index: int | None, *, counted: bool = True
+        self,
+        name: str,
+        url: str,
+        shard_index: int | None,
+        *,
+        counted: bool = True,
+        expect_size: int | None = None,
     ) -> _CachedFile | None:
         entry = self._path("data", name)
         try:
@@ -235,10 +244,15 @@ class ShardCache(CacheBudget):
         if inode_at(entry) != info.st_ino:  # evicted between open and lock
             os.close(fd)
             return None
-        if meta is None or meta.get("size") != info.st_size:
+        stale = expect_size is not None and info.st_size != expect_size
+        if meta is None or meta.get("size") != info.st_size or stale:
             os.close(fd)
             logger.warning(
-                "cache: entry for %s is corrupt or truncated; refetching", redact_url(url)
+                "cache: entry for %s is %s; refetching",
+                redact_url(url),
+                f"{info.st_size} bytes, the object {expect_size} (an older copy)"
+                if stale
+                else "corrupt or truncated",
             )
             with contextlib.suppress(OSError):  # a read-only disk: it is streamed instead
                 self._remove_entry(name)
@@ -357,37 +371,6 @@ class ShardCache(CacheBudget):
             return self._degrade(
                 remote, exc, f"cannot create cache file {partial}", counted=count_uncached
             )
-
-    def _degrade(
-        self, remote: ShardSource, exc: OSError, what: str, *, counted: bool = True
-    ) -> ShardSource:
-        """Serve ``remote`` without caching when the disk took no more; raise otherwise.
-        ``counted``: it counts as a shard streamed uncached."""
-        if not is_disk_full(exc):
-            with contextlib.suppress(Exception):
-                remote.close()
-            raise CacheError(f"{what}: {exc}") from exc
-        warn_disk_full(self.stats, exc)
-        if counted:
-            self.stats.uncached += 1
-        self._save_stats()
-        return remote
-
-    def _stream_uncached(
-        self,
-        url: str,
-        options: OpenOptions,
-        shard_index: int | None,
-        open_store: StoreOpener | None,
-        exc: OSError,
-    ) -> ShardSource:
-        """Open the shard in the store, not through the cache: its disk is full or read-only."""
-        remote = (
-            open_store()
-            if open_store is not None
-            else open_remote(url, options, shard_index=shard_index)
-        )
-        return self._degrade(remote, exc, f"cannot use the cache in {self.directory}")
 
     def info(self) -> dict[str, Any]:
         """Entries, bytes and summed per-process counters of this cache directory."""

@@ -31,7 +31,9 @@ class CacheStats:
         waits: Shards read by following another process's download.
         uncached: Shards streamed without caching (disk full or read-only, over budget, early
             stop, failed verification).
-        bytes_network: Bytes this process read from the store through the cache.
+        bytes_network: Bytes this process downloaded for cache entries (a download that
+            stopped part-way, at a full disk say, included). A shard streamed past the cache
+            from its first byte (``uncached``: over the budget, disk full) is not counted here.
         bytes_disk: Bytes read from cache files (a shard this process downloaded ahead counts
             as a miss only: reading it back is part of that download, not a hit).
         evictions: Entries this process evicted.

@@ -17,17 +17,17 @@ from cloudshards import config
 from cloudshards.cache import ShardCache
 from cloudshards.errors import ConfigError, ShardError, ShardFormatError, ShardOpenError
 from cloudshards.handlers import as_handler, reraise_exception
-from cloudshards.indexed.build import build_index
-from cloudshards.indexed.files import default_index_url, load_index, read_bytes
-from cloudshards.indexed.format import DatasetIndex, IndexedSample, ShardIndex, read_index
+from cloudshards.indexed.format import DatasetIndex, IndexedSample, ShardIndex
 from cloudshards.indexed.read import (
     STALE_HINT,
     OpenFile,
     ProcessState,
+    ShardChangedError,
     check_length,
     checked,
     parse_sample,
 )
+from cloudshards.indexed.spec import as_index
 from cloudshards.process import PerProcess, freeze_inherited_objects
 from cloudshards.redact import redact_url
 from cloudshards.source import (
@@ -45,7 +45,6 @@ from cloudshards.source import (
     read_range,
 )
 from cloudshards.types import ExceptionHandler, Sample
-from cloudshards.urls import expand_urls
 from cloudshards.workerpipe import serve_plain_dataloaders
 
 __all__ = ["IndexedDataset"]
@@ -117,7 +116,7 @@ class IndexedDataset(torch.utils.data.Dataset[Any]):
             raise ConfigError(f"max_workers must be >= 1, got {max_workers}")
         if transform is not None and not callable(transform):
             raise ConfigError(f"transform must be callable, got {transform!r}")
-        self.index = _as_index(index_or_urls, storage_options, allow_external_shards)
+        self.index = as_index(index_or_urls, storage_options, allow_external_shards)
         self.storage_options = storage_options
         directory = cache_dir if cache_dir is not None else config.cache_dir_default()
         budget = cache_size if cache_size is not None else config.cache_size_default()
@@ -165,14 +164,16 @@ class IndexedDataset(torch.utils.data.Dataset[Any]):
                     error = exc
             assert error is not None
             self.handler(error)  # raises, or lets a substitute stand in
-            if read and isinstance(error, ShardOpenError):
+            whole_shard = isinstance(error, (ShardOpenError, ShardChangedError))
+            if read and whole_shard:
                 state.bad_shards[shard] = (time.monotonic() + BAD_SHARD_S, error.reason)
             state.count("skipped")
             if attempt == MAX_SUBSTITUTES:
                 raise error
-            if isinstance(error, ShardOpenError):
+            if whole_shard:
                 # The shard cannot be read (its other samples would fail alike, each after its
-                # retries): a substitute from the next shard; this one is passed over a while.
+                # retries, or it is not the shard indexed): a substitute from the next shard;
+                # this one is passed over a while.
                 position = self._next_readable(shard, position, state.bad_shards)
             else:
                 position = (position + 1) % size  # the bytes of this sample: the next one
@@ -241,7 +242,9 @@ class IndexedDataset(torch.utils.data.Dataset[Any]):
         except (ShardOpenError, ShardFormatError) as exc:
             if exc.member is not None and exc.shard_index is not None:
                 raise
-            kind = ShardOpenError if isinstance(exc, ShardOpenError) else ShardFormatError
+            kind: type[ShardError] = ShardFormatError
+            if isinstance(exc, (ShardOpenError, ShardChangedError)):  # whole-shard failures
+                kind = ShardOpenError if isinstance(exc, ShardOpenError) else ShardChangedError
             error = kind(
                 exc.reason,
                 url=shard.url,
@@ -270,7 +273,7 @@ class IndexedDataset(torch.utils.data.Dataset[Any]):
             )  # fmt: skip
         except RangeIgnoredError as exc:
             if len(exc.body) != shard.size:
-                raise ShardFormatError(
+                raise ShardChangedError(
                     f"server ignored Range and sent {len(exc.body)} bytes; the index says "
                     f"{shard.size} ({STALE_HINT})",
                     url=shard.url,
@@ -289,6 +292,9 @@ class IndexedDataset(torch.utils.data.Dataset[Any]):
             fd = open_local_fd(shard.url, self.options, position)
             return checked(OpenFile(fd, lambda: os.close(fd)), shard, position)
         assert self.cache is not None
+        if not self.cache.keeps(shard.size):  # known from the index: no download to find out
+            self._warn_not_kept()
+            return None
         with cf.ThreadPoolExecutor(self.fetch.concurrency, "cloudshards-indexed-dl") as pool:
             stream = self._open_cached(position, shard, pool)
             if not isinstance(stream, PartStream) and not _is_file(stream):
@@ -301,15 +307,18 @@ class IndexedDataset(torch.utils.data.Dataset[Any]):
                     stream.close()
                 stream = self._open_cached(position, shard, pool)
             if not _is_file(stream):
-                # Streamed without being kept (over the budget, disk full).
+                # Streamed without being kept (the budget full of entries in use, disk full).
                 stream.close()
-                self._process().warn_once(
-                    "cache: a shard was not kept (budget or disk full); reading its samples "
-                    "with ranged GETs instead"
-                )
+                self._warn_not_kept()
                 return None
         fd = stream.fileno()
         return checked(OpenFile(fd, stream.close), shard, position)
+
+    def _warn_not_kept(self) -> None:
+        self._process().warn_once(
+            "cache: a shard was not kept (over the budget, or it is full, or the disk is); "
+            "reading its samples with ranged GETs instead"
+        )
 
     def _open_cached(
         self, position: int, shard: ShardIndex, pool: cf.ThreadPoolExecutor
@@ -319,7 +328,7 @@ class IndexedDataset(torch.utils.data.Dataset[Any]):
         def check_size(size: int) -> None:
             # One metadata request per download: refuse a shard that changed size.
             if size != shard.size:
-                raise ShardFormatError(
+                raise ShardChangedError(
                     f"shard is {size} bytes, the index says {shard.size} ({STALE_HINT})",
                     url=shard.url,
                     shard_index=position,
@@ -361,35 +370,6 @@ class IndexedDataset(torch.utils.data.Dataset[Any]):
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-def _as_index(
-    spec: DatasetIndex | str | Iterable[str],
-    storage_options: Mapping[str, Any] | None,
-    allow_external_shards: bool,
-) -> DatasetIndex:
-    if isinstance(spec, DatasetIndex):
-        return spec
-    if isinstance(spec, str) and spec.split("?", 1)[0].endswith((".json", ".json.gz")):
-        return load_index(spec, storage_options, allow_external_shards=allow_external_shards)
-    if isinstance(spec, Mapping) or not isinstance(spec, (str, Iterable)):
-        raise ConfigError(f"expected an index, an index URL or shard URLs, got {spec!r}")
-    urls = expand_urls(spec, storage_options=storage_options)
-    default = default_index_url(urls)
-    data = read_bytes(default, storage_options)
-    if data is not None:
-        found = read_index(data, default, allow_external_shards=allow_external_shards)
-        selected = found.select(urls)
-        if selected is not None:
-            return selected
-        logger.warning("%s does not list every shard given", redact_url(default))
-    logger.warning(
-        "no index for %d shards at %s: scanning them now; save an index with "
-        "`cloudshards index` to skip this",
-        len(urls),
-        redact_url(default),
-    )
-    return build_index(urls, storage_options)
 
 
 def _is_file(stream: ShardSource) -> TypeGuard[EntrySource]:

@@ -35,6 +35,7 @@ __all__ = [
     "STALE_HINT",
     "OpenFile",
     "ProcessState",
+    "ShardChangedError",
     "check_length",
     "checked",
     "parse_sample",
@@ -51,11 +52,17 @@ MAX_OPEN_FILES = 128
 STALE_HINT = "the shard changed since it was indexed? rebuild the index with `cloudshards index`"
 
 
+class ShardChangedError(ShardFormatError):
+    """The shard is not the one indexed (another size, or shorter than a sample's bytes):
+    its later samples cannot be read as indexed either, so a substitute comes from the next
+    shard and this one is passed over a while, as after a :class:`ShardOpenError`."""
+
+
 def checked(handle: OpenFile, shard: ShardIndex, position: int) -> OpenFile:
     size = os.fstat(handle.fd).st_size
     if size != shard.size:
         handle.close()
-        raise ShardFormatError(
+        raise ShardChangedError(
             f"shard is {size} bytes, the index says {shard.size} ({STALE_HINT})",
             url=shard.url,
             shard_index=position,
@@ -65,7 +72,7 @@ def checked(handle: OpenFile, shard: ShardIndex, position: int) -> OpenFile:
 
 def check_length(data: bytes, length: int, shard: ShardIndex, position: int) -> bytes:
     if len(data) != length:
-        raise ShardFormatError(
+        raise ShardChangedError(
             f"got {len(data)} of the sample's {length} bytes: the shard is shorter than "
             f"indexed ({STALE_HINT})",
             url=shard.url,

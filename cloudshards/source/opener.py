@@ -45,6 +45,7 @@ class NodeCache(Protocol):
         open_store: StoreOpener | None,
         cancel: threading.Event | None = None,
         keep_bytes: int = 0,
+        expect_size: int | None = None,
     ) -> ShardSource: ...
 
     def join_downloads(self, cancel: threading.Event, timeout: float) -> None: ...
@@ -88,7 +89,8 @@ def open_source(
         stats: I/O counters to update (default: this process's).
         cancel: Set when the reader is closed: pending retries stop.
         size: The object's size as known already (an index's), with ``check_size`` called
-            on the store's size before any byte is read (it raises to refuse the object).
+            on the store's size before any byte is read (it raises to refuse the object). A
+            cache entry of another size is taken for an older copy: refetched.
 
     Raises:
         ShardOpenError: The object is missing, access is denied, or the store failed.
@@ -128,6 +130,7 @@ def open_source(
             cancel=cancel,
             # The reader takes the blocks it reaches from memory; at most a shard's window.
             keep_bytes=fetch.concurrency * fetch.part_bytes,
+            expect_size=size,
         )
     return store()
 

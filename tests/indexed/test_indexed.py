@@ -548,16 +548,21 @@ def test_handler_substitutes_the_next_readable_sample(
     assert "not found" in caplog.text
 
 
+@pytest.mark.parametrize("damage", ["missing", "truncated"])
 @pytest.mark.parametrize("handler", ["warn", "skip"])
 def test_a_shard_larger_than_the_substitutes_that_cannot_be_read_is_passed_over(
-    make_shards: Callable[..., Shards], caplog: pytest.LogCaptureFixture, handler: str
+    make_shards: Callable[..., Shards], caplog: pytest.LogCaptureFixture, handler: str, damage: str
 ) -> None:
-    """A missing shard of more than 16 samples: every index still returns a sample (it
-    raised despite the handler, each sample's substitutes all in the same shard), and the
-    shard is asked for once, not once per sample and substitute (17 x 6 tries each)."""
+    """A missing shard of more than 16 samples, or one cut short since it was indexed (not
+    the shard indexed: its file is refused): every index still returns a sample (it raised
+    despite the handler, each sample's substitutes all in the same shard), and the shard is
+    asked for once, not once per sample and substitute (17 x 6 tries each)."""
     shards = make_shards([3, 40, 3])
     index = build_index(shards.spec())
-    shards.paths[1].unlink()
+    if damage == "missing":
+        shards.paths[1].unlink()
+    else:
+        os.truncate(shards.paths[1], shards.paths[1].stat().st_size - 10240)
     opens: list[str] = []
     real_open = os.open
 
@@ -579,6 +584,73 @@ def test_a_shard_larger_than_the_substitutes_that_cannot_be_read_is_passed_over(
     assert keys[43:] == shards.keys[43:]
     assert set(keys) <= set(good)
     assert len(opens) == 1, opens
+
+
+def test_a_remote_shard_cut_short_since_it_was_indexed_is_passed_over(
+    make_shards: Callable[..., Shards], requests: Requests
+) -> None:
+    """Read by ranged GETs, the samples before the cut are there; the first past it proves
+    the shard is not the one indexed: substitutes come from the next shard, without asking
+    for each later sample of this one (17 GETs per sample otherwise, then an error)."""
+    shards = make_shards([30, 3], payload_bytes=300)
+    urls = [count_url(p) for p in shards.paths]
+    index = build_index(urls)
+    os.truncate(shards.paths[0], shards.paths[0].stat().st_size // 2)
+    requests.clear()
+    with IndexedDataset(index, handler="skip") as ds:
+        keys = [ds[i]["__key__"] for i in range(len(ds))]
+        skipped = ds.stats()["indexed"]["skipped"]
+    cut = keys.index(shards.keys[30])  # the first sample past the cut
+    assert 0 < cut < 30
+    assert keys[:cut] == shards.keys[:cut]
+    assert keys[cut:30] == [shards.keys[30]] * (30 - cut)
+    assert keys[30:] == shards.keys[30:]
+    assert skipped == 30 - cut
+    first_shard = [line for line in requests.lines() if line[1] == str(shards.paths[0])]
+    assert len(first_shard) == cut + 1  # the samples before the cut, and the one past it
+
+
+def test_a_cache_entry_older_than_a_rebuilt_index_is_fetched_again(
+    make_shards: Callable[..., Shards], requests: Requests, tmp_path: Path
+) -> None:
+    """A shard rewritten in the store (another size) and its index rebuilt: the cache's copy
+    of the old shard is not read under the new index (it was refused, "rebuild the index",
+    which had just been done), but fetched again."""
+    shards = make_shards([3, 3], payload_bytes=200)
+    urls = [count_url(p) for p in shards.paths]
+    cache_dir = tmp_path / "cache"
+    with IndexedDataset(build_index(urls), cache_dir=cache_dir) as ds:
+        assert [ds[i]["__key__"] for i in range(6)] == shards.keys
+    from conftest import write_tar
+
+    longer = [(k, sample_fields(1, i, 900)) for i, (k, _) in enumerate(shards.samples[3:])]
+    write_tar(shards.paths[1], longer, tarfile.PAX_FORMAT)
+    expected = stream(urls)
+    rebuilt = build_index(urls)
+    requests.clear()
+    with IndexedDataset(rebuilt, cache_dir=cache_dir) as ds:
+        assert [ds[i] for i in range(6)] == expected
+    assert {line[1] for line in requests.lines()} == {str(shards.paths[1])}  # shard 0: a hit
+    assert len(list((cache_dir / "data").iterdir())) == 2
+
+
+def test_a_shard_over_the_cache_budget_is_read_by_sample_without_a_download(
+    make_shards: Callable[..., Shards], requests: Requests, tmp_path: Path
+) -> None:
+    """The index knows the shard's size: one over the budget is read with ranged GETs from
+    the first sample on, not downloaded (and thrown away) first, once per process."""
+    shards = make_shards([20], payload_bytes=3000)
+    url = count_url(shards.paths[0])
+    index = build_index(url)
+    expected = stream(url)
+    requests.clear()
+    budget = shards.paths[0].stat().st_size // 2
+    with IndexedDataset(index, cache_dir=tmp_path / "cache", cache_size=budget) as ds:
+        assert ds[7] == expected[7]
+        assert ds[2] == expected[2]
+    sample = index.shards[0].sample(7)
+    assert requests.lines()[0] == ["GET", str(shards.paths[0]), str(sample.start), str(sample.end)]
+    assert len(requests.lines()) == 2
 
 
 def test_scanning_without_an_index_warns_and_a_saved_one_is_used(

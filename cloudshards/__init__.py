@@ -78,7 +78,7 @@ if TYPE_CHECKING:
         split_by_node,
         split_by_worker,
     )
-    from cloudshards.source import gopen, open_shard
+    from cloudshards.source import open_shard
     from cloudshards.stages.base import PipelineStage, pipelinefilter
     from cloudshards.stages.batch import batched, default_collation_fn, unbatched, unlisted
     from cloudshards.stages.epoch import repeatedly
@@ -100,7 +100,7 @@ if TYPE_CHECKING:
         rsample,
     )
     from cloudshards.urls import expand_urls
-    from cloudshards.webdataset import install_as_webdataset
+    from cloudshards.webdataset import gopen, install_as_webdataset
     from cloudshards.webdataset.compat import check_empty
     from cloudshards.webdataset.extradatasets import with_epoch, with_length
     from cloudshards.webdataset.tariterators import tarfile_samples, tarfile_to_samples
@@ -172,7 +172,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "split_by_node",
         "split_by_worker",
     ),
-    "cloudshards.source": ("gopen", "open_shard"),
+    "cloudshards.source": ("open_shard",),
     "cloudshards.stages.base": ("PipelineStage", "pipelinefilter"),
     "cloudshards.stages.batch": ("batched", "default_collation_fn", "unbatched", "unlisted"),
     "cloudshards.stages.epoch": ("repeatedly", "slice"),
@@ -206,6 +206,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "compat",
         "extradatasets",
         "filters",
+        "gopen",
         "gopen_schemes",
         "install_as_webdataset",
         "install_from_env",

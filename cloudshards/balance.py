@@ -294,6 +294,24 @@ def _write_counts(path: Path, counts: dict[str, int]) -> None:
         logger.warning("cannot save sample counts in %s: %s", path.parent, exc)
 
 
+def _segments(
+    order: list[dict[str, Any]], counts: Mapping[int, int], start: int, end: int
+) -> Iterator[dict[str, Any]]:
+    """The shard dicts that hold samples ``[start, end)`` of the sequence ``order`` lays end
+    to end."""
+    position = 0
+    for shard in order:
+        if position >= end:
+            return
+        count = counts[shard["shard_index"]]
+        lo, hi = max(start, position), min(end, position + count)
+        if lo < hi:
+            # "count": the reader looks past a segment that ends where the count says the
+            # shard does, for a shard rewritten with more samples since it was counted.
+            yield {**shard, "skip": lo - position, "take": hi - lo, "count": count}
+        position += count
+
+
 def assign_samples(
     shards: Iterable[dict[str, Any]],
     counts: Mapping[int, int],
@@ -302,6 +320,7 @@ def assign_samples(
     num_consumers: int,
     mode: str,
     limit: int | None = None,
+    drop_at: int = -1,
 ) -> Iterator[dict[str, Any]]:
     """This consumer's part of one epoch: shard dicts with ``skip``/``take`` sample counts.
 
@@ -313,6 +332,11 @@ def assign_samples(
         mode: ``"drop"`` (``T // C`` each) or ``"pad"`` (``ceil(T / C)`` each, the consumers
             one short repeating their first sample).
         limit: Use only the first ``limit`` samples of the epoch's sequence (subsampling).
+        drop_at: With ``drop``, which sample of its run a consumer that holds one more than
+            it takes (the first ``T % C``) leaves out, counted from the run's start, modulo
+            the run's length (default: its last). Drawn each epoch, it moves the left-over
+            samples, which the shard order alone cannot move with one shard; the shards a
+            consumer reads stay the same.
     """
     order = list(shards)
     total = sum(counts[shard["shard_index"]] for shard in order)
@@ -322,21 +346,14 @@ def assign_samples(
     own = base + (1 if consumer < extra else 0)
     take = base if mode == "drop" else own
     wanted = base if mode == "drop" or extra == 0 else base + 1
-    end = start + take
-    position = 0
+    gap = drop_at % own if own > take else take  # the sample left out, from ``start``
+    runs = [(start, start + gap), (start + gap + 1, start + own)] if own > take else []
+    runs = [(lo, hi) for lo, hi in runs if lo < hi] or [(start, start + take)]
     first: dict[str, Any] | None = None
-    for shard in order:
-        count = counts[shard["shard_index"]]
-        lo, hi = max(start, position), min(end, position + count)
-        if lo < hi:
-            # "count": the reader looks past a segment that ends where the count says the
-            # shard does, for a shard rewritten with more samples since it was counted.
-            segment = {**shard, "skip": lo - position, "take": hi - lo, "count": count}
+    for begin, end in runs:
+        for segment in _segments(order, counts, begin, end):
             first = first or segment
             yield segment
-        position += count
-        if position >= end:
-            break
     if wanted > take:
         if first is None:  # fewer samples than consumers: repeat the epoch's first sample
             first = next(({**s, "skip": 0} for s in order if counts[s["shard_index"]] > 0), None)

@@ -7,12 +7,13 @@ The classes keep their names: the state fingerprint names each stage by its clas
 from __future__ import annotations
 
 import logging
+import random
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from cloudshards.balance import assign_samples, counts_file, resolve_sample_counts, seen_file
 from cloudshards.cache import ShardCache
-from cloudshards.dist import WorkerInfo
+from cloudshards.dist import WorkerInfo, derive_seed
 from cloudshards.grouping import make_name_filter
 from cloudshards.source import FetchOptions, OpenOptions
 from cloudshards.stages.base import IterationContext, current_context, per_sample
@@ -181,13 +182,22 @@ class _Split:
         if mode is not None:
             counts = self.counts()
             consumer, num_consumers = self.consumer(info)
+            limit = self.limit(sum(counts))
+            total = sum(counts) if limit is None else min(sum(counts), max(0, limit))
+            drop_at = -1  # the last of its run
+            if mode == "drop" and context is not None and total % num_consumers:
+                # Which samples are left over moves each epoch (one shard's too); not a draw
+                # of the random stages' sequence (their seeds stay as they were).
+                seed = derive_seed(context.seed, context.epoch, context.repetition, consumer)
+                drop_at = random.Random(seed).randrange(total)
             return assign_samples(
                 src,
                 dict(enumerate(counts)),
                 consumer=consumer,
                 num_consumers=num_consumers,
                 mode=mode,
-                limit=self.limit(sum(counts)),
+                limit=limit,
+                drop_at=drop_at,
             )
         if len(self.urls) < info.num_consumers and self.nodesplitter is not None:
             logger.warning(

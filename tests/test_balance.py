@@ -64,6 +64,55 @@ def test_assignment_is_equal_disjoint_and_contiguous(seed: int) -> None:
         assert total - len(taken) == (total % consumers if mode == "drop" else 0)
 
 
+@pytest.mark.parametrize("drop_at", range(-1, 6))
+def test_drop_leaves_out_the_drawn_sample_of_a_longer_run(drop_at: int) -> None:
+    """17 samples, 4 consumers: consumer 0's run holds 5 and it takes 4; ``drop_at`` says
+    which it leaves out (modulo 5); the other runs and the shards read do not change."""
+    runs = []
+    for consumer in range(4):
+        segments = assign_samples(
+            [{"url": "u0", "shard_index": 0}],
+            {0: 17},
+            consumer=consumer,
+            num_consumers=4,
+            mode="drop",
+            drop_at=drop_at,
+        )
+        runs.append([i for s in segments for i in range(s["skip"], s["skip"] + s["take"])])
+    left_out = drop_at % 5
+    assert runs[0] == [i for i in range(5) if i != left_out]
+    assert runs[1:] == [list(range(5, 9)), list(range(9, 13)), list(range(13, 17))]
+
+
+def test_drop_leaves_out_other_samples_each_epoch_even_with_one_shard(
+    make_shards: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shard order cannot move the left-over samples of a single shard: the sample left
+    out is drawn each epoch (the same on a rerun), never the same one for ever."""
+    shards = make_shards([17])
+    monkeypatch.setenv("WORLD_SIZE", "4")
+
+    def epoch(number: int) -> list[list[str]]:
+        per_rank = []
+        for rank in range(4):
+            monkeypatch.setenv("RANK", str(rank))
+            ds = wds.WebDataset(shards.spec(), shardshuffle=True, seed=3, balance="drop")
+            ds.set_epoch(number)
+            per_rank.append(keys_of(ds))
+        return per_rank
+
+    dropped = []
+    for number in range(8):
+        per_rank = epoch(number)
+        assert [len(keys) for keys in per_rank] == [4] * 4
+        union = Counter(key for keys in per_rank for key in keys)
+        assert max(union.values()) == 1
+        (left_out,) = set(shards.keys) - set(union)
+        dropped.append(left_out)
+    assert len(set(dropped)) > 1, dropped
+    assert epoch(5) == epoch(5)
+
+
 def ranks_keys(
     spec: str, monkeypatch: pytest.MonkeyPatch, world: int, **kw: Any
 ) -> list[list[str]]:

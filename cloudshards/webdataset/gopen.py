@@ -9,6 +9,7 @@ allowed (``allow_pipe=True`` or ``CLOUDSHARDS_ALLOW_PIPE=1``). Handlers register
 
 from __future__ import annotations
 
+import io
 import re
 import subprocess
 import sys
@@ -161,37 +162,33 @@ def set_options(
     return True
 
 
-class _Reader:
-    """A retrying remote read stream with the file methods webdataset code uses."""
+class _Reader(io.RawIOBase):
+    """A retrying remote read stream as a raw file: buffered (:func:`gopen_fsspec`), it has
+    the methods of the pipe webdataset's ``gopen`` hands out for remote URLs (``readline``,
+    iteration over lines, ``peek``, ``readinto``), none of which seeks."""
 
     def __init__(self, stream: Any, url: str) -> None:
+        super().__init__()
         self._stream = stream
         self.url = url
 
-    def read(self, size: int = -1) -> bytes:
-        data: bytes = self._stream.read(size)
-        return data
-
-    def readinto(self, buffer: bytearray | memoryview) -> int:
-        data = self.read(len(buffer))
-        buffer[: len(data)] = data
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        data = self._stream.read(len(view))
+        view[: len(data)] = data
         return len(data)
+
+    def readall(self) -> bytes:
+        data: bytes = self._stream.read()
+        return data
 
     def readable(self) -> bool:
         return True
 
-    @property
-    def closed(self) -> bool:
-        return bool(self._stream.closed)
-
     def close(self) -> None:
-        self._stream.close()
-
-    def __enter__(self) -> _Reader:
-        return self
-
-    def __exit__(self, *args: object) -> None:
-        self.close()
+        if not self.closed:
+            self._stream.close()
+        super().close()
 
 
 def gopen_fsspec(url: str, mode: str = "rb", bufsize: int = 8192, **kw: Any) -> Any:
@@ -204,7 +201,7 @@ def gopen_fsspec(url: str, mode: str = "rb", bufsize: int = 8192, **kw: Any) -> 
     # forks later without it.
     options = OpenOptions(storage_options=kw.get("storage_options"), obstore=in_dataloader_worker())
     if mode[0] == "r":
-        return _Reader(open_remote(url, options), url)
+        return io.BufferedReader(_Reader(open_remote(url, options), url), max(bufsize, 1))
     if mode[0] == "w":
         return _io.gopen(url, "wb", storage_options=options.storage_options)
     raise ValueError(f"{mode}: unknown mode")
@@ -308,7 +305,7 @@ def gopen(url: str, mode: str = "rb", bufsize: int = 8192, **kw: Any) -> Any:
     Keyword arguments reach the scheme's opener: ``storage_options``, ``allow_pipe``.
     """
     if mode not in ("rb", "wb"):
-        raise ValueError(f"gopen: mode must be 'rb' or 'wb', got {mode!r}")
+        raise ConfigError(f"gopen: mode must be 'rb' or 'wb', got {mode!r}")
     if url == "-":
         return sys.stdin.buffer if mode == "rb" else sys.stdout.buffer
     url = rewrite_url(url)

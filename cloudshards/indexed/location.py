@@ -45,10 +45,18 @@ def parent_url(url: str) -> str:
 
 
 def relative_entry(shard_url: str, index_url: str) -> str:
-    """How an index at ``index_url`` stores ``shard_url``: relative when below its directory."""
-    parent = parent_url(index_url).rstrip("/") + "/"
-    if shard_url.startswith(parent) and len(shard_url) > len(parent):
-        return shard_url[len(parent) :]
+    """How an index at ``index_url`` stores ``shard_url``: relative when below its directory.
+
+    Local paths are compared absolute (a relative index path and the absolute shard paths
+    :func:`~cloudshards.indexed.build_index` stores, or ``file://`` URLs, name one directory).
+    """
+    if protocol_of(shard_url) == "file" and protocol_of(index_url) == "file":
+        parent = _location(_directory(index_url), "file").rstrip("/") + "/"
+        target = _location(shard_url, "file")
+    else:
+        parent, target = parent_url(index_url).rstrip("/") + "/", shard_url
+    if target.startswith(parent) and len(target) > len(parent):
+        return target[len(parent) :]
     return shard_url
 
 

@@ -808,12 +808,13 @@ def test_sampler_detects_rank_and_validates(monkeypatch: pytest.MonkeyPatch) -> 
 # ------------------------------------------------------------------------------ the CLI
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "cloudshards.cli", *args],
         capture_output=True,
         text=True,
         timeout=120,
+        cwd=cwd,
     )
 
 
@@ -895,6 +896,82 @@ def test_relative_local_paths_find_the_saved_index(
         assert ds.index.url is not None
         assert [s.url for s in ds.index.shards] == [str(p) for p in shards.paths]
     assert [s.url for s in build_index(relative).shards] == [str(p) for p in shards.paths]
+
+
+LOCAL_SPECS = [
+    # (shard spec, index URL), {root} the absolute path of the working directory
+    ("data/shard-{{000000..000001}}.tar", "data/shard.index.json"),
+    ("{root}/data/shard-{{000000..000001}}.tar", "data/shard.index.json"),
+    ("file://{root}/data/shard-{{000000..000001}}.tar", "data/shard.index.json"),
+    ("data/shard-{{000000..000001}}.tar", "{root}/data/shard.index.json"),
+    ("data/shard-{{000000..000001}}.tar", "file://{root}/data/shard.index.json"),
+    ("./data/../data/shard-{{000000..000001}}.tar", "./data/shard.index.json"),
+]
+
+
+@pytest.mark.parametrize(
+    ("spec", "index_url"),
+    LOCAL_SPECS,
+    ids=[
+        "relative",
+        "absolute-shards",
+        "file-url-shards",
+        "absolute-index",
+        "file-url-index",
+        "dots",
+    ],
+)
+def test_local_shards_are_stored_relative_to_the_index_however_they_are_named(
+    make_shards: Callable[..., Shards],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    spec: str,
+    index_url: str,
+) -> None:
+    """A relative or absolute path or a file:// URL, for the shards or the index: shards in the
+    index's directory are stored relative to it, so the two can be moved together."""
+    shards = make_shards([2, 3], directory=tmp_path / "data")
+    monkeypatch.chdir(tmp_path)
+    root = str(tmp_path)
+    write_index(build_index(spec.format(root=root)), index_url.format(root=root))
+    stored = json.loads((tmp_path / "data" / "shard.index.json").read_text())
+    assert [s["url"] for s in stored["shards"]] == [p.name for p in shards.paths]
+    (tmp_path / "data").rename(tmp_path / "moved")
+    with IndexedDataset(str(tmp_path / "moved" / "shard.index.json")) as ds:
+        assert list(iter_keys(ds)) == shards.keys
+        assert ds[4]["__url__"] == str(tmp_path / "moved" / shards.paths[1].name)
+
+
+def test_local_shards_below_or_beside_the_index_directory(
+    make_shards: Callable[..., Shards], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Below the index's directory: relative, with the subdirectory. Beside it: stored as
+    before (absolute), and loading asks for the opt-in."""
+    shards = make_shards([2, 3], directory=tmp_path / "data")
+    monkeypatch.chdir(tmp_path)
+    index = build_index("data/shard-{000000..000001}.tar")
+    write_index(index, "./shard.index.json")
+    stored = json.loads((tmp_path / "shard.index.json").read_text())
+    assert [s["url"] for s in stored["shards"]] == [f"data/{p.name}" for p in shards.paths]
+    write_index(index, "other/shard.index.json")
+    stored = json.loads((tmp_path / "other" / "shard.index.json").read_text())
+    assert [s["url"] for s in stored["shards"]] == [str(p) for p in shards.paths]
+    with pytest.raises(ConfigError, match="allow_external_shards=True"):
+        load_index("other/shard.index.json")
+
+
+def test_cli_index_of_a_relative_spec_can_be_moved_with_its_shards(
+    make_shards: Callable[..., Shards], tmp_path: Path
+) -> None:
+    shards = make_shards([2, 3], directory=tmp_path / "data")
+    result = run_cli("index", "data/shard-{000000..000001}.tar", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "data/shard.index.json: 2 shards, 5 samples"
+    stored = json.loads((tmp_path / "data" / "shard.index.json").read_text())
+    assert [s["url"] for s in stored["shards"]] == [p.name for p in shards.paths]
+    (tmp_path / "data").rename(tmp_path / "moved")
+    with IndexedDataset(str(tmp_path / "moved" / "shard.index.json")) as ds:
+        assert list(iter_keys(ds)) == shards.keys
 
 
 def test_write_errors_name_the_index(

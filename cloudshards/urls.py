@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import re
 import threading
 from collections.abc import Iterable, Mapping
@@ -20,6 +19,7 @@ import fsspec.core
 from fsspec.registry import known_implementations
 
 from cloudshards import config
+from cloudshards.backends import gcs_options, new_filesystem, started, url_options
 from cloudshards.errors import ConfigError
 from cloudshards.listing import shared_listing
 from cloudshards.process import PerProcess
@@ -36,9 +36,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 PIPE_PREFIX = "pipe:"
-
-#: Which ``pip install "cloudshards[EXTRA]"`` brings a protocol's fsspec backend.
-_EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "http": "http", "https": "http"}
 
 #: Protocol aliases that share one set of storage options.
 _OPTION_ALIASES = {"gcs": "gs", "s3a": "s3", "https": "http", "local": "file"}
@@ -300,58 +297,23 @@ def _make_key(protocol: str, options: Mapping[str, Any]) -> str:
     return repr(sorted(options.items(), key=lambda kv: kv[0]))
 
 
-def _gcs_options(options: dict[str, Any]) -> dict[str, Any]:
-    emulator = os.environ.get("STORAGE_EMULATOR_HOST")
-    if emulator and "token" not in options:
-        # An emulator needs no credentials; without this gcsfs probes the GCE metadata server.
-        options = {**options, "token": "anon"}
-    return options
-
-
-def _filesystem(protocol: str, options: dict[str, Any]) -> fsspec.AbstractFileSystem:
+def _filesystem(protocol: str, url: str, options: dict[str, Any]) -> fsspec.AbstractFileSystem:
     if protocol in ("gs", "gcs"):
-        options = _gcs_options(options)
+        options = gcs_options(options)
+    if protocol not in _BUCKET_PROTOCOLS:
+        # What the URL names (an FTP server's host and port), as fsspec's url_to_fs takes it;
+        # storage_options win. A bucket URL gives its backend nothing needed here.
+        options = {**url_options(protocol, url), **options}
     key = (protocol, _make_key(protocol, options))
     with _fs_lock.get():
         filesystems = _fs_cache.get()
         fs = filesystems.get(key)
         if fs is None:
-            fs = _new_filesystem(protocol, options)
+            fs = new_filesystem(protocol, url, options)
             filesystems[key] = fs
             # The backend's modules, and so its loggers, exist now: redact what they log.
             install_log_redaction()
         return fs
-
-
-def _new_filesystem(protocol: str, options: dict[str, Any]) -> fsspec.AbstractFileSystem:
-    if protocol in ("gs", "gcs") and (
-        options.get("endpoint_url") or os.environ.get("STORAGE_EMULATOR_HOST")
-    ):
-        # gcsfs's default class (ExtendedGcsFileSystem) probes every bucket over gRPC for
-        # zonal/HNS features; emulators do not answer and each probe stalls ~60 s. Custom
-        # endpoints are emulators or S3-like gateways, so use the plain HTTP implementation.
-        try:
-            from gcsfs.core import GCSFileSystem
-        except ImportError as exc:
-            raise _missing_backend(protocol, exc) from exc
-        return GCSFileSystem(**options)
-    try:
-        return fsspec.filesystem(protocol, **options)
-    except ImportError as exc:
-        raise _missing_backend(protocol, exc) from exc
-    except ValueError as exc:
-        if "Protocol not known" in str(exc):
-            raise ConfigError(
-                f"unknown protocol {protocol!r}; fsspec knows "
-                f"{', '.join(sorted(set(known_implementations) | {'file'}))}"
-            ) from exc
-        raise_redacted(
-            ConfigError(f"cannot set up {protocol}:// filesystem: {redact_text(str(exc))}"), exc
-        )
-    except TypeError as exc:
-        raise_redacted(
-            ConfigError(f"bad storage_options for {protocol}://: {redact_text(str(exc))}"), exc
-        )
 
 
 def _chain_options(storage_options: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -360,40 +322,30 @@ def _chain_options(storage_options: Mapping[str, Any] | None) -> dict[str, Any]:
     return dict(storage_options or {})
 
 
-def _missing_backend(protocol: str, exc: ImportError) -> ConfigError:
-    extra = _EXTRAS.get(protocol)
-    if extra is not None:
-        return ConfigError(
-            f'{protocol}:// URLs need an optional package: pip install "cloudshards[{extra}]" '
-            f"({exc})"
-        )
-    return ConfigError(f"{protocol}:// URLs need an fsspec backend package that is missing: {exc}")
-
-
 def resolve(
     url: str, storage_options: Mapping[str, Any] | None = None
 ) -> tuple[fsspec.AbstractFileSystem, str]:
     """Resolve a shard URL to ``(filesystem, path)``.
 
     One filesystem instance is kept per protocol and options per process (and rebuilt after a
-    fork, since async backends cannot cross one).
+    fork, since async backends cannot cross one); the options include what the URL names for
+    its backend, as fsspec takes it (an ``ftp://`` or ``sftp://`` server's host, port, user).
 
     Raises:
         ConfigError: Unknown protocol, missing backend package, or invalid options.
+        ShardOpenError: The backend failed to start (``ftp://`` connects when built, ``zip://``
+            opens its archive).
     """
     protocol = protocol_of(url)
     if protocol == "pipe":
         raise ConfigError("pipe: URLs are not filesystem URLs; open them with open_shard")
     if "::" in url:
         # fsspec URL chains carry their own option routing; leave them to fsspec entirely.
-        try:
-            chained = fsspec.core.url_to_fs(url, **_chain_options(storage_options))
-            install_log_redaction()
-            return chained  # type: ignore[no-any-return]
-        except ImportError as exc:
-            raise _missing_backend(protocol, exc) from exc
+        options = _chain_options(storage_options)
+        chained = started(protocol, url, lambda: fsspec.core.url_to_fs(url, **options))
+        install_log_redaction()
+        return chained  # type: ignore[no-any-return]
     _refuse_userinfo(url)
-    options = options_for(protocol, storage_options)
-    fs = _filesystem(protocol, options)
+    fs = _filesystem(protocol, url, options_for(protocol, storage_options))
     path = fs._strip_protocol(url)
     return fs, path

@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+import socket
 import sys
+import traceback
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import fsspec
 import pytest
+from conftest import Shards
+from fsspec.registry import _registry as fsspec_registry
+from fsspec.utils import infer_storage_options
 
-from cloudshards.errors import ConfigError
+import cloudshards as wds
+from cloudshards import urls
+from cloudshards.errors import ConfigError, ShardOpenError
 from cloudshards.process import PerProcess
-from cloudshards.redact import redact_text, redact_url
+from cloudshards.redact import caused_by, redact_text, redact_url
 from cloudshards.urls import expand_urls, options_for, protocol_of, resolve
 
 
@@ -258,3 +267,130 @@ def test_errors_never_show_secrets() -> None:
         assert "SECRET" not in text
         assert "https://<redacted>@host/a.tar?<redacted>" in text
         assert error.url == "https://<redacted>@host/a.tar?<redacted>"
+
+
+# ------------------------------------------------------------------ building a filesystem
+
+
+@pytest.fixture
+def fresh_filesystems(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(urls, "_fs_cache", PerProcess(dict))
+
+
+@pytest.fixture
+def refused_port() -> Iterator[int]:
+    """A local port that refuses connections: bound, never listening."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield sock.getsockname()[1]
+
+
+def everything_said(error: BaseException) -> str:
+    """The error's text, traceback, and every exception reachable from it (causes, contexts)."""
+    said = ["".join(traceback.format_exception(error))]
+    stack: list[BaseException | None] = [error]
+    seen: set[int] = set()
+    while stack:
+        exc = stack.pop()
+        if exc is None or id(exc) in seen:
+            continue
+        seen.add(id(exc))
+        said += [str(exc), repr(exc), repr(exc.args), repr(vars(exc))]
+        stack += [exc.__cause__, exc.__context__]
+    return "\n".join(said)
+
+
+@pytest.mark.usefixtures("fresh_filesystems")
+def test_a_backend_that_cannot_start_is_a_shard_open_error_naming_the_url(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """zip:// opens its archive when built (without one, the working directory): the OSError
+    is a ShardOpenError naming the URL and what the URL lacks, for a chain built by fsspec
+    too."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ShardOpenError, match="cannot set up the zip:// filesystem") as info:
+        resolve("zip://a.tar")
+    assert isinstance(info.value, OSError)
+    assert info.value.url == "zip://a.tar"
+    assert "IsADirectoryError" in str(info.value)
+    assert "(shard zip://a.tar)" in str(info.value)
+    assert "give the archive as storage_options={'zip': {'fo': URL}}" in str(info.value)
+    assert caused_by(info.value, IsADirectoryError)
+    assert info.value.__context__ is None
+    chain = f"zip::file://{tmp_path}/missing.zip"
+    with pytest.raises(ShardOpenError, match="FileNotFoundError") as info:
+        resolve(chain)
+    assert info.value.url == chain
+    assert caused_by(info.value, FileNotFoundError)
+
+
+@pytest.mark.usefixtures("fresh_filesystems")
+def test_an_ftp_url_gives_its_host_to_the_filesystem_and_its_password_to_no_message(
+    refused_port: int,
+) -> None:
+    """fsspec's FTP filesystem takes the server from the URL (url_to_fs passes it) and
+    connects when built: a refused connection is a ShardOpenError, and the password in the
+    URL is in neither the message nor anything chained to it."""
+    url = f"ftp://alice:hunter2@127.0.0.1:{refused_port}/x.tar"
+    with pytest.raises(ShardOpenError, match="ConnectionRefusedError") as info:
+        resolve(url)
+    assert info.value.url == f"ftp://<redacted>@127.0.0.1:{refused_port}/x.tar"
+    assert caused_by(info.value, ConnectionRefusedError)
+    assert "hunter2" not in everything_said(info.value)
+
+
+def test_an_ftp_url_without_a_host_says_so() -> None:
+    with pytest.raises(
+        ConfigError,
+        match=r"^ftp:///x\.tar: the ftp:// filesystem needs an argument the URL does not give "
+        r"\(missing a required argument: 'host'\)",
+    ):
+        resolve("ftp:///x.tar")
+
+
+class HostFileSystem(fsspec.AbstractFileSystem):  # type: ignore[misc]
+    """``hosttest://HOST:PORT/path``: a filesystem per server, as fsspec's FTP and SFTP ones."""
+
+    protocol = "hosttest"
+    cachable = False
+
+    def __init__(self, host: str, port: int = 1, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.host, self.port = host, port
+
+    @staticmethod
+    def _get_kwargs_from_urls(path: str) -> dict[str, Any]:
+        found = infer_storage_options(path)
+        return {key: found[key] for key in ("host", "port") if key in found}
+
+
+@pytest.mark.usefixtures("fresh_filesystems")
+def test_a_filesystem_per_server_named_in_the_url(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(fsspec_registry, "hosttest", HostFileSystem)
+    one, _ = resolve("hosttest://one:21/a.tar")
+    again, _ = resolve("hosttest://one:21/b.tar")
+    two, _ = resolve("hosttest://two/a.tar")
+    assert again is one
+    assert two is not one
+    assert (one.host, one.port, two.host, two.port) == ("one", 21, "two", 1)
+    chosen, _ = resolve("hosttest://one:21/a.tar", {"port": 2121})
+    assert (chosen.host, chosen.port) == ("one", 2121)  # storage_options win, as in fsspec
+
+
+@pytest.mark.usefixtures("fresh_filesystems")
+def test_the_handler_skips_a_shard_whose_backend_cannot_start(
+    make_shards: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refused_port: int
+) -> None:
+    shards: Shards = make_shards([2])
+    monkeypatch.chdir(tmp_path)
+    ftp = f"ftp://127.0.0.1:{refused_port}/x.tar"
+    shard_urls = ["zip://a.tar", ftp, str(shards.paths[0])]
+    with pytest.raises(ShardOpenError, match=r"\(shard zip://a\.tar\)"):
+        list(wds.WebDataset(shard_urls, shardshuffle=False))
+    skipping = wds.WebDataset(shard_urls, shardshuffle=False, handler=wds.warn_and_continue)
+    with pytest.warns(UserWarning, match="cannot set up the") as warned:
+        got = [sample["__key__"] for sample in skipping]
+    assert got == shards.keys
+    said = [str(warning.message) for warning in warned]
+    assert any("(shard zip://a.tar)" in text for text in said)
+    assert any(f"(shard {ftp})" in text for text in said)

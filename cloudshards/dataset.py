@@ -115,7 +115,8 @@ class WebDataset(DataPipeline, FluidInterface):
             ``rank // replication`` of ``world_size // replication``. For groups laid out
             otherwise, pass the data-parallel ``rank`` and ``world_size`` instead.
         max_member_bytes: Largest tar member accepted (default ``CLOUDSHARDS_MAX_MEMBER_BYTES``
-            or 1 GiB); a larger one is a ``ShardFormatError`` before any memory is allocated.
+            or 1 GiB); a larger one is a ``ShardFormatError`` before any memory is allocated
+            (a ``handler`` that continues loses that member's sample, not the shard).
 
     Raises:
         ConfigError: Bad URLs or options (unknown protocol, missing backend, empty expansion).

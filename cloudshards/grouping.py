@@ -10,7 +10,7 @@ import re
 from collections.abc import Callable, Iterable, Iterator
 
 from cloudshards.errors import ShardFormatError, ShardOpenError, shown_name
-from cloudshards.types import Member, NameFilter, Sample
+from cloudshards.types import Member, NameFilter, Oversized, Sample
 
 __all__ = [
     "duplicate_field",
@@ -120,6 +120,7 @@ def group_members(
     on_duplicate: Callable[[Exception], bool] | None = None,
     max_sample_bytes: int | None = None,
     local_path: str | None = None,
+    on_oversize: Callable[[Exception], bool] | None = None,
 ) -> Iterator[Sample]:
     """Group consecutive members with the same key into samples.
 
@@ -148,14 +149,23 @@ def group_members(
             with long names (1,500 names of 1 MiB from a 1.5 MB .tar.gz).
         local_path: A local shard's path, stored as each sample's ``__local_path__`` where
             webdataset 1.0.2 puts it: after the sample's first field.
+        on_oversize: The pipeline's error handler, asked about each member that ``members``
+            gave as too large to read (:class:`~cloudshards.types.Oversized`: see
+            :func:`cloudshards.tar.iter_members`' ``skip_oversized``), as it is asked about a
+            duplicate; None raises its error as the reader would have. When it returns True,
+            the whole sample that member belongs to is dropped (never given with a field
+            missing), and an empty dict is yielded in its place, so that a caller numbering
+            samples keeps the archive's numbering; the samples around it are unaffected.
 
     Yields:
-        ``{"__key__": key, "__url__": url, field: bytes, ...}`` samples, in member order.
-        Members whose name has no key (:func:`split_key` returns None) are skipped.
+        ``{"__key__": key, "__url__": url, field: bytes, ...}`` samples, in member order
+        (``{}`` for a sample dropped by ``on_oversize``). Members whose name has no key
+        (:func:`split_key` returns None) are skipped.
 
     Raises:
         ShardFormatError: A field appears twice in one sample (this also catches fields
-            named ``__key__`` or ``__url__``, as webdataset does), or ``members`` raised it.
+            named ``__key__`` or ``__url__``, as webdataset does), a member was too large
+            (and ``on_oversize`` did not go on), or ``members`` raised it.
     """
     sample: Sample | None = None
     key = ""
@@ -164,6 +174,25 @@ def group_members(
         for name, data, offset in members:
             parts = split_key(name)
             if parts is None:
+                given: object = data  # for a member too large to read, an Oversized
+                if not isinstance(given, Oversized):
+                    continue
+                skipped, error = given  # the reader gave it in the member's place (name "")
+                if error.shard_index is None:
+                    error.shard_index = shard_index
+                if on_oversize is None:
+                    raise error  # as the reader's own error (below): the sample it proves complete
+                parts = split_key(skipped)  # None: grouping skips it, its sample goes on
+                dropping = parts is not None and (sample is not None or parts[0] != key)
+                if parts is not None:
+                    if sample is not None and parts[0] != key:
+                        yield sample  # complete: the oversized member begins another sample
+                    sample, key = None, parts[0]  # the members of its sample are skipped
+                if not skip_duplicate(error, on_oversize):
+                    failure = error
+                    break
+                if dropping:
+                    yield {}  # in the dropped sample's place, for callers that number them
                 continue
             member_key, field = parts
             if lowercase_fields:
@@ -171,6 +200,8 @@ def group_members(
             if sample is None or member_key != key:
                 if sample is not None:
                     yield sample
+                elif member_key == key:  # a member of a sample dropped as oversized
+                    continue
                 key = member_key
                 sample = {"__key__": key, "__url__": url}
                 held = len(key)
@@ -222,9 +253,9 @@ def duplicate_field(
 
 def skip_duplicate(error: ShardFormatError, handler: Callable[[Exception], bool] | None) -> bool:
     """Whether to go on past a duplicated member, keeping the field's first value, as
-    webdataset's ``group_by_keys`` does when its handler returns True. A handler that returns
-    False has answered: the error is marked (``handled``) so the reader stops without asking
-    it again."""
+    webdataset's ``group_by_keys`` does when its handler returns True (or past an oversized
+    one, dropping its sample). A handler that returns False has answered: the error is marked
+    (``handled``) so the reader stops without asking it again."""
     if handler is None:
         return False
     if handler(error):

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    from cloudshards.errors import ShardFormatError
 
 __all__ = [
     "ClosingStream",
@@ -12,6 +15,7 @@ __all__ = [
     "ExceptionHandler",
     "Member",
     "NameFilter",
+    "Oversized",
     "Sample",
     "ShardInfo",
     "Stateful",
@@ -47,6 +51,22 @@ class Member(NamedTuple):
     name: str
     data: bytes
     offset: int
+
+
+class Oversized(NamedTuple):
+    """The data of a member the tar reader did not read because it is larger than
+    ``max_member_bytes``, given in its place with the name ``""`` when the reader is asked to
+    go on past such members (``skip_oversized``): grouping, which skips members without a key,
+    looks for it only there, so that it costs nothing per member.
+
+    Attributes:
+        name: The member's name as it would have been yielded (after the name filter).
+        error: What the reader would have raised (naming the URL, the member as in the
+            archive, and its header's offset).
+    """
+
+    name: str
+    error: ShardFormatError
 
 
 @dataclass(frozen=True, slots=True)

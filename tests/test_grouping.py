@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from cloudshards.errors import ShardFormatError
 from cloudshards.grouping import group_members, is_meta_name, make_name_filter, split_key
 from cloudshards.tar import iter_members
-from cloudshards.types import Member, Sample
+from cloudshards.types import Member, Oversized, Sample
 
 with warnings.catch_warnings():
     # Only webdataset's own import-time warnings (if a release adds some) are silenced here.
@@ -226,6 +226,141 @@ def test_group_is_lazy_and_streams() -> None:
     samples = group_members(endless(), url="u")
     assert next(samples)["__key__"] == "0"
     assert next(samples)["__key__"] == "1"
+
+
+# --- members too large to read (given by the reader with skip_oversized) --------------------
+
+
+def with_oversized(*names: str) -> Iterator[Member]:
+    """Members named ``names``; a name marked ``!`` is given as the tar reader gives a member
+    over the limit with ``skip_oversized``: its error in its place."""
+    for offset, name in enumerate(names):
+        if name.startswith("!"):
+            error = ShardFormatError("too large", url="u", offset=offset * 512, member=name[1:])
+            yield Member("", Oversized(name[1:], error), offset * 512)  # type: ignore[arg-type]
+        else:
+            yield Member(name, name.encode(), offset * 512)
+
+
+def grouped(names: tuple[str, ...], on_oversize: Any) -> tuple[list[str], BaseException | None]:
+    """The keys yielded (``-`` for a dropped sample's place), and the error that ended it."""
+    got: list[str] = []
+    try:
+        for sample in group_members(
+            with_oversized(*names), url="u", shard_index=5, on_oversize=on_oversize
+        ):
+            got.append(sample.get("__key__", "-"))
+            if sample:
+                assert all(
+                    sample[k] == f"{sample['__key__']}.{k}".encode() for k in sample if k[0] != "_"
+                )
+    except ShardFormatError as exc:
+        return got, exc
+    return got, None
+
+
+@pytest.mark.parametrize(
+    ("names", "keys", "asked"),
+    [
+        (("a.x", "a.y", "!b.x", "b.y", "c.x"), ["a", "-", "c"], 1),
+        (("a.x", "!a.y", "a.z", "b.x"), ["-", "b"], 1),  # never given with a field missing
+        (("!a.x", "a.y", "b.x"), ["-", "b"], 1),
+        (("a.x", "!b.x", "!b.y", "c.x"), ["a", "-", "c"], 2),  # asked twice, dropped once
+        (("!a.x", "!b.x", "c.x"), ["-", "-", "c"], 2),
+        (("a.x", "!b.x"), ["a", "-"], 1),
+        (("a.x", "!b.x", "a.y"), ["a", "-", "a"], 1),  # not consecutive: samples of their own
+        (("a.x", "!nokey", "a.y"), ["a"], 1),  # no key: grouping skips it, its sample goes on
+    ],
+)
+def test_an_oversized_member_drops_its_whole_sample_when_the_handler_goes_on(
+    names: tuple[str, ...], keys: list[str], asked: int
+) -> None:
+    errors: list[BaseException] = []
+
+    def go_on(exc: BaseException) -> bool:
+        errors.append(exc)
+        return True
+
+    assert grouped(names, go_on) == (keys, None)
+    assert [exc.member for exc in errors] == [n[1:] for n in names if n.startswith("!")]  # type: ignore[attr-defined]
+    assert len(errors) == asked
+    assert all(exc.shard_index == 5 for exc in errors)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("names", "keys"),
+    [
+        (("a.x", "!b.x", "c.x"), ["a"]),  # the sample before it is complete: given first
+        (("a.x", "!a.y", "b.x"), []),
+        (("a.x", "!nokey", "a.y"), []),
+    ],
+)
+def test_an_oversized_member_otherwise_ends_the_shard_as_the_readers_error_did(
+    names: tuple[str, ...], keys: list[str]
+) -> None:
+    at = next(i for i, name in enumerate(names) if name.startswith("!"))
+
+    def reader_raising() -> Iterator[Member]:  # what the tar reader did without skip_oversized
+        yield from with_oversized(*names[:at])
+        raise ShardFormatError("too large", url="u", offset=at * 512, member=names[at][1:])
+
+    before: list[str] = []
+    reference = None
+    try:
+        for sample in group_members(reader_raising(), url="u", shard_index=5):
+            before.append(sample["__key__"])
+    except ShardFormatError as exc:
+        reference = exc
+    assert reference is not None
+    assert before == keys
+    asked: list[BaseException] = []
+
+    def stop(exc: BaseException) -> bool:
+        asked.append(exc)
+        return False
+
+    def reraise(exc: BaseException) -> bool:
+        asked.append(exc)
+        raise exc
+
+    for handler in (None, stop, reraise):
+        asked.clear()
+        got, error = grouped(names, handler)
+        assert got == keys
+        assert isinstance(error, ShardFormatError)
+        assert (str(error), error.member, error.offset) == (
+            str(reference),
+            reference.member,
+            reference.offset,
+        )
+        assert error.shard_index == 5
+        assert asked == ([] if handler is None else [error])
+        # A handler that said stop is not asked again by the reading stage.
+        assert getattr(error, "handled", False) == (handler is stop)
+
+
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["a", "b", "c", ""]), st.booleans()), min_size=0, max_size=12
+    )
+)
+@PROPERTY
+def test_property_the_samples_kept_are_those_without_an_oversized_member(
+    draws: list[tuple[str, bool]],
+) -> None:
+    """Against plain grouping of the same members: each sample holding an oversized member
+    is replaced by ``{}``, every other sample is given as it is."""
+    names: list[str] = []
+    for number, (key, oversized) in enumerate(draws):
+        name = f"{key}.f{number}" if key else f"nokey{number}"  # fields never repeat
+        names.append("!" + name if oversized else name)
+    plain = list(group_members(members(*(n.lstrip("!") for n in names)), url="u"))
+    marked = {n[1:] for n in names if n.startswith("!")}
+    expected = [
+        {} if any(f"{s['__key__']}.{k}" in marked for k in s if k[0] != "_") else s for s in plain
+    ]
+    got = list(group_members(with_oversized(*names), url="u", on_oversize=lambda exc: True))
+    assert got == expected
 
 
 # --- oracle: webdataset 1.0.2 ---------------------------------------------------------------

@@ -38,7 +38,7 @@ from cloudshards.grouping import (
     skip_meta,
     split_key,
 )
-from cloudshards.types import Member, NameFilter, Sample
+from cloudshards.types import Member, NameFilter, Oversized, Sample
 
 __all__ = [
     "MemberTable",
@@ -250,9 +250,10 @@ def iter_table(
     url: str,
     name_filter: NameFilter | None,
     max_member_bytes: int,
+    skip_oversized: bool = False,
 ) -> Iterator[Member]:
     """Yield the members of the file open at ``fd`` by the offsets in ``table``, as
-    :func:`cloudshards.tar.iter_members` would."""
+    :func:`cloudshards.tar.iter_members` would (``skip_oversized`` too)."""
     size = os.fstat(fd).st_size
     if size == 0:
         return
@@ -264,13 +265,19 @@ def iter_table(
                 if renamed is None:
                     continue
             if length > max_member_bytes:
-                # Named as in the archive, as the tar reader names members in its errors.
-                raise ShardFormatError(
+                # Named as in the archive and placed at its header (just before its data), as
+                # the tar reader's error has it.
+                error = ShardFormatError(
                     f"member of {length} bytes exceeds max_member_bytes={max_member_bytes}",
                     url=url,
-                    offset=offset,
+                    offset=offset - 512,
                     member=name,
                 )
+                if not skip_oversized:
+                    raise error
+                kept = name if renamed is None else renamed  # (not None: filtered out above)
+                yield _new_member(Member, ("", Oversized(kept, error), offset))
+                continue
             yield _new_member(Member, (renamed, view[offset : offset + length], offset))
 
 
@@ -284,10 +291,12 @@ def table_samples(
     max_sample_bytes: int | None = None,
     shard_index: int | None = None,
     on_duplicate: Callable[[Exception], bool] | None = None,
+    on_oversize: Callable[[Exception], bool] | None = None,
 ) -> Iterator[Sample]:
     """The samples of the file open at ``fd``, sliced by ``table``: what
-    :func:`~cloudshards.grouping.group_members` makes of :func:`iter_table`'s members, in one
-    loop (the warm epoch's hot path: no member tuple, no generator between the two)."""
+    :func:`~cloudshards.grouping.group_members` makes of :func:`iter_table`'s members (given
+    with ``skip_oversized`` where ``on_oversize`` is), in one loop (the warm epoch's hot
+    path: no member tuple, no generator between the two)."""
     size = os.fstat(fd).st_size
     # What a sample holds (its key, and per field its name, data and 128 bytes) is less than
     # the bytes its members take in the tar (a 512-byte header each, long names in blocks of
@@ -298,13 +307,19 @@ def table_samples(
         # The limits' errors, and the sample they prove complete, as a cold read has them.
         yield from group_members(
             iter_table(
-                fd, table, url=url, name_filter=name_filter, max_member_bytes=max_member_bytes
+                fd,
+                table,
+                url=url,
+                name_filter=name_filter,
+                max_member_bytes=max_member_bytes,
+                skip_oversized=on_oversize is not None,
             ),
             url=url,
             shard_index=shard_index,
             name_filter=name_filter,
             on_duplicate=on_duplicate,
             max_sample_bytes=max_sample_bytes,
+            on_oversize=on_oversize,
         )
         return
     if size == 0:

@@ -100,10 +100,11 @@ def read_shards(
     """Yield the samples of each shard in ``src`` (dicts with a ``url``), in order.
 
     A shard that fails to open or parse goes to ``handler``: it raises, returns True to skip
-    the rest of that shard and continue with the next, or False to stop. Every sample of a
-    damaged shard that is complete before the damage is delivered first (see
-    :func:`~cloudshards.grouping.group_members`); a sample the damage may have cut short
-    never is. Configuration errors (unknown protocol, missing backend) always raise.
+    the rest of that shard (for a member over the size limit, only its sample) and go on, or
+    False to stop. Every sample of a damaged shard that is complete before the damage is
+    delivered first (see :func:`~cloudshards.grouping.group_members`); a sample the damage
+    may have cut short never is. Configuration errors (unknown protocol, missing backend)
+    always raise.
     With a ``cache``, shards open through the node cache. Remote shards are prefetched and
     read with parallel ranged GETs as ``fetch`` says (default :meth:`FetchOptions.from_env`).
 
@@ -116,10 +117,10 @@ def read_shards(
 class ShardReader(Iterator[Sample]):
     """The running shard reader: the samples of each shard in order, and its position.
 
-    Its position is (shards begun, samples delivered from the last one), counted over the
-    shards its source yields in this pass; balancing's per-shard ``skip``/``take`` are
-    applied within each shard. Iterating it iterates one generator (no method call per
-    sample); :meth:`state_dict` reads the counters that generator keeps.
+    Its position is (shards begun, samples read from the last one: delivered, or lost to a
+    member too large), counted over the shards its source yields in this pass; balancing's
+    per-shard ``skip``/``take`` apply within each shard. Iterating it iterates one generator
+    (no method call per sample); :meth:`state_dict` reads the counters that generator keeps.
 
     Resumption: exact (state ``{"shards": n, "samples": m}``: the first ``n - 1`` shards are
     skipped without opening them, and the first ``m`` samples of the next without reading
@@ -143,10 +144,9 @@ class ShardReader(Iterator[Sample]):
         self._name_filter = name_filter
         self._cache = cache
         self._fetch = fetch
-        #: [shards begun, samples delivered from the last]; updated by the generator.
+        #: [shards begun, samples read from the last]; updated by the generator.
         self._position = [0, 0]
-        #: [repeats put off to the end, repeats given since the last sample, 1 while in a
-        #: balanced shard] (see Shortfall).
+        #: Shortfall's [repeats put off, given since the last sample, 1 in a balanced shard].
         self._repeats = [0, 0, 0]
         self._quiet = False  # read the sample at the resume point again, without delivering it
         self._resume: tuple[int, int] | None = None
@@ -280,6 +280,7 @@ def _read_opened(
         balanced = owes is not None
         shortfall.repeats[2] = balanced
         held: Sample | None = None
+        held_at = lost = 0  # the number of the last sample held; samples dropped
         skip = shard.get("skip", 0)
         record: MemberTable | None = None
         try:
@@ -299,6 +300,7 @@ def _read_opened(
                     block_bytes=options.block_bytes,
                     max_member_bytes=options.member_limit(),
                     record=record,
+                    skip_oversized=True,
                 )
                 samples = group_members(
                     members,
@@ -306,9 +308,9 @@ def _read_opened(
                     shard_index=index,
                     name_filter=members_filter,
                     on_duplicate=handler,
+                    on_oversize=handler,
                     max_sample_bytes=options.sample_limit(),
-                    # webdataset 1.0.2 tells consumers where a local shard lives (a member
-                    # table is a cached remote shard's: none has a local path).
+                    # webdataset 1.0.2's (a member table's shard is remote: it has none)
                     local_path=local_path(url),
                 )
             whole: Iterator[Sample] | None = None  # a shard read to where its count ends
@@ -328,8 +330,11 @@ def _read_opened(
                     position[1] += 1
                 else:
                     position[1] = next(numbers) + 1
+                if not sample:  # dropped for a member too large (the handler went on)
+                    lost += 1
+                    continue
                 if balanced:  # as delivered: what a shortfall repeats (stages may change it)
-                    held = sample.copy()
+                    held, held_at = sample.copy(), position[1]
                 yield sample
             if whole is not None and more_after(whole):
                 warn_uncounted(url, shard["count"])
@@ -343,7 +348,7 @@ def _read_opened(
         except ConfigError:
             raise
         except Exception as exn:
-            # A duplicated member the handler already answered (False: stop) is not asked again.
+            # An error the handler already answered (duplicate, oversized member): not asked again.
             if getattr(exn, "handled", False) or not handler(exn):
                 return
             logger.debug("skipped rest of shard %s after error", redact_url(url))
@@ -351,8 +356,8 @@ def _read_opened(
             close_safely(stream.close)  # at once, unless the garbage collector closes us
         if owes is not None:
             if held is not None:
-                shortfall.note(held, position[1])
-            yield from shortfall.pad(shard, owes - (position[1] - begun))
+                shortfall.note(held, held_at)
+            yield from shortfall.pad(shard, owes - (position[1] - begun) + lost)
     if shortfall.stopped:  # a handler said stop: the pass ends here
         return
     yield from shortfall.unopened(numbered)  # after the last one opened, none did
@@ -385,6 +390,7 @@ def _samples_by_table(
         max_sample_bytes=options.sample_limit(),
         shard_index=shard_index,
         on_duplicate=handler,
+        on_oversize=handler,
     )
 
 

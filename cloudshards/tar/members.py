@@ -25,7 +25,7 @@ from cloudshards.tar.headers import (
     parse_pax,
     pax_times_only,
 )
-from cloudshards.types import Member, NameFilter
+from cloudshards.types import Member, NameFilter, Oversized
 
 __all__ = ["GZIP_MAGIC", "MemberRecord", "ReadableStream", "iter_members"]
 
@@ -84,6 +84,7 @@ def iter_members(
     max_member_bytes: int = DEFAULT_MAX_MEMBER_BYTES,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     record: MemberRecord | None = None,
+    skip_oversized: bool = False,
 ) -> Iterator[Member]:
     """Yield the regular files of a tar stream, in order, without reading it all into memory.
 
@@ -99,14 +100,19 @@ def iter_members(
         url: Shard URL, used (redacted) in error messages only.
         name_filter: Maps each member name to the name to yield, or to None to skip the
             member without copying its data.
-        max_member_bytes: Largest member to read into memory; a larger one raises before
-            anything is allocated. Members skipped by ``name_filter`` are not read, so not
-            limited.
+        max_member_bytes: Largest member to read into memory; a larger one raises (see
+            ``skip_oversized``) before anything is allocated. Members skipped by
+            ``name_filter`` are not read, so not limited.
         block_bytes: Read size; large blocks amortise the per-read overhead.
         record: When given, receives the name, data offset and size of every regular member
             (before ``name_filter``) and is marked ``complete`` once the archive has ended
             properly, so that an uncompressed shard can later be read by offset (compressed
             shards record nothing).
+        skip_oversized: Go on past a member larger than ``max_member_bytes`` instead of
+            raising: ``Member("", Oversized(name, error), offset)`` comes in its place, and
+            its data is skipped without being read (or held, once inflated) when the
+            iteration goes on. :func:`~cloudshards.grouping.group_members` turns it into
+            its ``on_oversize`` handler's question.
 
     Returns:
         An iterator of ``Member(name, data, offset)``; ``offset`` is where the data starts in
@@ -116,16 +122,19 @@ def iter_members(
         ConfigError: ``block_bytes`` is not positive or ``max_member_bytes`` is negative.
         ShardFormatError: While iterating: truncated or corrupt tar, gzip, bzip2 or xz data, a bad
             header checksum, a size that is not a number or would end past byte 2**63, or a
-            member larger than ``max_member_bytes``. Its ``member`` names the regular file
-            being read when that is known, by its name in the archive (before
-            ``name_filter``): every member before it was read intact. Other entries (extended
-            headers, directories, unknown types) are described in the message only.
+            member larger than ``max_member_bytes`` (unless ``skip_oversized``). Its
+            ``member`` names the regular file being read when that is known, by its name in
+            the archive (before ``name_filter``): every member before it was read intact.
+            Other entries (extended headers, directories, unknown types) are described in the
+            message only.
     """
     if block_bytes < 1:
         raise ConfigError(f"block_bytes must be positive, got {block_bytes}")
     if max_member_bytes < 0:
         raise ConfigError(f"max_member_bytes must not be negative, got {max_member_bytes}")
-    return _iter_members(stream, url, name_filter, max_member_bytes, block_bytes, record)
+    return _iter_members(
+        stream, url, name_filter, max_member_bytes, block_bytes, record, skip_oversized
+    )
 
 
 def _iter_members(
@@ -135,6 +144,7 @@ def _iter_members(
     max_member_bytes: int,
     block_bytes: int,
     record: MemberRecord | None = None,
+    skip_oversized: bool = False,
 ) -> Iterator[Member]:
     rd = BlockReader(stream, url, block_bytes)
     if rd.compressed is not None:
@@ -235,13 +245,26 @@ def _iter_members(
                         view = type(buf) is not bytes
                     continue
             if size > max_member_bytes:
-                raise ShardFormatError(
+                error = ShardFormatError(
                     f"member of {describe_size(size)} bytes exceeds "
                     f"max_member_bytes={max_member_bytes}",
                     url=url,
                     offset=offset,
                     member=name,
                 )
+                if not skip_oversized:
+                    raise error
+                # Its error in its place; its data is skipped, unread, only if asked for more.
+                kept = name if new_name is None else new_name  # (not None: filtered out above)
+                yield _new_member(Member, ("", Oversized(kept, error), data_offset))
+                if pos + padded <= len(buf):
+                    pos += padded
+                else:
+                    rd.pos = pos
+                    rd.skip_or_raise(size, padded, name)
+                    buf, pos = rd.buf, rd.pos
+                    view = type(buf) is not bytes
+                continue
             end = pos + padded
             if end <= len(buf):
                 data = buf[pos : pos + size]

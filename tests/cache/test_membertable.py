@@ -330,6 +330,23 @@ def test_table_samples_are_group_members_of_iter_table(
     limit = rng.choice([1 << 20, 64])
     # None; over the file (the loop need not count); under it (samples of 300+ bytes refused)
     sample_limit = rng.choice([None, 2 * limit, 300])
+    # A member over the limit: raised, or asked about (its sample dropped, or the read stopped)
+    asked: list[Any] = []
+
+    def go_on(exc: BaseException) -> bool:
+        asked.append(getattr(exc, "member", None))
+        return True
+
+    def stop(exc: BaseException) -> bool:
+        asked.append(getattr(exc, "member", None))
+        return False
+
+    on_oversize = rng.choice([None, go_on, stop])
+
+    def outcome_asked(make: Any) -> tuple[Any, list[Any]]:
+        asked.clear()
+        return outcome(make), list(asked)
+
     with open(path, "rb") as f:
         fd = f.fileno()
 
@@ -342,11 +359,17 @@ def test_table_samples_are_group_members_of_iter_table(
                 max_member_bytes=limit,
                 max_sample_bytes=sample_limit,
                 shard_index=3,
+                on_oversize=on_oversize,
             )
 
         def reference() -> Any:
             members = iter_table(
-                fd, table, url="u", name_filter=name_filter, max_member_bytes=limit
+                fd,
+                table,
+                url="u",
+                name_filter=name_filter,
+                max_member_bytes=limit,
+                skip_oversized=on_oversize is not None,
             )
             return group_members(
                 members,
@@ -354,9 +377,10 @@ def test_table_samples_are_group_members_of_iter_table(
                 shard_index=3,
                 name_filter=name_filter,
                 max_sample_bytes=sample_limit,
+                on_oversize=on_oversize,
             )
 
-        assert outcome(fused) == outcome(reference)
+        assert outcome_asked(fused) == outcome_asked(reference)
 
         # The same through a saved table, whose names were split when it was saved.
         write_table(str(tmp_path / "table"), table, len(data))
@@ -374,9 +398,10 @@ def test_table_samples_are_group_members_of_iter_table(
                 max_member_bytes=limit,
                 max_sample_bytes=sample_limit,
                 shard_index=3,
+                on_oversize=on_oversize,
             )
 
-        assert outcome(fused_loaded) == outcome(reference)
+        assert outcome_asked(fused_loaded) == outcome_asked(reference)
 
 
 # --- the saved format: columns, names split once -------------------------------------------
@@ -671,3 +696,54 @@ def test_a_warm_epoch_refuses_a_sample_over_the_limit_as_a_cold_one_does(
     assert isinstance(warm_error, ShardFormatError)
     assert "sample 'b' holds more than 8192 bytes" in str(warm_error)
     assert (warm_error.member, warm_error.offset) == (cold_error.member, cold_error.offset)
+
+
+def test_a_warm_epoch_drops_the_sample_of_an_oversized_member_as_a_cold_one_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a handler that goes on, a member over the limit loses its sample alone, read from
+    the table as when parsed (whose table is then saved whole); the default handler raises
+    the same error after the same samples."""
+    shard = tmp_path / "s.tar"
+    with tarfile.open(shard, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for key, sizes in (("a", (10, 10)), ("b", (10, 5000)), ("c", (10, 10)), ("d", (6000, 1))):
+            for field, size in zip(("x", "y"), sizes, strict=True):
+                info = tarfile.TarInfo(f"{key}.{field}")
+                info.size = size
+                tar.addfile(info, io.BytesIO(bytes(size)))
+    url = fakes.url_of(shard)
+
+    def read(cache: Path, **kw: Any) -> tuple[list[str], list[Any], Exception | None]:
+        keys: list[str] = []
+        asked: list[Any] = []
+
+        def go_on(exc: BaseException) -> bool:
+            asked.append((type(exc), str(exc), getattr(exc, "shard_index", None)))
+            return True
+
+        handler = kw.pop("handler", go_on)
+        try:
+            for sample in dataset([url], cache, max_member_bytes=4096, handler=handler, **kw):
+                keys.append(sample["__key__"])
+        except Exception as exc:  # the outcome compared
+            return keys, asked, exc
+        return keys, asked, None
+
+    cold = read(tmp_path / "cold")  # parsed, with the limit: its table is saved all the same
+    assert cold[0] == ["a", "c"]
+    assert [text.split(" (")[0] for _, text, _ in cold[1]] == [
+        "member of 5000 bytes exceeds max_member_bytes=4096",
+        "member of 6000 bytes exceeds max_member_bytes=4096",
+    ]
+    assert cold[2] is None
+    assert len(tables(tmp_path / "cold")) == 1
+    cold_error = read(tmp_path / "fresh", handler=wds.reraise_exception)  # parsed
+    forbid_parsing(monkeypatch)
+    assert read(tmp_path / "cold") == cold  # warm: from that table
+    warm_error = read(tmp_path / "cold", handler=wds.reraise_exception)
+    assert cold_error[:2] == warm_error[:2] == (["a"], [])
+    assert isinstance(cold_error[2], ShardFormatError)
+    assert isinstance(warm_error[2], ShardFormatError)
+    assert str(warm_error[2]) == str(cold_error[2])
+    assert warm_error[2].member == cold_error[2].member == "b.y"
+    assert warm_error[2].offset == cold_error[2].offset

@@ -35,7 +35,9 @@ Encoder = Callable[[Sample], Sample]
 def imageencoder(image: Any, format: str = "PNG") -> bytes:
     """Encode a PIL image or an HW/HWC array (uint8, or float in [0, 1]) with Pillow.
 
-    JPEG and TIFF are written at quality 100, as webdataset does; WebP losslessly.
+    As webdataset 1.0.2's: ``"jpg"`` (any case) and ``"JPEG"`` at quality 100 (the writers'
+    ``jpg jpeg img image`` fields all ask for ``"jpg"``), other spellings of JPEG at Pillow's
+    default; ``"img"``/``"image"`` as PPM. WebP (which webdataset does not write) losslessly.
 
     Raises:
         ValueError: Float values outside [0, 1], or an array that is not an image.
@@ -54,9 +56,10 @@ def imageencoder(image: Any, format: str = "PNG") -> bytes:
         )
     elif not isinstance(image, PIL.Image.Image):
         raise ValueError(f"cannot encode {type(image).__name__} as an image")
-    format = {"JPG": "JPEG", "IMG": "PPM", "IMAGE": "PPM"}.get(format.upper(), format.upper())
-    options: dict[str, Any] = {"JPEG": {"quality": 100}, "TIFF": {"quality": 100}}.get(format, {})
-    if format == "WEBP":
+    format = {"JPG": "JPEG", "IMG": "PPM", "IMAGE": "PPM"}.get(format.upper(), format)
+    # webdataset compares the spelling as given: "jpeg" gets Pillow's default quality
+    options: dict[str, Any] = {"quality": 100} if format in ("JPEG", "tiff") else {}
+    if format.upper() == "WEBP":
         options = {"lossless": True}
     with io.BytesIO() as out:
         image.save(out, format=format, **options)

@@ -19,6 +19,7 @@ from cloudshards.stages.base import StageIterator, checkpoint_warning, pipelinef
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "CollationError",
     "_batched",
     "_unbatched",
     "_unlisted",
@@ -29,6 +30,12 @@ __all__ = [
     "unbatched",
     "unlisted",
 ]
+
+
+class CollationError(ValueError, AssertionError):
+    """The arrays or tensors of one batch differ in shape, so they cannot be stacked. An
+    ``AssertionError`` too, which webdataset 1.0.2 raises here (an ``assert``), so that code
+    written for it catches it still."""
 
 
 def _is_tensor(value: Any) -> bool:
@@ -51,14 +58,14 @@ def combine_values(
 
             shapes = {x.shape for x in b}
             if len(shapes) != 1:
-                raise ValueError(f"all shapes must be equal in collation, got {shapes}")
+                raise CollationError(f"all shapes must be equal in collation, got {shapes}")
             return torch.stack(list(b))
         return list(b)
     if isinstance(first, np.ndarray):
         if combine_tensors:
             shapes = {x.shape for x in b}
             if len(shapes) != 1:
-                raise ValueError(f"all shapes must be equal in collation, got {shapes}")
+                raise CollationError(f"all shapes must be equal in collation, got {shapes}")
             return np.array(list(b))
         return list(b)
     return list(b)

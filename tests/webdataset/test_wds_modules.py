@@ -733,6 +733,14 @@ def test_small_filter_functions_match() -> None:
         assert canon(ours.combine_values(values)) == canon(theirs.combine_values(values))
     rows = [{"a": 1, "b": np.ones(2)}, {"a": 2, "b": np.zeros(2)}]
     assert canon(ours.default_collation_fn(rows)) == canon(theirs.default_collation_fn(rows))
+    # Shapes that cannot be stacked: webdataset asserts; code catching AssertionError (or,
+    # for cloudshards, ValueError) catches ours.
+    for unequal in ([np.ones(2), np.ones(3)], [torch.ones(2), torch.ones(3)]):
+        for mod in (theirs, ours):
+            with pytest.raises(AssertionError, match="all shapes must be equal"):
+                mod.combine_values(unequal)
+        with pytest.raises(ValueError, match="all shapes must be equal"):
+            ours.combine_values(unequal)
     buf_ours, buf_theirs = list(range(10)), list(range(10))
     picks = [ours.pick(buf_ours, random.Random(3)) for _ in range(4)]
     assert picks == [theirs.pick(buf_theirs, random.Random(3)) for _ in range(4)]
@@ -1544,6 +1552,11 @@ def test_writer_helpers_match() -> None:
     assert set(theirs.make_handlers()) <= set(ours.make_handlers())
     image = np.zeros((2, 2, 3), dtype=np.uint8)
     assert ours.imageencoder(image, "PNG") == theirs.imageencoder(image, "PNG")
+    # Every spelling a caller may give, with the quality webdataset picks for each (100 for
+    # "jpg" and "JPEG", Pillow's default for "jpeg"): the same bytes.
+    photo = np.random.default_rng(0).integers(0, 256, (16, 16, 3), dtype=np.uint8)
+    for spelling in ("jpg", "JPG", "jpeg", "JPEG", "Jpeg", "png", "img", "image", "tiff", "ppm"):
+        assert ours.imageencoder(photo, spelling) == theirs.imageencoder(photo, spelling), spelling
     for mod in (theirs, ours):
         with pytest.raises(ImportError):
             mod.mp_dumps({"a": 1})

@@ -337,9 +337,12 @@ def clean_env(
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     monkeypatch.setenv("NO_GCE_CHECK", "true")
-    from cloudshards.source import adapt
+    from cloudshards.source import adapt, objstore
 
     adapt.forget()  # part sizes measured by earlier tests
+    # Stores and endpoint verdicts (a GCS emulator's XML API) of earlier tests' servers,
+    # keyed by an endpoint whose port a later test's server may reuse.
+    objstore.forget()
     from cloudshards.source import budget
 
     # The node's request slots and shared backoff: a directory of the test's own, so that a

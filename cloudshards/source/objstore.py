@@ -52,7 +52,7 @@ from cloudshards.source.s3config import Unsupported, s3_settings
 from cloudshards.source.stream import status_error
 from cloudshards.urls import options_for, protocol_of
 
-__all__ = ["ObstoreObject", "ObstoreReader", "store_object", "transport_setting"]
+__all__ = ["ObstoreObject", "ObstoreReader", "forget", "store_object", "transport_setting"]
 
 logger = logging.getLogger("cloudshards.fetch")
 
@@ -64,6 +64,14 @@ _used_lock = threading.Lock()
 _stores: PerProcess[dict[tuple[Any, ...], Any]] = PerProcess(dict)
 _MAX_STORES = 64
 _told: set[str] = set()
+
+
+def forget() -> None:
+    """Drop this process's stores and what it found out about endpoints (a GCS emulator's
+    XML API), so that the next URL is set up afresh: for tests, whose servers come and go
+    and whose ports another server may take later."""
+    _stores.get().clear()
+    _told.clear()
 
 
 def transport_setting() -> str:

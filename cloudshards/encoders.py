@@ -131,6 +131,8 @@ default_handlers: dict[str, Callable[[Any], bytes]] = _make_handlers()
 
 
 def _encode_field(data: Any, field: str, handlers: Mapping[str, Callable[[Any], bytes]]) -> Any:
+    if not field:
+        raise ValueError("a field needs a name (its member would be named after the key alone)")
     if field[0] == "_":
         if not isinstance(data, str):
             raise ValueError(f"metadata field {field!r} must be a string")

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from cloudshards.errors import CloudShardsError
-from cloudshards.redact import raise_redacted, redact_url
+from cloudshards.redact import raise_redacted, redact_text, redact_url
 from cloudshards.source import OpenOptions, PipeWriter, map_backend_error, open_output
 from cloudshards.urls import PIPE_PREFIX, protocol_of, resolve
 
@@ -66,9 +66,9 @@ class AtomicOutput:
         directory, _, base = self._path.rpartition("/")
         temp = self._temp = f"{directory}/.{base}.{secrets.token_hex(6)}.partial"
         if self._protocol == "file":
-            os.makedirs(directory or ".", exist_ok=True)
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
             try:
+                os.makedirs(directory or ".", exist_ok=True)
                 fd = os.open(temp, flags, 0o666)
             except OSError as exc:
                 raise_redacted(map_backend_error(exc, url, action="cannot write"), exc)
@@ -124,13 +124,19 @@ class AtomicOutput:
             elif self._temp is None:
                 discard_upload(self._file)
             else:
-                self._file.close()
+                try:
+                    self._file.close()
+                except Exception as exc:
+                    # Its buffer's flush failed again (the disk that failed the write is still
+                    # full): the file is closed all the same, and is deleted below.
+                    logger.debug("closing %s: %s", redact_url(self.url), redact_text(str(exc)))
                 if self._protocol == "file":
                     os.unlink(self._temp)
                 else:
                     self._fs.rm(self._temp)
         except Exception as exc:
-            logger.warning("could not clean up %s: %s", redact_url(self.url), exc)
+            reason = redact_text(str(exc))  # a backend's text may hold a signed upload URL
+            logger.warning("could not clean up %s: %s", redact_url(self.url), reason)
         logger.debug("aborted %s", redact_url(self.url))
 
     def _close_stream(self) -> None:

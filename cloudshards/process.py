@@ -233,3 +233,10 @@ class SettledFork:
             queues.append(getattr(iterator, "_worker_result_queue", None))
             self.__dict__["_previous_queues"] = queues
         return iterator
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The last iterator's queues belong to this process (and cannot be pickled): a copy
+        # (pickle, copy.deepcopy, a spawned worker's) starts without them, as a new loader.
+        state = dict(self.__dict__)
+        state.pop("_previous_queues", None)
+        return state

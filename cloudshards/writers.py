@@ -137,6 +137,8 @@ class TarWriter:
         key = encoded["__key__"]
         members: list[tuple[str, bytes | bytearray | memoryview]] = []
         for field in sorted(encoded):
+            if not field:  # a custom encoder's: the member would be named "KEY."
+                raise ConfigError(f"sample {key!r} has a field without a name")
             if field == "__key__" or (field[0] == "_" and not self.keep_meta):
                 continue
             value = encoded[field]

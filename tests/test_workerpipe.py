@@ -115,6 +115,21 @@ def test_a_webloader_with_workers_gets_every_batch_whole() -> None:
         )
 
 
+def test_a_loader_iterated_with_workers_still_pickles_and_copies() -> None:
+    """A loader keeps its last iterator's queues (to let their threads end before the next
+    fork): they belong to this process, and a copy (pickle, deepcopy) goes without them,
+    as webdataset's WebLoader copies after an epoch."""
+    import copy
+
+    # (torchdata's StatefulDataLoader keeps its iterator and a sampler generator: it cannot
+    # be copied after an epoch whatever cloudshards does.)
+    loader = wds.WebLoader(_Numbers(), batch_size=4, num_workers=2)
+    assert len(list(loader)) == 16
+    for clone in (pickle.loads(pickle.dumps(loader)), copy.deepcopy(loader)):
+        assert len(list(clone)) == 16
+    assert len(list(loader)) == 16  # the original too, after its copies
+
+
 @linux_only
 def test_the_loaders_widen_their_pipes_and_plain_dataloaders_keep_theirs() -> None:
     sizes = {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import io
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -358,7 +359,14 @@ def test_bad_arguments_are_config_errors(tmp_path: Path) -> None:
             sink.write({"__key__": "k", "weird": object()})
         with pytest.raises(ConfigError, match="'png' of sample 'k'"):
             sink.write({"__key__": "k", "png": np.full((4, 4), 2.0)})  # floats outside [0, 1]
+        with pytest.raises(ConfigError, match=r"field '' of sample 'k'.*needs a name"):
+            sink.write({"__key__": "k", "": b"x"})
         sink.write({"__key__": "ok", "txt": "still usable after refused samples"})
+    with (
+        TarWriter(str(tmp_path / "raw.tar"), encoder=False) as sink,
+        pytest.raises(ConfigError, match="sample 'k' has a field without a name"),
+    ):
+        sink.write({"__key__": "k", "": b"x"})
     with tarfile.open(tmp_path / "bad.tar") as tar:
         assert tar.getnames() == ["ok.txt"]
 
@@ -386,6 +394,56 @@ def test_exception_in_with_discards_the_shard_in_progress(tmp_path: Path) -> Non
     with pytest.raises(RuntimeError, match="boom"):
         write_then_fail(TarWriter(str(tmp_path / "single.tar")), 1)
     assert leftovers(tmp_path) == ["out-000.tar"]
+
+
+FULL_DISK_WRITER = """
+import os, resource, sys
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))  # a disk that fills at 1 MiB
+from cloudshards import ShardWriter
+try:
+    with ShardWriter(sys.argv[1], maxcount=100) as sink:
+        for index in range(30):
+            sink.write({"__key__": f"k{index}", "bin": os.urandom(100_000)})
+except Exception as exc:
+    print(type(exc).__name__, exc)
+"""
+
+
+def test_a_write_that_fails_midway_leaves_no_temporary_file(tmp_path: Path) -> None:
+    """The disk fills (EFBIG here, ENOSPC alike) with a full write buffer: closing the file
+    flushes it and fails again, and the temporary file must go all the same, or a full disk
+    stays full and the rerun fails too."""
+    result = subprocess.run(
+        [sys.executable, "-c", FULL_DISK_WRITER, str(tmp_path / "s-%03d.tar")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert result.stdout.startswith("ShardOpenError write failed"), result.stdout
+    assert "s-000.tar" in result.stdout
+    assert "could not clean up" not in result.stderr
+    assert leftovers(tmp_path) == []
+
+
+def test_a_failed_cleanup_is_logged_without_secrets(
+    memory_root: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A backend's error text can hold a signed upload URL (a GCS resumable session is a
+    bearer credential): the warning shows it redacted."""
+    fs = fsspec.filesystem("memory")
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise OSError("upload https://storage.example/b/o?upload_id=1&X-Goog-Signature=SECRET1")
+
+    with pytest.MonkeyPatch.context() as patch, caplog.at_level(logging.DEBUG, "cloudshards"):
+        patch.setattr(type(fs), "rm", refuse)
+        writer = ShardWriter(f"memory://{memory_root}/c-%02d.tar")
+        with pytest.raises(RuntimeError, match="boom"):
+            write_then_fail(writer, 1)
+    assert "could not clean up" in caplog.text
+    assert "storage.example" in caplog.text
+    assert "SECRET1" not in caplog.text
 
 
 def test_unclosed_writer_collected_by_gc_publishes_nothing(tmp_path: Path) -> None:

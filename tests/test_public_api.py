@@ -336,18 +336,3 @@ def test_submodules_resolve_as_attributes_and_unknown_names_raise() -> None:
         "print('ok')\n"
     )
     assert run_python(code).split() == ["ok"]
-
-
-def test_the_cache_package_has_webdataset_cache_names_too() -> None:
-    """``wds.cache`` is cloudshards' cache package where webdataset's is a module of its own:
-    code written for webdataset (``wds.cache.url_to_cache_name``) finds those names there."""
-    import cloudshards.webdataset.cache as mirror
-
-    theirs = [name for name in dir(webdataset.cache) if not name.startswith("_")]
-    missing = [
-        name for name in theirs if name in mirror.__all__ and not hasattr(cloudshards.cache, name)
-    ]
-    assert missing == []
-    assert cloudshards.cache.url_to_cache_name is mirror.url_to_cache_name
-    assert cloudshards.cache.ShardCache is not None  # its own names first
-    assert not hasattr(cloudshards.cache, "no_such_name")

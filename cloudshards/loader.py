@@ -12,6 +12,7 @@ and on restore each rank takes its own.
 from __future__ import annotations
 
 import sys
+import weakref
 from collections import deque
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -73,14 +74,30 @@ class StatefulLoader(SettledFork, StatefulDataLoader):  # type: ignore[misc]
         self.prefetched = prefetched
         #: States before each of the last ``prefetched`` batches was fetched (oldest first).
         self._before: deque[dict[str, Any]] | None = None
+        #: The Lightning data fetcher iterating this loader, if one does: it tells how many of
+        #: those batches it holds untrained (none where it knows the loader's length).
+        self._fetcher: weakref.ref[Any] | None = None
 
     def _iter_lagging(self) -> Any:
         iterator = super().__iter__()
-        ahead = self.prefetched if self.prefetched is not None else _fetched_ahead()
+        fetcher = None if self.prefetched is not None else _lightning_fetcher()
+        self._fetcher = None if fetcher is None else weakref.ref(fetcher)
+        if self.prefetched is not None:
+            ahead = self.prefetched
+        else:
+            ahead = 0 if fetcher is None else max(0, int(fetcher.prefetch_batches))
         if ahead <= 0:
             return iterator
         self._before = deque(maxlen=ahead)
         return self._lagging(iterator, self._before)
+
+    def _untrained(self, before: deque[dict[str, Any]]) -> int:
+        """How many of the batches fetched last are not trained yet: what the Lightning
+        fetcher holds (it fetches nothing ahead where it knows the length, and it learns that
+        only after this loader's iterator is made), else all of them."""
+        fetcher = None if self._fetcher is None else self._fetcher()
+        held = getattr(fetcher, "batches", None)
+        return len(before) if not isinstance(held, list) else min(len(held), len(before))
 
     def _lagging(self, iterator: Iterator[Any], before: deque[dict[str, Any]]) -> Iterator[Any]:
         while True:
@@ -95,8 +112,11 @@ class StatefulLoader(SettledFork, StatefulDataLoader):  # type: ignore[misc]
             yield batch
 
     def state_dict(self) -> dict[str, Any]:
-        # With batches fetched ahead: the state before the oldest of them.
-        state: dict[str, Any] = self._before[0] if self._before else super().state_dict()
+        # With batches fetched ahead: the state before the oldest of those not trained yet.
+        before = self._before
+        untrained = self._untrained(before) if before else 0
+        state: dict[str, Any] = before[-untrained] if before and untrained else super().state_dict()
+
         world = _world_size()
         if not self.all_ranks or world <= 1:
             return state
@@ -233,21 +253,21 @@ def _pipeline_states(state: Any) -> list[dict[str, Any]]:
     return []
 
 
-def _fetched_ahead() -> int:
-    """How many batches the Lightning data fetcher iterating this loader (found on the call
-    stack) fetches ahead of the step it trains; 0 outside Lightning. Lightning restores a
-    stateful loader's state but does not say what it prefetched, so it is read here."""
+def _lightning_fetcher() -> Any:
+    """The Lightning data fetcher iterating this loader (found on the call stack: the object
+    with ``prefetch_batches`` in its loops), or None outside Lightning. Lightning restores a
+    stateful loader's state but does not say what it fetched ahead, so it is read here."""
     frame: Any = sys._getframe(2)
     for _ in range(40):
         if frame is None:
             break
         module = str(frame.f_globals.get("__name__", ""))
         if module.startswith(("lightning.pytorch.loops", "pytorch_lightning.loops")):
-            ahead = getattr(frame.f_locals.get("self"), "prefetch_batches", None)
-            if ahead is not None:
-                return max(0, int(ahead))
+            fetcher = frame.f_locals.get("self")
+            if getattr(fetcher, "prefetch_batches", None) is not None:
+                return fetcher
         frame = frame.f_back
-    return 0
+    return None
 
 
 def _world_size() -> int:

@@ -15,6 +15,7 @@ import re
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -209,3 +210,73 @@ def test_accelerate_trains_on_every_sample_once_per_epoch(tmp_path: Path, dispat
         seen[int(epoch)] += [key for key in line.split(",") if key]
     for epoch in (0, 1):
         assert sorted(seen[epoch]) == sorted(keys), (epoch, len(seen[epoch]), len(keys))
+
+
+def _fit_single(
+    root: Path, spec: str, limit: int | None, length: int | None, ckpt: Any = None
+) -> Any:
+    """One process, no workers: the keys of each step trained (epoch, keys), checkpointing
+    every step into ``root/ck``; resumed from ``ckpt`` when given."""
+    import logging
+
+    import pytorch_lightning as pl
+    import torch
+
+    logging.getLogger("pytorch_lightning").setLevel(logging.ERROR)
+
+    class Keys(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(1, 1)
+            self.seen: list[tuple[int, list[str]]] = []
+
+        def training_step(self, batch: list[str], _: int) -> torch.Tensor:
+            self.seen.append((self.current_epoch, list(batch)))
+            return self.layer(torch.ones(1, 1)).sum()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    dataset = wds.WebDataset(spec, shardshuffle=True, seed=1).map(lambda s: s["__key__"])
+    if length is not None:
+        dataset = dataset.with_length(length)
+    loader = wds.StatefulLoader(dataset, batch_size=4, num_workers=0)
+    model = Keys()
+    every = pl.callbacks.ModelCheckpoint(
+        dirpath=root / "ck", every_n_train_steps=1, save_top_k=-1, filename="{step}"
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_epochs=2,
+        limit_train_batches=limit,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[every],
+    )
+    with warnings.catch_warnings():  # Lightning's and torch's own, about the setup
+        warnings.simplefilter("ignore")
+        trainer.fit(model, loader, ckpt_path=ckpt)
+    return model.seen
+
+
+@pytest.mark.parametrize(("limit", "length"), [(5, None), (None, 11)])
+def test_a_resume_is_exact_where_lightning_knows_the_loaders_length(
+    tmp_path: Path, limit: int | None, length: int | None
+) -> None:
+    """With ``limit_train_batches`` or a dataset length, Lightning's fetcher fetches nothing
+    ahead (it knows when the epoch ends), so the state at a step is the state after it: the
+    restored loader neither trains that step's batch again nor skips one (it did both when
+    it took Lightning's ``prefetch_batches`` for what was fetched ahead)."""
+    spec = write_shards(tmp_path)
+    full = _fit_single(tmp_path / "full", spec, limit, length)
+    per_epoch = len(full) // 2
+    for step in (1, per_epoch // 2, per_epoch - 2):  # mid-epoch checkpoints of epoch 0
+        resumed = _fit_single(
+            tmp_path / f"r{step}",
+            spec,
+            limit,
+            length,
+            tmp_path / "full" / "ck" / f"step={step}.ckpt",
+        )
+        assert resumed == full[step:], step

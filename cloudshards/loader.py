@@ -39,6 +39,9 @@ __all__ = ["StatefulLoader"]
 RANKS_KEY = "cloudshards_ranks"
 #: The key of the sample counts a rank's state carries from a count-free epoch.
 SEEN_KEY = "cloudshards_counts_seen"
+#: In a loader's state: Lightning had cut this pass at its known length (limit_train_batches);
+#: the next pass, as in the run that saved it, is the next epoch, from its start.
+CUT_KEY = "cloudshards_pass_cut"
 
 
 class StatefulLoader(SettledFork, StatefulDataLoader):  # type: ignore[misc]
@@ -116,6 +119,9 @@ class StatefulLoader(SettledFork, StatefulDataLoader):  # type: ignore[misc]
         before = self._before
         untrained = self._untrained(before) if before else 0
         state: dict[str, Any] = before[-untrained] if before and untrained else super().state_dict()
+        fetcher = None if self._fetcher is None else self._fetcher()
+        if getattr(fetcher, "length", None) is not None and getattr(fetcher, "done", False):
+            state = {**state, CUT_KEY: True}  # Lightning's epoch of a known length is over
 
         world = _world_size()
         if not self.all_ranks or world <= 1:
@@ -135,7 +141,8 @@ class StatefulLoader(SettledFork, StatefulDataLoader):  # type: ignore[misc]
         states = [{k: v for k, v in state.items() if k != SEEN_KEY} for state in states]
         found = [one for state in states for one in _pipeline_states(state)]
         layouts = {(int(one["consumer"][1]), int(one["consumer"][3])) for one in found}
-        ended = bool(found) and all(state.get("_iterator_finished") for state in states)
+        cut = bool(found) and all(state.get(CUT_KEY) for state in states)
+        ended = cut or (bool(found) and all(state.get("_iterator_finished") for state in states))
         if seen:
             self._count_free.take(self.dataset, seen, ended=ended)
         # A count-free epoch restored mid-way runs on count-free; one that had ended is over:
@@ -177,6 +184,8 @@ class StatefulLoader(SettledFork, StatefulDataLoader):  # type: ignore[misc]
                 )
             state_dict = states[torch_dist.get_rank() if world > 1 else 0]
         self._before = None
+        if cut:  # nothing of the cut pass goes on: the loader starts afresh, at the next epoch
+            return
         super().load_state_dict(dict(state_dict))
 
     def _layout(self) -> tuple[int, int]:

@@ -267,11 +267,14 @@ def test_a_resume_is_exact_where_lightning_knows_the_loaders_length(
     """With ``limit_train_batches`` or a dataset length, Lightning's fetcher fetches nothing
     ahead (it knows when the epoch ends), so the state at a step is the state after it: the
     restored loader neither trains that step's batch again nor skips one (it did both when
-    it took Lightning's ``prefetch_batches`` for what was fetched ahead)."""
+    it took Lightning's ``prefetch_batches`` for what was fetched ahead); at the epoch's end
+    the restored loader starts the next pass, as the uninterrupted one did."""
     spec = write_shards(tmp_path)
     full = _fit_single(tmp_path / "full", spec, limit, length)
     per_epoch = len(full) // 2
-    for step in (1, per_epoch // 2, per_epoch - 2):  # mid-epoch checkpoints of epoch 0
+    # Mid-epoch checkpoints of epoch 0, and the one at its end: Lightning's next epoch is a
+    # new pass of the loader (the next epoch of the dataset), never the rest of that one.
+    for step in (1, per_epoch // 2, per_epoch - 2, per_epoch):
         resumed = _fit_single(
             tmp_path / f"r{step}",
             spec,

@@ -235,28 +235,20 @@ def _iter_members(
             new_name: str | None = name
             if name_filter is not None:
                 new_name = name_filter(name)
-                if new_name is None:
-                    if pos + padded <= len(buf):
-                        pos += padded
-                    else:
-                        rd.pos = pos
-                        rd.skip_or_raise(size, padded, name)
-                        buf, pos = rd.buf, rd.pos
-                        view = type(buf) is not bytes
-                    continue
-            if size > max_member_bytes:
-                error = ShardFormatError(
-                    f"member of {describe_size(size)} bytes exceeds "
-                    f"max_member_bytes={max_member_bytes}",
-                    url=url,
-                    offset=offset,
-                    member=name,
-                )
-                if not skip_oversized:
-                    raise error
-                # Its error in its place; its data is skipped, unread, only if asked for more.
-                kept = name if new_name is None else new_name  # (not None: filtered out above)
-                yield _new_member(Member, ("", Oversized(kept, error), data_offset))
+            if new_name is None or size > max_member_bytes:
+                # Not read: filtered out (of any size), or too large.
+                if new_name is not None:
+                    error = ShardFormatError(
+                        f"member of {describe_size(size)} bytes exceeds "
+                        f"max_member_bytes={max_member_bytes}",
+                        url=url,
+                        offset=offset,
+                        member=name,
+                    )
+                    if not skip_oversized:
+                        raise error
+                    # Its error in its place; its data is skipped only if asked for more.
+                    yield _new_member(Member, ("", Oversized(new_name, error), data_offset))
                 if pos + padded <= len(buf):
                     pos += padded
                 else:

@@ -167,6 +167,19 @@ def keys_of(items: Any) -> list[str]:
         return [item["__key__"] for item in items]
 
 
+def stopped_and_restored(build: Any, k: int) -> list[str]:
+    """The keys of a dataset stopped after ``k`` samples, then of one restored from its
+    state."""
+    first = build()
+    it = iter(first)
+    head = [next(it)["__key__"] for _ in range(k)]
+    state = first.state_dict()
+    it.close()
+    second = build()
+    second.load_state_dict(state)
+    return head + keys_of(second)
+
+
 @pytest.mark.parametrize("k", [0, 2, 3, 4, 6, 7, 8, 11])
 def test_a_resumed_read_gives_what_an_uninterrupted_one_does(tmp_path: Path, k: int) -> None:
     """The lost samples are counted in the reader's position (the shard's numbering), so a
@@ -182,14 +195,7 @@ def test_a_resumed_read_gives_what_an_uninterrupted_one_does(tmp_path: Path, k: 
 
     everything = keys_of(build())
     assert everything == [key(0, i) for i in KEPT] + [key(1, i) for i in range(4)]
-    first = build()
-    it = iter(first)
-    head = [next(it)["__key__"] for _ in range(k)]
-    state = first.state_dict()
-    it.close()  # type: ignore[attr-defined]
-    second = build()
-    second.load_state_dict(state)
-    assert head + keys_of(second) == everything
+    assert stopped_and_restored(build, k) == everything
 
 
 def test_balanced_ranks_stay_in_step_and_disjoint(
@@ -235,11 +241,4 @@ def test_a_balanced_read_resumed_while_it_repeats_gives_the_same(
 
     everything = keys_of(build())
     assert everything == [key(2, index) for index in range(9)] + [key(2, 8)]
-    first = build()
-    it = iter(first)
-    head = [next(it)["__key__"] for _ in range(k)]
-    state = first.state_dict()
-    it.close()  # type: ignore[attr-defined]
-    second = build()
-    second.load_state_dict(state)
-    assert head + keys_of(second) == everything
+    assert stopped_and_restored(build, k) == everything
